@@ -1,0 +1,132 @@
+"""Argument groups shared by every recipe (``--train.*``, ``--eval.*``).
+
+The flag names follow LitGPT's where the concept is the same, so its users can move over.
+Checks that need only these numbers live here; checks that need the world size live in
+:func:`batch_plan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class TrainArgs:
+    """How long and how to train."""
+
+    save_interval: Optional[int] = 1000
+    """Write a checkpoint every this many optimizer steps (and always at the end). None: only at the end."""
+    log_interval: int = 1
+    """Log metrics every this many optimizer steps."""
+    global_batch_size: int = 64
+    """Samples per optimizer step, summed over all data-parallel ranks and accumulation steps."""
+    micro_batch_size: int = 4
+    """Samples per forward/backward pass on one device."""
+    lr_warmup_steps: Optional[int] = 100
+    """Linear learning-rate warmup, in optimizer steps."""
+    lr_warmup_fraction: Optional[float] = None
+    """Warmup as a fraction of the total steps; replaces lr_warmup_steps when set."""
+    epochs: Optional[float] = None
+    """Stop after this many passes over the training data."""
+    max_tokens: Optional[int] = None
+    """Stop after this many training tokens (input tokens, summed over all ranks)."""
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps."""
+    max_time: Optional[float] = None
+    """Stop after this many seconds of training (a checkpoint is written first)."""
+    max_seq_length: Optional[int] = None
+    """Tokens per sample. None: the model's block_size."""
+    max_norm: Optional[float] = 1.0
+    """Clip the global gradient norm to this value. None: no clipping (the norm is still logged)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the cosine decay."""
+    lr_decay: str = "cosine"
+    """Schedule after warmup: cosine | linear | constant."""
+
+    def __post_init__(self) -> None:
+        positive = ("log_interval", "global_batch_size", "micro_batch_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--train.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("save_interval", "max_steps", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--train.{name} must be at least 1 or null, got {value}")
+        for name in ("epochs", "max_time", "max_norm"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"--train.{name} must be positive or null, got {value}")
+        if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction < 1:
+            raise ValueError(f"--train.lr_warmup_fraction must be in [0, 1), got {self.lr_warmup_fraction}")
+        if self.lr_warmup_steps is not None and self.lr_warmup_steps < 0:
+            raise ValueError(f"--train.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        if self.lr_decay not in ("cosine", "linear", "constant"):
+            raise ValueError(f"--train.lr_decay must be cosine, linear or constant, got {self.lr_decay!r}")
+        if self.global_batch_size < self.micro_batch_size:
+            raise ValueError(
+                f"--train.global_batch_size {self.global_batch_size} is smaller than "
+                f"--train.micro_batch_size {self.micro_batch_size}; raise the global batch or lower the micro batch"
+            )
+
+
+@dataclass
+class EvalArgs:
+    """When and how much to validate."""
+
+    interval: int = 100
+    """Compute the validation loss every this many optimizer steps."""
+    max_iters: int = 20
+    """Validation batches per evaluation (per rank)."""
+    initial_validation: bool = True
+    """Validate once before the first step, so the log shows where training started."""
+    final_validation: bool = True
+    """Validate after the last step."""
+
+    def __post_init__(self) -> None:
+        if self.interval < 1:
+            raise ValueError(f"--eval.interval must be at least 1, got {self.interval}")
+        if self.max_iters < 1:
+            raise ValueError(f"--eval.max_iters must be at least 1, got {self.max_iters}")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step is split over ranks and micro-batches."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    data_parallel_size: int
+    grad_accum_steps: int
+
+    @property
+    def samples_per_micro_step(self) -> int:
+        """Samples that all data-parallel ranks consume together in one micro-step."""
+        return self.micro_batch_size * self.data_parallel_size
+
+
+def batch_plan(train: TrainArgs, data_parallel_size: int) -> BatchPlan:
+    """Gradient accumulation = global batch / (data-parallel size × micro batch), exactly.
+
+    Raises a ValueError that names the flags and suggests valid values when it does not divide.
+    """
+    per_step = data_parallel_size * train.micro_batch_size
+    if train.global_batch_size % per_step != 0:
+        lower = max(per_step, train.global_batch_size // per_step * per_step)
+        higher = (train.global_batch_size // per_step + 1) * per_step
+        micro_options = [m for m in range(1, train.micro_batch_size + 1)
+                         if train.global_batch_size % (data_parallel_size * m) == 0]
+        hint = f"use --train.global_batch_size {lower} or {higher}" if lower != higher else (
+            f"use --train.global_batch_size {higher}")
+        if micro_options:
+            hint += f", or --train.micro_batch_size {micro_options[-1]}"
+        raise ValueError(
+            f"--train.global_batch_size {train.global_batch_size} is not divisible by data-parallel size "
+            f"{data_parallel_size} × --train.micro_batch_size {train.micro_batch_size} = {per_step}; {hint}"
+        )
+    return BatchPlan(
+        global_batch_size=train.global_batch_size,
+        micro_batch_size=train.micro_batch_size,
+        data_parallel_size=data_parallel_size,
+        grad_accum_steps=train.global_batch_size // per_step,
+    )

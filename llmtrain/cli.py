@@ -1,0 +1,40 @@
+"""The ``llmtrain`` command line: every subcommand is a typed function, parsed by jsonargparse.
+
+One place lists the subcommands (``COMMANDS``); a recipe's flags come from its signature and
+docstring, so a new flag is a new typed argument with one line of documentation.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional, Sequence
+
+# Subcommands whose first positional argument is sugar for a flag: `pretrain NAME` = `pretrain --model_name NAME`.
+POSITIONAL = {"pretrain": "--model_name"}
+
+
+def commands() -> dict[str, Callable]:
+    """Every subcommand, in one place. Imported lazily so `--help` stays fast."""
+    from llmtrain.recipes import pretrain
+
+    return {"pretrain": pretrain.setup}
+
+
+def _positional_to_flag(argv: list[str]) -> list[str]:
+    """Rewrite ``pretrain NAME ...`` to ``pretrain --model_name NAME ...``."""
+    if len(argv) >= 2 and argv[0] in POSITIONAL and not argv[1].startswith("-"):
+        return [argv[0], POSITIONAL[argv[0]], argv[1], *argv[2:]]
+    return argv
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    from jsonargparse import CLI
+
+    import llmtrain.data  # noqa: F401  (registers the data modules so `--data NAME` resolves)
+
+    args = _positional_to_flag(list(sys.argv[1:] if argv is None else argv))
+    CLI(commands(), args=args, description="Pretrain and fine-tune GPT-style language models.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,411 @@
+"""The model architecture (`Config`) and the model zoo of named architectures.
+
+Pure data: importing this module must not import torch, so that the CLI can
+parse and validate arguments before anything heavy is loaded.
+"""
+
+import difflib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+NormClassName = Literal["LayerNorm", "RMSNorm"]
+MLPClassName = Literal["GptNeoxMLP", "LLaMAMLP", "GemmaMLP"]
+GeluApproximate = Literal["none", "tanh"]
+
+_CHOICES = {
+    "norm_class_name": ("LayerNorm", "RMSNorm"),
+    "mlp_class_name": ("GptNeoxMLP", "LLaMAMLP", "GemmaMLP"),
+    "gelu_approximate": ("none", "tanh"),
+}
+_ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")
+
+
+@dataclass
+class Config:
+    """Architecture of a GPT-style decoder. The defaults describe a small Llama-style model."""
+
+    name: str = ""
+    """Name of the architecture in the model zoo, e.g. `Llama-3.2-1B`."""
+    hf_config: dict = field(default_factory=dict)
+    """Hugging Face repository this architecture comes from: {"org": ..., "name": ...}."""
+    block_size: int = 4096
+    """Longest sequence the model supports (length of the RoPE cache)."""
+    vocab_size: int = 32000
+    """Size of the tokenizer's vocabulary."""
+    padding_multiple: int = 512
+    """Round the embedding table up to a multiple of this, for fast matmuls."""
+    padded_vocab_size: Optional[int] = None
+    """Rows of the embedding and output layers. None: vocab_size rounded up to padding_multiple."""
+    n_layer: int = 16
+    """Number of transformer blocks."""
+    n_head: int = 32
+    """Number of attention (query) heads."""
+    n_embd: int = 2048
+    """Width of the residual stream."""
+    n_query_groups: Optional[int] = None
+    """Number of key/value heads: n_head is multi-head, 1 is multi-query, else grouped-query. None: n_head."""
+    head_size: Optional[int] = None
+    """Width of one attention head. None: n_embd // n_head."""
+    rotary_percentage: float = 1.0
+    """Fraction of each head's dims that RoPE rotates (the first ones); Pythia 0.25, Phi-2 0.4."""
+    rope_base: float = 10000.0
+    """RoPE base (theta)."""
+    rope_scaling: Optional[dict] = None
+    """Llama 3.1-style RoPE scaling: {factor, low_freq_factor, high_freq_factor, original_max_seq_len}."""
+    parallel_residual: bool = False
+    """Add attention and MLP outputs to the same residual (GPT-NeoX, Phi) instead of one after the other."""
+    shared_attention_norm: bool = False
+    """With parallel_residual: one norm feeds both attention and MLP (Phi-2)."""
+    bias: bool = False
+    """Bias on every linear layer (GPT-NeoX, Phi)."""
+    attn_bias: bool = False
+    """Bias on the query, key and value projections only (Qwen2)."""
+    lm_head_bias: bool = False
+    """Bias on the output layer (Phi-2)."""
+    norm_class_name: NormClassName = "RMSNorm"
+    """Normalization layer."""
+    norm_eps: float = 1e-5
+    """Epsilon of the normalization layers."""
+    norm_unit_offset: bool = False
+    """RMSNorm multiplies by (1 + weight) instead of weight (Gemma)."""
+    mlp_class_name: MLPClassName = "LLaMAMLP"
+    """MLP: GptNeoxMLP (GELU), LLaMAMLP (SwiGLU) or GemmaMLP (GeGLU)."""
+    intermediate_size: Optional[int] = None
+    """Hidden width of the MLP. None: 4 * n_embd."""
+    gelu_approximate: GeluApproximate = "none"
+    """GELU flavour of GptNeoxMLP and GemmaMLP: exact ('none') or the tanh approximation."""
+    tie_embeddings: bool = False
+    """The output layer reuses the token embedding matrix."""
+    scale_embeddings: bool = False
+    """Multiply token embeddings by sqrt(n_embd) (Gemma)."""
+    sliding_window: Optional[int] = None
+    """Each token attends to at most this many tokens, itself included (Mistral v0.1). None: no limit."""
+
+    def __post_init__(self) -> None:
+        self._fill_derived_sizes()
+        self._validate()
+
+    def _fill_derived_sizes(self) -> None:
+        if self.padded_vocab_size is None:
+            self.padded_vocab_size = _round_up(self.vocab_size, self.padding_multiple)
+        if self.n_query_groups is None:
+            self.n_query_groups = self.n_head
+        if self.head_size is None:
+            if self.n_embd % self.n_head != 0:
+                raise ValueError(
+                    f"Config {self.name!r}: n_embd {self.n_embd} is not divisible by n_head {self.n_head}; "
+                    "change one of them or set head_size explicitly"
+                )
+            self.head_size = self.n_embd // self.n_head
+        if self.intermediate_size is None:
+            self.intermediate_size = 4 * self.n_embd
+
+    def _validate(self) -> None:
+        where = f"Config {self.name!r}"
+        for name in ("block_size", "vocab_size", "padding_multiple", "n_layer", "n_head", "n_embd",
+                     "n_query_groups", "head_size", "intermediate_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{where}: {name} must be positive, got {getattr(self, name)}")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{where}: {name} must be one of {choices}, got {getattr(self, name)!r}")
+        if self.padded_vocab_size < self.vocab_size:
+            raise ValueError(
+                f"{where}: padded_vocab_size {self.padded_vocab_size} is smaller than vocab_size "
+                f"{self.vocab_size}; raise it or leave it unset"
+            )
+        if self.n_head % self.n_query_groups != 0:
+            raise ValueError(
+                f"{where}: n_head {self.n_head} is not divisible by n_query_groups {self.n_query_groups}; "
+                f"use a divisor of {self.n_head}"
+            )
+        if not 0.0 < self.rotary_percentage <= 1.0:
+            raise ValueError(f"{where}: rotary_percentage must be in (0, 1], got {self.rotary_percentage}")
+        if self.rope_n_elem % 2 != 0:
+            raise ValueError(
+                f"{where}: rotary_percentage {self.rotary_percentage} x head_size {self.head_size} gives "
+                f"{self.rope_n_elem} rotary dims, which must be even; adjust rotary_percentage"
+            )
+        if self.rope_scaling is not None:
+            missing = [key for key in _ROPE_SCALING_KEYS if key not in self.rope_scaling]
+            if missing:
+                raise ValueError(f"{where}: rope_scaling is missing {missing}; it needs {list(_ROPE_SCALING_KEYS)}")
+        if self.shared_attention_norm and not self.parallel_residual:
+            raise ValueError(f"{where}: shared_attention_norm needs parallel_residual=True")
+        if self.norm_unit_offset and self.norm_class_name != "RMSNorm":
+            raise ValueError(f"{where}: norm_unit_offset only applies to norm_class_name='RMSNorm'")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"{where}: sliding_window must be positive or None, got {self.sliding_window}")
+
+    @property
+    def rope_n_elem(self) -> int:
+        """Number of dims of each head that RoPE rotates."""
+        return int(self.rotary_percentage * self.head_size)
+
+    # ---- the zoo -------------------------------------------------------------------------------
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """Names of all architectures in the model zoo."""
+        return [entry["name"] for entry in MODEL_ZOO]
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> "Config":
+        """The zoo architecture called `name` (case-insensitive, an `org/` prefix is ignored).
+
+        Keyword arguments override fields, e.g. `Config.from_name("llama-debug", n_layer=2)`.
+        """
+        key = name.split("/")[-1].lower()
+        entries = {entry["name"].lower(): entry for entry in MODEL_ZOO}
+        if key not in entries:
+            close = difflib.get_close_matches(key, entries, n=5, cutoff=0.5)
+            hint = ", ".join(entries[c]["name"] for c in close) if close else "none"
+            raise ValueError(
+                f"Unknown model name {name!r}. Closest matches: {hint}. "
+                "See `Config.names()` for every name in the zoo."
+            )
+        return cls(**{**entries[key], **overrides})
+
+    # ---- (de)serialisation ---------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as plain Python values (derived sizes filled in)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "Config":
+        """Build from a dict, rejecting keys that are not fields (e.g. a typo)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"Unknown Config fields {unknown}; known fields are {sorted(known)}")
+        return cls(**values)
+
+    def save(self, path: str | Path) -> None:
+        """Write the config as YAML (`model_config.yaml` in checkpoints)."""
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Config":
+        """Read a config written by `save`."""
+        return cls.from_dict(yaml.safe_load(Path(path).read_text()))
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _hf(org: str, name: str) -> dict:
+    return {"org": org, "name": name}
+
+
+# ------------------------------------------------------------------------------------------------
+# The model zoo: real published architectures, named after their Hugging Face repositories.
+# Each entry is a dict of Config fields; sizes that follow from others (head_size, padded vocab)
+# are left to __post_init__ unless the published model differs from the rule.
+# ------------------------------------------------------------------------------------------------
+
+def _llama(name: str, org: str, hf_name: Optional[str] = None, **fields: Any) -> dict:
+    """A Llama-style model: RMSNorm, SwiGLU, full RoPE, no biases."""
+    return dict(name=name, hf_config=_hf(org, hf_name or name), norm_class_name="RMSNorm",
+                mlp_class_name="LLaMAMLP", **fields)
+
+
+def _with_variants(base: dict, *suffixes: str) -> list[dict]:
+    """The base model plus fine-tuned variants with the same architecture (e.g. `-Instruct`)."""
+    variants = [base]
+    for suffix in suffixes:
+        name = base["name"] + suffix
+        variants.append({**base, "name": name, "hf_config": _hf(base["hf_config"]["org"], name)})
+    return variants
+
+
+_LLAMA_31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+_LLAMA_32_SCALING = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+
+_TINY_LLAMA_SHAPE = dict(block_size=2048, vocab_size=32000, padding_multiple=64, n_layer=22, n_head=32,
+                         n_embd=2048, n_query_groups=4, intermediate_size=5632)
+_TINY_LLAMA = [
+    _llama("tiny-llama-1.1b", "TinyLlama", "TinyLlama-1.1B-intermediate-step-1431k-3T", **_TINY_LLAMA_SHAPE),
+    _llama("tiny-llama-1.1b-chat", "TinyLlama", "TinyLlama-1.1B-Chat-v1.0", **_TINY_LLAMA_SHAPE),
+]
+
+_LLAMA_2_SHAPES = {
+    "7b": dict(n_layer=32, n_embd=4096, n_head=32, n_query_groups=32, intermediate_size=11008),
+    "13b": dict(n_layer=40, n_embd=5120, n_head=40, n_query_groups=40, intermediate_size=13824),
+    "70b": dict(n_layer=80, n_embd=8192, n_head=64, n_query_groups=8, intermediate_size=28672),
+}
+_LLAMA_2 = [
+    _llama(f"Llama-2-{size}{variant}-hf", "meta-llama", block_size=4096, vocab_size=32000, padding_multiple=64,
+           **shape)
+    for size, shape in _LLAMA_2_SHAPES.items()
+    for variant in ("", "-chat")
+]
+
+# Llama 3 / 3.1 share shapes: 128256-token vocab, GQA with 8 KV heads, rope base 500000.
+_LLAMA_3_SHAPES = {
+    "8B": dict(n_layer=32, n_embd=4096, n_head=32, intermediate_size=14336),
+    "70B": dict(n_layer=80, n_embd=8192, n_head=64, intermediate_size=28672),
+    "405B": dict(n_layer=126, n_embd=16384, n_head=128, intermediate_size=53248),
+}
+_LLAMA_3_COMMON = dict(vocab_size=128256, padding_multiple=64, n_query_groups=8, rope_base=500000.0)
+
+_LLAMA_3 = [
+    entry
+    for size in ("8B", "70B")
+    for entry in _with_variants(
+        _llama(f"Meta-Llama-3-{size}", "meta-llama", block_size=8192, **_LLAMA_3_COMMON, **_LLAMA_3_SHAPES[size]),
+        "-Instruct",
+    )
+]
+
+_LLAMA_31 = [
+    entry
+    for size in ("8B", "70B", "405B")
+    for entry in _with_variants(
+        _llama(f"Llama-3.1-{size}", "meta-llama", block_size=131072, rope_scaling=_LLAMA_31_SCALING,
+               **_LLAMA_3_COMMON, **_LLAMA_3_SHAPES[size]),
+        "-Instruct",
+    )
+]
+
+_LLAMA_32 = [
+    entry
+    for size, shape in {
+        "1B": dict(n_layer=16, n_embd=2048, n_head=32, head_size=64),
+        "3B": dict(n_layer=28, n_embd=3072, n_head=24, head_size=128),
+    }.items()
+    for entry in _with_variants(
+        _llama(f"Llama-3.2-{size}", "meta-llama", block_size=131072, rope_scaling=_LLAMA_32_SCALING,
+               tie_embeddings=True, intermediate_size=8192, **_LLAMA_3_COMMON, **shape),
+        "-Instruct",
+    )
+]
+
+_MISTRAL_7B = dict(n_layer=32, n_embd=4096, n_head=32, n_query_groups=8, intermediate_size=14336,
+                   padding_multiple=64, block_size=32768)
+_MISTRAL = [
+    _llama("Mistral-7B-v0.1", "mistralai", vocab_size=32000, sliding_window=4096, **_MISTRAL_7B),
+    _llama("Mistral-7B-Instruct-v0.1", "mistralai", vocab_size=32000, sliding_window=4096, **_MISTRAL_7B),
+    # v0.2 dropped the sliding window and raised the rope base.
+    _llama("Mistral-7B-Instruct-v0.2", "mistralai", vocab_size=32000, rope_base=1000000.0, **_MISTRAL_7B),
+    # v0.3 extends the vocabulary to 32768 tokens.
+    _llama("Mistral-7B-v0.3", "mistralai", vocab_size=32768, rope_base=1000000.0, **_MISTRAL_7B),
+    _llama("Mistral-7B-Instruct-v0.3", "mistralai", vocab_size=32768, rope_base=1000000.0, **_MISTRAL_7B),
+]
+
+# Qwen2.5: Llama layout plus a bias on q/k/v; the three small models tie embeddings.
+_QWEN_25_SHAPES = {
+    #        n_layer n_embd n_head groups interm. vocab   tied   eps   block
+    "0.5B": (24, 896, 14, 2, 4864, 151936, True, 1e-6, 32768),
+    "1.5B": (28, 1536, 12, 2, 8960, 151936, True, 1e-6, 32768),
+    "3B": (36, 2048, 16, 2, 11008, 151936, True, 1e-6, 32768),
+    "7B": (28, 3584, 28, 4, 18944, 152064, False, 1e-6, 131072),
+    "14B": (48, 5120, 40, 8, 13824, 152064, False, 1e-5, 131072),
+    "32B": (64, 5120, 40, 8, 27648, 152064, False, 1e-5, 131072),
+    "72B": (80, 8192, 64, 8, 29568, 152064, False, 1e-5, 131072),
+}
+_QWEN_25 = [
+    entry
+    for size, (n_layer, n_embd, n_head, groups, intermediate, vocab, tied, eps, block) in _QWEN_25_SHAPES.items()
+    for entry in _with_variants(
+        _llama(f"Qwen2.5-{size}", "Qwen", block_size=block, vocab_size=vocab, padding_multiple=64,
+               n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_query_groups=groups,
+               intermediate_size=intermediate, tie_embeddings=tied, norm_eps=eps,
+               attn_bias=True, rope_base=1000000.0),
+        "-Instruct",
+    )
+]
+
+# Gemma 1: GeGLU, head_size 256, (1 + weight) RMSNorm, embeddings scaled by sqrt(n_embd) and tied.
+_GEMMA_COMMON = dict(block_size=8192, vocab_size=256000, padding_multiple=64, head_size=256,
+                     mlp_class_name="GemmaMLP", gelu_approximate="tanh", norm_eps=1e-6,
+                     norm_unit_offset=True, scale_embeddings=True, tie_embeddings=True)
+_GEMMA = [
+    *_with_variants(
+        dict(name="gemma-2b", hf_config=_hf("google", "gemma-2b"), n_layer=18, n_embd=2048, n_head=8,
+             n_query_groups=1, intermediate_size=16384, **_GEMMA_COMMON),
+        "-it",
+    ),
+    *_with_variants(
+        dict(name="gemma-7b", hf_config=_hf("google", "gemma-7b"), n_layer=28, n_embd=3072, n_head=16,
+             n_query_groups=16, intermediate_size=24576, **_GEMMA_COMMON),
+        "-it",
+    ),
+]
+
+_PHI = [
+    dict(name="phi-2", hf_config=_hf("microsoft", "phi-2"), block_size=2048, vocab_size=50257,
+         padded_vocab_size=51200, n_layer=32, n_head=32, n_embd=2560, rotary_percentage=0.4,
+         parallel_residual=True, shared_attention_norm=True, bias=True, lm_head_bias=True,
+         norm_class_name="LayerNorm", mlp_class_name="GptNeoxMLP", intermediate_size=10240,
+         gelu_approximate="tanh"),
+]
+
+# Pythia (GPT-NeoX): LayerNorm, exact GELU, biases everywhere, RoPE on a quarter of each head,
+# parallel residual with two norms. The tokenizer has 50254 tokens; tables are padded to 128.
+_PYTHIA_SHAPES = {
+    "14m": (6, 128, 4, None),
+    "31m": (6, 256, 8, None),
+    "70m": (6, 512, 8, None),
+    "160m": (12, 768, 12, None),
+    "410m": (24, 1024, 16, None),
+    "1b": (16, 2048, 8, None),
+    "1.4b": (24, 2048, 16, None),
+    "2.8b": (32, 2560, 32, None),
+    "6.9b": (32, 4096, 32, 50432),
+    "12b": (36, 5120, 40, 50688),
+}
+_PYTHIA = [
+    dict(name=f"pythia-{size}", hf_config=_hf("EleutherAI", f"pythia-{size}"), block_size=2048,
+         vocab_size=50254, padding_multiple=128, padded_vocab_size=padded, n_layer=n_layer, n_embd=n_embd,
+         n_head=n_head, rotary_percentage=0.25, parallel_residual=True, bias=True,
+         norm_class_name="LayerNorm", mlp_class_name="GptNeoxMLP")
+    for size, (n_layer, n_embd, n_head, padded) in _PYTHIA_SHAPES.items()
+]
+
+_SMOLLM2 = [
+    entry
+    for size, shape in {
+        "135M": dict(n_layer=30, n_embd=576, n_head=9, n_query_groups=3, intermediate_size=1536,
+                     rope_base=100000.0),
+        "360M": dict(n_layer=32, n_embd=960, n_head=15, n_query_groups=5, intermediate_size=2560,
+                     rope_base=100000.0),
+        "1.7B": dict(n_layer=24, n_embd=2048, n_head=32, n_query_groups=32, intermediate_size=8192,
+                     rope_base=130000.0),
+    }.items()
+    for entry in _with_variants(
+        _llama(f"SmolLM2-{size}", "HuggingFaceTB", block_size=8192, vocab_size=49152, padding_multiple=64,
+               tie_embeddings=True, **shape),
+        "-Instruct",
+    )
+]
+
+# Tiny debug sizes, one per family, for tests and CPU smoke runs.
+_DEBUG_COMMON = dict(block_size=512, vocab_size=4096, padding_multiple=64)
+_DEBUG = [
+    # ~4.8M parameters; the debug pretraining recipe uses it.
+    dict(name="llama-debug", n_layer=4, n_embd=256, n_head=4, n_query_groups=2, intermediate_size=640,
+         **_DEBUG_COMMON),
+    dict(name="gpt-neox-debug", n_layer=2, n_embd=128, n_head=4, rotary_percentage=0.25, parallel_residual=True,
+         bias=True, norm_class_name="LayerNorm", mlp_class_name="GptNeoxMLP", **_DEBUG_COMMON),
+    dict(name="phi-debug", n_layer=2, n_embd=128, n_head=4, rotary_percentage=0.4, parallel_residual=True,
+         shared_attention_norm=True, bias=True, lm_head_bias=True, norm_class_name="LayerNorm",
+         mlp_class_name="GptNeoxMLP", gelu_approximate="tanh", **_DEBUG_COMMON),
+    dict(name="gemma-debug", n_layer=2, n_embd=128, n_head=4, n_query_groups=1, head_size=64,
+         intermediate_size=512, mlp_class_name="GemmaMLP", gelu_approximate="tanh", norm_eps=1e-6,
+         norm_unit_offset=True, scale_embeddings=True, tie_embeddings=True, **_DEBUG_COMMON),
+    dict(name="qwen2-debug", n_layer=2, n_embd=128, n_head=4, n_query_groups=2, intermediate_size=384,
+         attn_bias=True, tie_embeddings=True, norm_eps=1e-6, rope_base=1000000.0, **_DEBUG_COMMON),
+    dict(name="mistral-debug", n_layer=2, n_embd=128, n_head=4, n_query_groups=2, intermediate_size=384,
+         sliding_window=128, **_DEBUG_COMMON),
+]
+
+MODEL_ZOO: list[dict[str, Any]] = [
+    *_TINY_LLAMA, *_LLAMA_2, *_LLAMA_3, *_LLAMA_31, *_LLAMA_32, *_MISTRAL, *_QWEN_25, *_GEMMA, *_PHI,
+    *_PYTHIA, *_SMOLLM2, *_DEBUG,
+]
+"""Every named architecture, as keyword arguments of `Config`. Add new models here."""

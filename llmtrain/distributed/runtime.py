@@ -1,0 +1,115 @@
+"""Who this process is: rank, world, device, data-parallel shard.
+
+Everything that depends on the process layout asks a :class:`Runtime` instead of assuming one
+process, so the same training loop runs on one CPU or on many GPU nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+@dataclass
+class Runtime:
+    """The process layout. ``data_parallel_*`` equal ``rank``/``world_size`` unless a mesh says otherwise."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    data_parallel_rank: int = 0
+    data_parallel_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that logs and writes shared files."""
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @classmethod
+    def from_env(cls, accelerator: str = "auto", timeout_s: float = 600.0) -> "Runtime":
+        """Build the runtime from torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, ...).
+
+        Without them this is a single process. With them, the default process group is created here
+        (NCCL on CUDA, gloo on CPU) with a bounded timeout so a missing peer fails instead of hanging.
+        """
+        world_size = _env_int("WORLD_SIZE", 1)
+        rank = _env_int("RANK", 0)
+        local_rank = _env_int("LOCAL_RANK", 0)
+        local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+        device = pick_device(accelerator, local_rank)
+        if world_size > 1 and not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                    **({"device_id": device} if device.type == "cuda" else {}))
+        return cls(rank=rank, world_size=world_size, local_rank=local_rank,
+                   local_world_size=local_world_size, device=device,
+                   data_parallel_rank=rank, data_parallel_size=world_size)
+
+    def barrier(self) -> None:
+        if self.is_distributed:
+            dist.barrier()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce over every rank (identity in a single process)."""
+        if self.is_distributed:
+            ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+            dist.all_reduce(tensor, op=ops[op])
+        return tensor
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self.is_distributed:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not self.is_distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    @contextlib.contextmanager
+    def main_process_first(self, local: bool = True) -> Iterator[None]:
+        """Run the body on (local) rank 0 first, then on every other rank: for cached, once-only work."""
+        first = self.local_rank == 0 if local else self.rank == 0
+        if not first:
+            self.barrier()
+        yield
+        if first:
+            self.barrier()
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def pick_device(accelerator: str, local_rank: int) -> torch.device:
+    """``auto`` takes this rank's GPU when there is one, else the CPU."""
+    if accelerator not in ("auto", "cpu", "cuda", "gpu"):
+        raise ValueError(f"--accelerator {accelerator!r} must be auto, cpu, cuda or gpu")
+    want_cuda = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
+    if want_cuda:
+        if not torch.cuda.is_available():
+            raise ValueError(f"--accelerator {accelerator} was asked for but no CUDA device is visible")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")

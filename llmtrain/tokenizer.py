@@ -1,0 +1,253 @@
+"""One tokenizer class over HF `tokenizers` (tokenizer.json), with bos/eos handling.
+
+The special-token settings come from the files that sit beside tokenizer.json, in the
+order transformers itself trusts them: tokenizer_config.json, special_tokens_map.json,
+generation_config.json.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterable, Optional, Sequence, Union
+
+from tokenizers import Tokenizer as HFTokenizer
+
+# Files that make a tokenizer directory self-contained, in the order `save` copies them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+BPE_EOS_TOKEN = "<|endoftext|>"
+BPE_BOS_TOKEN = "<|bos|>"
+
+
+class Tokenizer:
+    """Encode and decode text with the tokenizer stored in `checkpoint_dir`."""
+
+    def __init__(self, checkpoint_dir: Union[Path, str]) -> None:
+        self.checkpoint_dir = Path(checkpoint_dir)
+        tokenizer_path = self.checkpoint_dir / "tokenizer.json"
+        if not tokenizer_path.is_file():
+            what = "directory" if not self.checkpoint_dir.is_dir() else "file"
+            missing = self.checkpoint_dir if what == "directory" else tokenizer_path
+            raise FileNotFoundError(
+                f"Tokenizer {what} not found: {missing}. Pass --tokenizer_dir pointing to a folder "
+                "that holds tokenizer.json (e.g. a downloaded Hugging Face model folder)."
+            )
+        self.processor = HFTokenizer.from_file(str(tokenizer_path))
+        settings = _read_special_token_settings(self.checkpoint_dir)
+        self.bos_id: Optional[int] = self._resolve_id(settings.get("bos_token"), settings.get("bos_token_id"))
+        self.eos_id: Optional[int] = self._resolve_id(settings.get("eos_token"), settings.get("eos_token_id"))
+        self.add_bos: bool = self._default_add_bos(settings.get("add_bos_token"))
+        self._fingerprint: Optional[str] = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.processor.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, bos: Optional[bool] = None, eos: bool = False) -> list[int]:
+        """Token ids of `text`. `bos=None` follows the tokenizer's own default."""
+        ids = self.processor.encode(text, add_special_tokens=False).ids
+        return self._add_special(ids, bos, eos)
+
+    def encode_batch(self, texts: Sequence[str], bos: Optional[bool] = None, eos: bool = False) -> list[list[int]]:
+        """Like `encode` for many texts at once; tokenizers spreads the work over all cores."""
+        encodings = self.processor.encode_batch(list(texts), add_special_tokens=False)
+        return [self._add_special(encoding.ids, bos, eos) for encoding in encodings]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        if hasattr(ids, "tolist"):  # a tensor or numpy array
+            ids = ids.tolist()
+        return self.processor.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        return self.processor.token_to_id(token)
+
+    def save(self, out_dir: Union[Path, str]) -> None:
+        """Copy the tokenizer files into `out_dir`, so a checkpoint folder stands on its own."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if out_dir.resolve() == self.checkpoint_dir.resolve():
+            return
+        for name in TOKENIZER_FILES:
+            source = self.checkpoint_dir / name
+            if source.is_file():
+                _atomic_copy(source, out_dir / name)
+        if not (self.checkpoint_dir / "tokenizer_config.json").is_file():
+            # NOTE: the settings may have come from generation_config.json, which belongs to the
+            # model rather than the tokenizer; write them down so the copy reads the same.
+            _atomic_write_json(out_dir / "tokenizer_config.json", self._config_dict())
+
+    @property
+    def fingerprint(self) -> str:
+        """Changes whenever the ids this tokenizer produces could change; a cache key."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256((self.checkpoint_dir / "tokenizer.json").read_bytes())
+            digest.update(json.dumps(self._config_dict(), sort_keys=True).encode())
+            self._fingerprint = digest.hexdigest()
+        return self._fingerprint
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer({str(self.checkpoint_dir)!r}, vocab_size={self.vocab_size}, "
+            f"bos_id={self.bos_id}, eos_id={self.eos_id}, add_bos={self.add_bos})"
+        )
+
+    def _add_special(self, ids: list[int], bos: Optional[bool], eos: bool) -> list[int]:
+        want_bos = self.add_bos if bos is None else bos
+        if want_bos:
+            if self.bos_id is None:
+                raise ValueError(f"bos=True, but the tokenizer in {self.checkpoint_dir} defines no bos token")
+            if not ids or ids[0] != self.bos_id:  # the text itself may start with the bos token
+                ids = [self.bos_id] + ids
+        if eos:
+            if self.eos_id is None:
+                raise ValueError(f"eos=True, but the tokenizer in {self.checkpoint_dir} defines no eos token")
+            ids = ids + [self.eos_id]
+        return ids
+
+    def _resolve_id(self, token: Optional[str], token_id: Optional[int]) -> Optional[int]:
+        if token is not None:
+            resolved = self.processor.token_to_id(token)
+            if resolved is not None:
+                return resolved
+        return token_id
+
+    def _default_add_bos(self, configured: Optional[bool]) -> bool:
+        if self.bos_id is None:
+            return False
+        if configured is not None:
+            return bool(configured)
+        # NOTE: without an explicit setting (Llama 3, for one) the post-processor decides;
+        # ask it by encoding a probe with special tokens on.
+        probe = self.processor.encode("a", add_special_tokens=True).ids
+        return bool(probe) and probe[0] == self.bos_id
+
+    def _config_dict(self) -> dict:
+        return {
+            "bos_token": None if self.bos_id is None else self.processor.id_to_token(self.bos_id),
+            "eos_token": None if self.eos_id is None else self.processor.id_to_token(self.eos_id),
+            "add_bos_token": self.add_bos,
+        }
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Union[Path, str]) -> Tokenizer:
+    """Train a byte-level BPE tokenizer on `texts` and write it to `out_dir` atomically.
+
+    `<|endoftext|>` is the eos token and `<|bos|>` the bos token, added to the front of
+    every encoded document. `transformers.AutoTokenizer.from_pretrained(out_dir)` opens it.
+    """
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    out_dir = Path(out_dir)
+    hf_tokenizer = HFTokenizer(models.BPE())
+    hf_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf_tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BPE_EOS_TOKEN, BPE_BOS_TOKEN],
+        # NOTE: the full byte alphabet means any text encodes, even characters never seen in training.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    hf_tokenizer.train_from_iterator(texts, trainer=trainer)
+    bos_id = hf_tokenizer.token_to_id(BPE_BOS_TOKEN)
+    hf_tokenizer.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(
+            single=f"{BPE_BOS_TOKEN} $A", pair=f"{BPE_BOS_TOKEN} $A {BPE_BOS_TOKEN} $B",
+            special_tokens=[(BPE_BOS_TOKEN, bos_id)],
+        ),
+    ])
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BPE_BOS_TOKEN,
+        "eos_token": BPE_EOS_TOKEN,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1_000_000_000,
+    }
+    special_tokens_map = {"bos_token": BPE_BOS_TOKEN, "eos_token": BPE_EOS_TOKEN}
+
+    staging = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir(parents=True)
+    try:
+        hf_tokenizer.save(str(staging / "tokenizer.json"))
+        _write_json(staging / "tokenizer_config.json", config)
+        _write_json(staging / "special_tokens_map.json", special_tokens_map)
+        _publish_dir(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return Tokenizer(out_dir)
+
+
+def _read_special_token_settings(directory: Path) -> dict:
+    """bos/eos tokens (as strings), their ids and add_bos_token; the first file that says wins."""
+    settings: dict = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        data = _read_json(directory / name)
+        for key in ("bos_token", "eos_token"):
+            token = _token_content(data.get(key))
+            if token is not None:
+                settings.setdefault(key, token)
+        if data.get("add_bos_token") is not None:
+            settings.setdefault("add_bos_token", data["add_bos_token"])
+    generation = _read_json(directory / "generation_config.json")
+    for key in ("bos_token_id", "eos_token_id"):
+        value = generation.get(key)
+        if isinstance(value, list):  # several stop tokens: the first is the canonical one
+            value = value[0] if value else None
+        if isinstance(value, int):
+            settings[key] = value
+    return settings
+
+
+def _token_content(token: Union[str, dict, None]) -> Optional[str]:
+    if isinstance(token, dict):  # AddedToken serialized as {"content": ..., "lstrip": ...}
+        return token.get("content")
+    return token
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def _temp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _atomic_write_json(path: Path, data: dict) -> None:
+    temp = _temp_name(path)
+    _write_json(temp, data)
+    os.replace(temp, path)
+
+
+def _atomic_copy(source: Path, target: Path) -> None:
+    temp = _temp_name(target)
+    shutil.copyfile(source, temp)
+    os.replace(temp, target)
+
+
+def _publish_dir(staging: Path, out_dir: Path) -> None:
+    """Move a finished directory into place; readers see either nothing or every file."""
+    try:
+        os.rename(staging, out_dir)
+        return
+    except OSError:
+        pass  # out_dir exists already (an older copy, or another process won the race)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # NOTE: tokenizer.json goes last: its presence is what marks a directory as usable.
+    for name in sorted(os.listdir(staging), key=lambda n: n == "tokenizer.json"):
+        os.replace(staging / name, out_dir / name)

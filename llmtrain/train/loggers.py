@@ -1,0 +1,142 @@
+"""Where metrics go: a CSV file always, TensorBoard on request, and the console.
+
+One vocabulary for every sink (see METRICS). Only rank 0 builds loggers.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+from typing import Literal, Optional
+
+LoggerName = Literal["csv", "tensorboard"]
+
+# The columns of metrics.csv, in order. TensorBoard uses the same names as tags.
+METRICS = ("step", "tokens", "epoch", "loss", "lr", "grad_norm", "tokens_per_sec",
+           "tokens_per_sec_per_device", "mfu", "peak_memory_gb", "val_loss", "val_ppl", "elapsed_s")
+
+
+class CSVLogger:
+    """Appends rows to ``out_dir/metrics.csv``; on resume, rows after the resumed step are dropped."""
+
+    def __init__(self, out_dir: Path, resume_step: Optional[int] = None) -> None:
+        self.path = Path(out_dir) / "metrics.csv"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        rows = self._read_rows() if self.path.exists() else []
+        if resume_step is not None:
+            rows = [row for row in rows if int(float(row["step"])) <= resume_step]
+        else:
+            rows = []  # a fresh run starts a fresh file
+        with open(self.path, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=METRICS)
+            writer.writeheader()
+            writer.writerows(rows)
+
+    def _read_rows(self) -> list[dict]:
+        with open(self.path, newline="") as handle:
+            reader = csv.DictReader(handle)
+            if reader.fieldnames is None or "step" not in reader.fieldnames:
+                return []
+            return [{k: row.get(k, "") for k in METRICS} for row in reader]
+
+    def log(self, metrics: dict) -> None:
+        row = {key: _format(metrics.get(key)) for key in METRICS}
+        with open(self.path, "a", newline="") as handle:
+            csv.DictWriter(handle, fieldnames=METRICS).writerow(row)
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardLogger:
+    """Scalars under the same names as the CSV columns, against the optimizer step."""
+
+    def __init__(self, out_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(Path(out_dir) / "tensorboard"))
+
+    def log(self, metrics: dict) -> None:
+        step = int(metrics["step"])
+        for key, value in metrics.items():
+            if key != "step" and isinstance(value, (int, float)):
+                self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _format(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+class Console:
+    """A tqdm progress bar on a terminal; one plain line per log interval otherwise (batch logs)."""
+
+    def __init__(self, total_steps: int, initial_step: int = 0, enabled: bool = True,
+                 use_bar: Optional[bool] = None) -> None:
+        self.enabled = enabled
+        self.use_bar = enabled and (sys.stderr.isatty() if use_bar is None else use_bar)
+        self.bar = None
+        if self.use_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True,
+                            file=sys.stderr)
+
+    def print(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def update(self, metrics: dict, steps_done: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.n = steps_done
+            post = {"loss": f"{metrics['loss']:.4f}", "tok/s": f"{metrics['tokens_per_sec']:.0f}"}
+            if metrics.get("mfu") is not None:
+                post["mfu"] = f"{100 * metrics['mfu']:.1f}%"
+            self.bar.set_postfix(post, refresh=True)
+        else:
+            self.print(format_line(metrics))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def format_line(metrics: dict) -> str:
+    parts = [f"step {metrics['step']}", f"loss {metrics['loss']:.4f}", f"lr {metrics['lr']:.3e}",
+             f"grad_norm {metrics['grad_norm']:.3f}", f"tokens/s {metrics['tokens_per_sec']:.0f}"]
+    if metrics.get("mfu") is not None:
+        parts.append(f"mfu {100 * metrics['mfu']:.1f}%")
+    parts.append(f"peak_mem {metrics['peak_memory_gb']:.2f}GB")
+    if metrics.get("eta_s") is not None:
+        parts.append(f"eta {format_seconds(metrics['eta_s'])}")
+    return " | ".join(parts)
+
+
+def format_seconds(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def build_loggers(name: str, out_dir: Path, resume_step: Optional[int]) -> list:
+    loggers: list = [CSVLogger(out_dir, resume_step)]
+    if name == "tensorboard":
+        loggers.append(TensorBoardLogger(out_dir))
+    elif name != "csv":
+        raise ValueError(f"--logger_name {name!r} must be csv or tensorboard")
+    return loggers

@@ -1,0 +1,305 @@
+"""``fit()``: the one training loop that every recipe calls.
+
+A step gathers ``grad_accum_steps`` micro-batches, counts their target tokens over every
+data-parallel rank, and scales each micro-batch's summed loss by that count, so padding,
+accumulation and the number of ranks never change the gradient. Host-device synchronisation
+happens only at log, eval and checkpoint intervals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from llmtrain.args import BatchPlan, EvalArgs, TrainArgs
+from llmtrain.distributed.runtime import Runtime
+from llmtrain.train.loggers import Console
+from llmtrain.train.precision import Precision
+from llmtrain.train.schedule import WarmupDecaySchedule
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class TrainState:
+    """Counters that a checkpoint restores; everything else is rebuilt from the arguments."""
+
+    step: int = 0
+    """Optimizer steps done."""
+    tokens: int = 0
+    """Input tokens consumed, summed over all ranks."""
+    elapsed_s: float = 0.0
+    """Training wall time, accumulated across resumes."""
+    stop_reason: str = ""
+    """Why the run ended (empty while it runs)."""
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+@dataclass
+class Horizon:
+    """How long the run lasts: the schedule length and every stop condition the user set."""
+
+    total_steps: int
+    warmup_steps: int
+    max_steps: Optional[int] = None
+    max_tokens: Optional[int] = None
+    epochs: Optional[float] = None
+    max_time: Optional[float] = None
+
+
+def plan_horizon(train: TrainArgs, tokens_per_step: int, samples_per_epoch: Optional[int]) -> Horizon:
+    """Turn max_steps / max_tokens / epochs into a step count for the LR schedule.
+
+    The schedule ends at the earliest limit; max_time alone cannot size a schedule.
+    """
+    candidates = []
+    if train.max_steps is not None:
+        candidates.append(train.max_steps)
+    if train.max_tokens is not None:
+        candidates.append(max(1, math.ceil(train.max_tokens / tokens_per_step)))
+    if train.epochs is not None:
+        if samples_per_epoch is None:
+            raise ValueError("--train.epochs needs a dataset with a known size; use --train.max_steps instead")
+        candidates.append(max(1, math.ceil(train.epochs * samples_per_epoch / train.global_batch_size)))
+    if not candidates:
+        what = "--train.max_time alone does not size the learning-rate schedule" if train.max_time else (
+            "no stop condition was given")
+        raise ValueError(f"{what}; set --train.max_steps, --train.max_tokens or --train.epochs")
+    total = min(candidates)
+    if train.lr_warmup_fraction is not None:
+        warmup = int(train.lr_warmup_fraction * total)
+    else:
+        warmup = train.lr_warmup_steps or 0
+    if warmup > total:
+        raise ValueError(f"--train.lr_warmup_steps {warmup} is longer than the whole run ({total} steps); "
+                         f"lower it below {total} or train longer")
+    return Horizon(total_steps=total, warmup_steps=warmup, max_steps=train.max_steps,
+                   max_tokens=train.max_tokens, epochs=train.epochs, max_time=train.max_time)
+
+
+def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of the token losses, in fp32, skipping IGNORE_INDEX targets."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def gradient_sync(model: torch.nn.Module, enabled: bool):
+    """Skip the gradient all-reduce on micro-batches that are not the step's last, where the wrapper allows."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+    if not enabled and hasattr(model, "no_sync"):  # DDP
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+@dataclass
+class Fit:
+    """Everything ``fit`` needs, built by a recipe."""
+
+    runtime: Runtime
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    train_loader: Any
+    val_loader: Optional[Iterable]
+    train: TrainArgs
+    eval: EvalArgs
+    plan: BatchPlan
+    horizon: Horizon
+    precision: Precision
+    save_checkpoint: Callable[["TrainState"], Any]
+    """Writes a training checkpoint for the given state (all ranks call it)."""
+    save_final: Callable[["TrainState"], Any]
+    """Writes the final model directory (all ranks call it)."""
+    loggers: list = field(default_factory=list)
+    flops_per_token: Optional[float] = None
+    peak_flops_per_device: Optional[float] = None
+    state: TrainState = field(default_factory=TrainState)
+    scaler: Optional[torch.amp.GradScaler] = None
+    """Loss scaler for fp16 (None otherwise); part of the checkpointed state."""
+    autocast_enabled: bool = True
+    """False when the parallel wrapper already casts (FSDP's mixed-precision policy)."""
+    grad_sync_only_last: bool = True
+    """Skip gradient sync on all but the last micro-batch of a step."""
+    console: Optional[Console] = None
+
+
+def fit(job: Fit) -> TrainState:
+    """Train until the first stop condition, validating, logging and checkpointing on the way."""
+    runtime, state, horizon = job.runtime, job.state, job.horizon
+    model, optimizer = job.model, job.optimizer
+    schedule = WarmupDecaySchedule(optimizer, warmup_steps=horizon.warmup_steps,
+                                   total_steps=horizon.total_steps, min_lr=job.train.min_lr,
+                                   decay=job.train.lr_decay)
+    scaler = job.scaler
+    console = job.console or Console(horizon.total_steps, state.step, enabled=runtime.is_main)
+    params = [p for p in model.parameters() if p.requires_grad]
+    train_iter = iter(job.train_loader)
+
+    if job.eval.initial_validation and job.val_loader is not None and state.step == 0:
+        val_loss = validate(job)
+        _log(job, {"step": 0, "tokens": 0, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))},
+             console, line=f"step 0 | val_loss {val_loss:.4f}")
+
+    model.train()
+    loss_sum = torch.zeros((), device=runtime.device)  # summed token losses since the last log
+    target_sum = torch.zeros((), device=runtime.device)
+    interval_start, interval_tokens, run_start = time.perf_counter(), 0, time.perf_counter()
+    elapsed_at_start = state.elapsed_s
+    last_saved_step = state.step if state.step else None
+    max_norm = job.train.max_norm if job.train.max_norm is not None else float("inf")
+
+    while not (reason := _stop_reason(job, state)):
+        lr = schedule.set_step(state.step)
+        micro_batches = [next(train_iter) for _ in range(job.plan.grad_accum_steps)]
+        counts = torch.tensor([sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches),
+                               sum(b["input_ids"].numel() for b in micro_batches)],
+                              dtype=torch.float64, device=runtime.device)
+        runtime.all_reduce(counts)
+        # Each rank's loss is its share of (sum over the step's tokens) / (token count of the step);
+        # DDP and FSDP average gradients over ranks, hence the factor data_parallel_size.
+        loss_scale = runtime.data_parallel_size / counts[0].clamp(min=1).float()
+        for index, batch in enumerate(micro_batches):
+            input_ids = batch["input_ids"].to(runtime.device, non_blocking=True)
+            labels = batch["labels"].to(runtime.device, non_blocking=True)
+            last = index == len(micro_batches) - 1
+            with gradient_sync(model, last or not job.grad_sync_only_last):
+                with job.precision.autocast(runtime.device, job.autocast_enabled):
+                    logits = model(input_ids)
+                token_loss_sum = summed_cross_entropy(logits, labels)
+                loss = token_loss_sum * loss_scale
+                (scaler.scale(loss) if scaler else loss).backward()
+            loss_sum += token_loss_sum.detach()
+        target_sum += counts[0].float()
+        if scaler:
+            scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        state.step += 1
+        step_tokens = int(counts[1].item()) if counts.device.type == "cpu" else None
+        if step_tokens is None:  # NOTE: avoid a device sync per step: every step feeds the same shape
+            step_tokens = job.plan.global_batch_size * micro_batches[0]["input_ids"].shape[1]
+        state.tokens += step_tokens
+        interval_tokens += step_tokens
+        state.elapsed_s = elapsed_at_start + time.perf_counter() - run_start
+
+        if state.step % job.train.log_interval == 0:
+            runtime.all_reduce(loss_sum)
+            loss_value = (loss_sum / target_sum.clamp(min=1)).item()
+            seconds = time.perf_counter() - interval_start
+            metrics = _step_metrics(job, state, loss_value, lr, float(grad_norm), interval_tokens / seconds)
+            _log(job, metrics, console)
+            loss_sum.zero_()
+            target_sum.zero_()
+            interval_start, interval_tokens = time.perf_counter(), 0
+        if job.val_loader is not None and state.step % job.eval.interval == 0:
+            val_loss = validate(job)
+            _log(job, {"step": state.step, "tokens": state.tokens, "val_loss": val_loss,
+                       "val_ppl": math.exp(min(val_loss, 50))}, console,
+                 line=f"step {state.step} | val_loss {val_loss:.4f}")
+            model.train()
+        if job.train.save_interval and state.step % job.train.save_interval == 0:
+            job.save_checkpoint(state)
+            last_saved_step = state.step
+
+    state.stop_reason = reason
+    console.print(f"stopping after step {state.step}: {reason}")
+    if job.eval.final_validation and job.val_loader is not None and state.step % job.eval.interval != 0:
+        val_loss = validate(job)
+        _log(job, {"step": state.step, "tokens": state.tokens, "val_loss": val_loss,
+                   "val_ppl": math.exp(min(val_loss, 50))}, console, line=f"step {state.step} | val_loss {val_loss:.4f}")
+    if last_saved_step != state.step:
+        job.save_checkpoint(state)
+    job.save_final(state)
+    console.close()
+    for logger in job.loggers:
+        logger.close()
+    return state
+
+
+def _stop_reason(job: Fit, state: TrainState) -> str:
+    """The first stop condition that holds, in words; empty while training should go on."""
+    horizon = job.horizon
+    if horizon.max_steps is not None and state.step >= horizon.max_steps:
+        return f"reached --train.max_steps {horizon.max_steps}"
+    if horizon.max_tokens is not None and state.tokens >= horizon.max_tokens:
+        return f"reached --train.max_tokens {horizon.max_tokens}"
+    if horizon.epochs is not None and job.train_loader.epoch >= horizon.epochs:
+        return f"reached --train.epochs {horizon.epochs}"
+    if horizon.max_time is not None:
+        # Ranks must agree, or one would wait forever for the others' next collective.
+        over = torch.tensor([float(state.elapsed_s >= horizon.max_time)], device=job.runtime.device)
+        if job.runtime.all_reduce(over, op="max").item() > 0:
+            return f"reached --train.max_time {horizon.max_time}s"
+    return ""
+
+
+@torch.no_grad()
+def validate(job: Fit) -> float:
+    """Token-weighted mean loss over ``eval.max_iters`` validation batches of every rank."""
+    job.model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=job.runtime.device)
+    for index, batch in enumerate(job.val_loader):
+        if index >= job.eval.max_iters:
+            break
+        input_ids = batch["input_ids"].to(job.runtime.device)
+        labels = batch["labels"].to(job.runtime.device)
+        with job.precision.autocast(job.runtime.device, job.autocast_enabled):
+            logits = job.model(input_ids)
+        totals[0] += summed_cross_entropy(logits, labels).double()
+        totals[1] += (labels != IGNORE_INDEX).sum()
+    job.runtime.all_reduce(totals)
+    job.model.train()
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+def _step_metrics(job: Fit, state: TrainState, loss: float, lr: float, grad_norm: float,
+                  tokens_per_sec: float) -> dict:
+    per_device = tokens_per_sec / job.runtime.world_size
+    mfu = None
+    if job.flops_per_token and job.peak_flops_per_device:
+        mfu = per_device * job.flops_per_token / job.peak_flops_per_device
+    remaining = max(0, job.horizon.total_steps - state.step)
+    seconds_per_step = state.elapsed_s / max(1, state.step)
+    return {"step": state.step, "tokens": state.tokens, "epoch": job.train_loader.epoch, "loss": loss,
+            "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
+            "tokens_per_sec_per_device": per_device, "mfu": mfu, "peak_memory_gb": peak_memory_gb(job.runtime.device),
+            "elapsed_s": state.elapsed_s, "eta_s": remaining * seconds_per_step}
+
+
+def _log(job: Fit, metrics: dict, console: Console, line: Optional[str] = None) -> None:
+    if not job.runtime.is_main:
+        return
+    for logger in job.loggers:
+        logger.log(metrics)
+    if line is not None:
+        console.print(line)
+    else:
+        console.update(metrics, metrics["step"])
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak allocated accelerator memory, or this process's peak resident set size on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
