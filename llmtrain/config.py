@@ -154,15 +154,17 @@ class Config:
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> "Config":
-        """The zoo architecture called `name` (case-insensitive, an `org/` prefix is ignored).
+        """The zoo architecture called `name`: case-insensitive, also found by its Hugging Face
+        repository name (`TinyLlama/TinyLlama-1.1B-Chat-v1.0`); an `org/` prefix is ignored.
 
         Keyword arguments override fields, e.g. `Config.from_name("llama-debug", n_layer=2)`.
         """
         key = name.split("/")[-1].lower()
-        entries = {entry["name"].lower(): entry for entry in MODEL_ZOO}
+        entries = {entry["hf_config"]["name"].lower(): entry for entry in MODEL_ZOO if entry.get("hf_config")}
+        entries.update({entry["name"].lower(): entry for entry in MODEL_ZOO})
         if key not in entries:
             close = difflib.get_close_matches(key, entries, n=5, cutoff=0.5)
-            hint = ", ".join(entries[c]["name"] for c in close) if close else "none"
+            hint = ", ".join(dict.fromkeys(entries[c]["name"] for c in close)) or "none"
             raise ValueError(
                 f"Unknown model name {name!r}. Closest matches: {hint}. "
                 "See `Config.names()` for every name in the zoo."
@@ -298,21 +300,22 @@ _MISTRAL = [
 ]
 
 # Qwen2.5: Llama layout plus a bias on q/k/v; the three small models tie embeddings.
+# NOTE: block_size is the native 32K context; the 7B+ models reach 128K only with YaRN, not implemented.
 _QWEN_25_SHAPES = {
-    #        n_layer n_embd n_head groups interm. vocab   tied   eps   block
-    "0.5B": (24, 896, 14, 2, 4864, 151936, True, 1e-6, 32768),
-    "1.5B": (28, 1536, 12, 2, 8960, 151936, True, 1e-6, 32768),
-    "3B": (36, 2048, 16, 2, 11008, 151936, True, 1e-6, 32768),
-    "7B": (28, 3584, 28, 4, 18944, 152064, False, 1e-6, 131072),
-    "14B": (48, 5120, 40, 8, 13824, 152064, False, 1e-5, 131072),
-    "32B": (64, 5120, 40, 8, 27648, 152064, False, 1e-5, 131072),
-    "72B": (80, 8192, 64, 8, 29568, 152064, False, 1e-5, 131072),
+    #        n_layer n_embd n_head groups interm. vocab   tied   norm_eps
+    "0.5B": (24, 896, 14, 2, 4864, 151936, True, 1e-6),
+    "1.5B": (28, 1536, 12, 2, 8960, 151936, True, 1e-6),
+    "3B": (36, 2048, 16, 2, 11008, 151936, True, 1e-6),
+    "7B": (28, 3584, 28, 4, 18944, 152064, False, 1e-6),
+    "14B": (48, 5120, 40, 8, 13824, 152064, False, 1e-5),
+    "32B": (64, 5120, 40, 8, 27648, 152064, False, 1e-5),
+    "72B": (80, 8192, 64, 8, 29568, 152064, False, 1e-5),
 }
 _QWEN_25 = [
     entry
-    for size, (n_layer, n_embd, n_head, groups, intermediate, vocab, tied, eps, block) in _QWEN_25_SHAPES.items()
+    for size, (n_layer, n_embd, n_head, groups, intermediate, vocab, tied, eps) in _QWEN_25_SHAPES.items()
     for entry in _with_variants(
-        _llama(f"Qwen2.5-{size}", "Qwen", block_size=block, vocab_size=vocab, padding_multiple=64,
+        _llama(f"Qwen2.5-{size}", "Qwen", block_size=32768, vocab_size=vocab, padding_multiple=64,
                n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_query_groups=groups,
                intermediate_size=intermediate, tie_embeddings=tied, norm_eps=eps,
                attn_bias=True, rope_base=1000000.0),
@@ -346,7 +349,7 @@ _PHI = [
 ]
 
 # Pythia (GPT-NeoX): LayerNorm, exact GELU, biases everywhere, RoPE on a quarter of each head,
-# parallel residual with two norms. The tokenizer has 50254 tokens; tables are padded to 128.
+# parallel residual with two norms. Tables are padded to a multiple of 128, and further for 6.9b and 12b.
 _PYTHIA_SHAPES = {
     "14m": (6, 128, 4, None),
     "31m": (6, 256, 8, None),

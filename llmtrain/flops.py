@@ -15,21 +15,19 @@ if TYPE_CHECKING:
 def num_parameters(config: Config, include_embeddings: bool = True) -> int:
     """Number of parameters of `GPT(config)`, counting a tied embedding once.
 
-    include_embeddings=False leaves out the token-embedding table (`wte`) only; an untied
-    output layer is still counted, since it is a matmul like any other.
+    include_embeddings=False leaves out the token-embedding table (`wte`); for a model with tied
+    embeddings that table is also the output layer.
     """
-    per_layer = _attention_parameters(config) + _mlp_parameters(config)
     norms_per_layer = 1 if config.shared_attention_norm else 2
-    per_layer += norms_per_layer * _norm_parameters(config)
-
+    per_layer = _attention_parameters(config) + _mlp_parameters(config) + norms_per_layer * _norm_parameters(config)
     total = config.n_layer * per_layer + _norm_parameters(config)  # + final norm
+    embedding = config.padded_vocab_size * config.n_embd
+    if include_embeddings:
+        total += embedding
     if not config.tie_embeddings:
-        total += config.padded_vocab_size * config.n_embd
+        total += embedding  # lm_head
     if config.lm_head_bias:
         total += config.padded_vocab_size
-    if include_embeddings or config.tie_embeddings:
-        # A tied table is also the output layer, so it stays even without embeddings.
-        total += config.padded_vocab_size * config.n_embd if include_embeddings else 0
     return total
 
 
@@ -101,7 +99,6 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
     "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
     "L40S": {"bf16": 362.05e12, "fp16": 362.05e12, "tf32": 183.2e12, "fp32": 91.6e12},
     "L4": {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
-    "A10G": {"bf16": 70e12, "fp16": 70e12, "tf32": 35e12, "fp32": 31.2e12},
     "A10": {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12},
     "RTX 4090": {"bf16": 165.2e12, "fp16": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12},
     "RTX 3090": {"bf16": 71e12, "fp16": 71e12, "tf32": 35.6e12, "fp32": 35.6e12},
@@ -120,8 +117,8 @@ def lookup_peak_flops(device_name: str, dtype: "torch.dtype") -> Optional[float]
     else:
         key = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
     for pattern, peaks in PEAK_FLOPS.items():
-        # Whole-word match, so that "A10" does not match "A100".
-        if re.search(rf"(?<![A-Za-z0-9]){re.escape(pattern)}(?![0-9])", device_name):
+        # Whole-word match, so that "A10" matches neither "A100" nor "A10G".
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(pattern)}(?![A-Za-z0-9])", device_name):
             return peaks.get(key)
     return None
 

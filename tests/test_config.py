@@ -1,0 +1,108 @@
+import subprocess
+import sys
+
+import pytest
+
+from llmtrain.config import MODEL_ZOO, Config
+
+
+@pytest.mark.parametrize("name", Config.names())
+def test_every_zoo_entry_builds(name):
+    config = Config.from_name(name)
+    assert config.name == name
+    assert config.padded_vocab_size >= config.vocab_size
+    assert config.n_head % config.n_query_groups == 0
+    assert config.rope_n_elem % 2 == 0
+    if not name.endswith("-debug"):
+        assert set(config.hf_config) == {"org", "name"}
+
+
+def test_names_are_unique_and_listed():
+    names = Config.names()
+    assert len(names) == len(set(name.lower() for name in names)) == len(MODEL_ZOO)
+    for expected in ["tiny-llama-1.1b", "Llama-2-7b-hf", "Meta-Llama-3-8B", "Llama-3.1-405B", "Llama-3.2-1B",
+                     "Mistral-7B-v0.1", "Mistral-7B-v0.3", "Qwen2.5-0.5B", "Qwen2.5-72B", "gemma-2b", "gemma-7b",
+                     "phi-2", "pythia-14m", "pythia-12b", "SmolLM2-135M", "SmolLM2-1.7B", "llama-debug",
+                     "gpt-neox-debug", "phi-debug", "gemma-debug", "qwen2-debug", "mistral-debug"]:
+        assert expected in names
+
+
+def test_debug_configs_are_tiny():
+    for name in Config.names():
+        if name.endswith("-debug"):
+            config = Config.from_name(name)
+            assert (config.vocab_size, config.block_size) == (4096, 512)
+            assert config.n_layer == (4 if name == "llama-debug" else 2)
+
+
+def test_from_name_is_case_insensitive_and_ignores_org():
+    assert Config.from_name("llama-3.2-1b").name == "Llama-3.2-1B"
+    assert Config.from_name("meta-llama/Llama-3.2-1B").name == "Llama-3.2-1B"
+    # Also found by the Hugging Face repository name where it differs from the zoo name.
+    assert Config.from_name("TinyLlama/TinyLlama-1.1B-Chat-v1.0").name == "tiny-llama-1.1b-chat"
+
+
+def test_from_name_overrides():
+    config = Config.from_name("llama-debug", n_layer=1, block_size=64)
+    assert (config.n_layer, config.block_size) == (1, 64)
+    # Sizes derived from overridden fields are recomputed.
+    assert Config.from_name("llama-debug", n_embd=128).head_size == 32
+
+
+def test_from_name_unknown_suggests_close_names():
+    with pytest.raises(ValueError, match="Llama-2-7b-hf") as error:
+        Config.from_name("llama-2-7b")
+    assert "Unknown model name 'llama-2-7b'" in str(error.value)
+    with pytest.raises(ValueError, match="pythia-70m"):
+        Config.from_name("pythia-70")
+
+
+def test_derived_sizes():
+    config = Config(n_embd=256, n_head=8, vocab_size=1000, padding_multiple=64)
+    assert config.head_size == 32
+    assert config.n_query_groups == 8
+    assert config.padded_vocab_size == 1024
+    assert config.intermediate_size == 1024
+    assert Config.from_name("phi-2").rope_n_elem == 32  # 0.4 x 80
+    assert Config.from_name("pythia-70m").rope_n_elem == 16  # 0.25 x 64
+    assert Config.from_name("pythia-6.9b").padded_vocab_size == 50432
+    assert Config.from_name("gemma-7b").head_size == 256
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(n_head=8, n_query_groups=3), "n_head 8 is not divisible by n_query_groups 3"),
+        (dict(n_embd=100, n_head=8), "n_embd 100 is not divisible by n_head 8"),
+        (dict(norm_class_name="BatchNorm"), "norm_class_name must be one of"),
+        (dict(vocab_size=100, padded_vocab_size=64), "padded_vocab_size 64 is smaller than vocab_size 100"),
+        (dict(shared_attention_norm=True), "shared_attention_norm needs parallel_residual"),
+        (dict(rope_scaling={"factor": 8.0}), "rope_scaling is missing"),
+        (dict(rotary_percentage=0.0), "rotary_percentage must be in"),
+        (dict(n_layer=0), "n_layer must be positive"),
+    ],
+)
+def test_validation_names_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        Config(**fields)
+
+
+@pytest.mark.parametrize("name", ["Llama-3.1-8B", "phi-2", "gemma-debug"])
+def test_yaml_round_trip(tmp_path, name):
+    config = Config.from_name(name)
+    path = tmp_path / "model_config.yaml"
+    config.save(path)
+    assert Config.from_file(path) == config
+    assert Config.from_file(path).to_dict() == config.to_dict()
+
+
+def test_from_file_rejects_unknown_fields(tmp_path):
+    path = tmp_path / "model_config.yaml"
+    path.write_text("n_layr: 3\n")
+    with pytest.raises(ValueError, match="n_layr"):
+        Config.from_file(path)
+
+
+def test_import_does_not_import_torch():
+    code = "import sys, llmtrain.config; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,132 @@
+"""fit(): loss normalisation over the whole optimizer step, stop conditions, metrics."""
+
+import copy
+
+import pytest
+import torch
+
+from llmtrain.args import EvalArgs, TrainArgs, batch_plan
+from llmtrain.config import Config
+from llmtrain.distributed.runtime import Runtime
+from llmtrain.model import GPT
+from llmtrain.train.loop import IGNORE_INDEX, Fit, fit, plan_horizon
+from llmtrain.train.precision import Precision
+
+CONFIG = dict(name="loop-test", vocab_size=64, padding_multiple=64, block_size=16, n_layer=2, n_head=2,
+              n_embd=32, n_query_groups=1, intermediate_size=64)
+
+
+class ListLoader:
+    """A fixed list of samples served as micro-batches, like a data module's TrainLoader."""
+
+    def __init__(self, samples, micro_batch_size):
+        self.samples, self.micro_batch_size, self.position = samples, micro_batch_size, 0
+
+    @property
+    def epoch(self):
+        return self.position / len(self.samples)
+
+    samples_per_epoch = property(lambda self: len(self.samples))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        chunk = [self.samples[(self.position + i) % len(self.samples)] for i in range(self.micro_batch_size)]
+        self.position += self.micro_batch_size
+        return {"input_ids": torch.stack([c[0] for c in chunk]), "labels": torch.stack([c[1] for c in chunk])}
+
+    def state_dict(self):
+        return {"position": self.position}
+
+
+def padded_samples(seed=0, n=4, length=12):
+    """Samples with very different numbers of target tokens: padding must not change the gradient."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for index in range(n):
+        ids = torch.randint(0, 64, (length,), generator=generator)
+        labels = torch.randint(0, 64, (length,), generator=generator)
+        labels[2 + 3 * index:] = IGNORE_INDEX  # 2, 5, 8, 11 real targets
+        samples.append((ids, labels))
+    return samples
+
+
+def run_one_step(model, samples, micro_batch_size, global_batch_size=4):
+    train = TrainArgs(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, max_steps=1,
+                      max_norm=None, lr_warmup_steps=0, save_interval=None)
+    plan = batch_plan(train, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    loader = ListLoader(samples, micro_batch_size)
+    job = Fit(runtime=Runtime(), model=model, optimizer=optimizer, train_loader=loader, val_loader=None,
+              train=train, eval=EvalArgs(initial_validation=False, final_validation=False), plan=plan,
+              horizon=plan_horizon(train, 1, None), precision=Precision("32-true"),
+              save_checkpoint=lambda state: None, save_final=lambda state: None)
+    fit(job)
+    return job
+
+
+def reference_gradient(model, samples):
+    """The gradient of the mean token loss over all targets of the step, computed in one go."""
+    model = copy.deepcopy(model)
+    ids = torch.stack([s[0] for s in samples])
+    labels = torch.stack([s[1] for s in samples])
+    loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_accumulation_4x1_equals_1x4_with_padding():
+    torch.manual_seed(0)
+    base = GPT(Config(**CONFIG))
+    base.init_weights()
+    samples = padded_samples()
+    before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    expected = reference_gradient(base, samples)
+
+    updated = {}
+    for micro in (1, 4):
+        model = copy.deepcopy(base)
+        run_one_step(model, samples, micro_batch_size=micro)
+        # SGD with lr 1: the update is minus the gradient.
+        updated[micro] = {n: before[n] - p.detach() for n, p in model.named_parameters()}
+    for name in before:
+        torch.testing.assert_close(updated[1][name], updated[4][name], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(updated[4][name], expected[name], atol=1e-6, rtol=1e-5)
+    # Padding really varied: a per-micro-batch mean would weight the 2-token sample like the 11-token one.
+    assert max(float((updated[1][n] - expected[n]).abs().max()) for n in before) < 1e-5
+
+
+def test_per_micro_batch_mean_would_differ():
+    """Guard for the test above: the naive normalisation gives a different gradient on this data."""
+    torch.manual_seed(0)
+    model = GPT(Config(**CONFIG))
+    model.init_weights()
+    samples = padded_samples()
+    expected = reference_gradient(model, samples)
+    naive = copy.deepcopy(model)
+    for ids, labels in samples:
+        loss = torch.nn.functional.cross_entropy(naive(ids[None]).flatten(0, 1), labels, ignore_index=IGNORE_INDEX)
+        (loss / len(samples)).backward()
+    diffs = [float((p.grad - expected[n]).abs().max()) for n, p in naive.named_parameters()]
+    assert max(diffs) > 1e-4
+
+
+def test_stops_at_max_tokens_and_counts_tokens():
+    torch.manual_seed(0)
+    model = GPT(Config(**CONFIG))
+    model.init_weights()
+    samples = padded_samples()
+    train = TrainArgs(global_batch_size=2, micro_batch_size=1, max_tokens=2 * 12 * 3, lr_warmup_steps=0,
+                      save_interval=None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = batch_plan(train, 1)
+    saved = []
+    job = Fit(runtime=Runtime(), model=model, optimizer=optimizer, train_loader=ListLoader(samples, 1),
+              val_loader=None, train=train, eval=EvalArgs(initial_validation=False), plan=plan,
+              horizon=plan_horizon(train, 2 * 12, None), precision=Precision("32-true"),
+              save_checkpoint=lambda s: saved.append(("step", s.step)), save_final=lambda s: saved.append(("final", s.step)))
+    state = fit(job)
+    assert state.step == 3 and state.tokens == 72
+    assert "max_tokens" in state.stop_reason
+    assert saved == [("step", 3), ("final", 3)]

@@ -1,0 +1,335 @@
+import re
+
+import pytest
+import torch
+
+from llmtrain.config import Config
+from llmtrain.flops import num_parameters
+from llmtrain.model import GPT, build_rope_cache
+
+DEBUG_NAMES = ["llama-debug", "gpt-neox-debug", "phi-debug", "gemma-debug", "qwen2-debug", "mistral-debug"]
+
+
+def tiny(name: str, **overrides) -> Config:
+    """A zoo debug config made even smaller for fast tests."""
+    return Config.from_name(name, **{"block_size": 64, "vocab_size": 128, **overrides})
+
+
+def build(config: Config, seed: int = 0) -> GPT:
+    model = GPT(config)
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model.eval()
+
+
+# ---- behaviour ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", DEBUG_NAMES)
+def test_forward_shape_and_causality(name):
+    config = tiny(name, sliding_window=8) if name == "mistral-debug" else tiny(name)
+    model = build(config)
+    idx = torch.randint(0, config.vocab_size, (2, 24))
+    logits = model(idx)
+    assert logits.shape == (2, 24, config.padded_vocab_size)
+    assert torch.isfinite(logits).all()
+
+    changed = idx.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % config.vocab_size
+    new_logits = model(changed)
+    torch.testing.assert_close(new_logits[:, :10], logits[:, :10], rtol=0, atol=0)
+    assert not torch.allclose(new_logits[:, 10:], logits[:, 10:])
+
+
+def test_sliding_window_limits_the_context():
+    model = build(tiny("mistral-debug", n_layer=1, sliding_window=4))
+    idx = torch.randint(0, 128, (1, 16))
+    changed = idx.clone()
+    changed[0, 0] += 1
+    # With one layer, position t sees tokens t-3..t only: position 4 no longer sees token 0.
+    diff = (model(idx) - model(changed)).abs().amax(dim=-1)[0]
+    assert (diff[:4] > 0).all()
+    assert (diff[4:] == 0).all()
+
+
+@pytest.mark.parametrize("n_query_groups", [4, 2, 1])  # MHA, GQA, MQA
+def test_attention_head_shapes(n_query_groups):
+    config = tiny("llama-debug", n_embd=64, n_head=4, n_query_groups=n_query_groups)
+    model = build(config)
+    attn = model.blocks[0].attn
+    assert attn.q_proj.weight.shape == (4 * 16, 64)
+    assert attn.k_proj.weight.shape == (n_query_groups * 16, 64)
+    assert attn.v_proj.weight.shape == (n_query_groups * 16, 64)
+    assert attn.o_proj.weight.shape == (64, 4 * 16)
+    assert model(torch.randint(0, 128, (2, 8))).shape == (2, 8, 128)
+
+
+def test_head_size_independent_of_n_embd():
+    model = build(tiny("gemma-debug"))  # n_embd 128, 4 heads of 64
+    assert model.blocks[0].attn.q_proj.weight.shape == (256, 128)
+    assert model.blocks[0].attn.o_proj.weight.shape == (128, 256)
+
+
+def test_tied_embeddings_are_one_parameter():
+    model = build(tiny("qwen2-debug"))
+    assert model.lm_head.weight is model.wte.weight
+    assert num_parameters(model.config) == sum(p.numel() for p in model.parameters())
+    model(torch.randint(0, 128, (1, 4))).sum().backward()
+    assert model.wte.weight.grad is not None
+    assert not build(tiny("llama-debug")).config.tie_embeddings
+    assert build(tiny("llama-debug")).lm_head.weight is not build(tiny("llama-debug")).wte.weight
+
+
+@pytest.mark.parametrize("name", DEBUG_NAMES)
+def test_meta_build_then_init_is_finite_and_deterministic(name):
+    config = tiny(name)
+    idx = torch.randint(0, config.vocab_size, (2, 16))
+
+    def materialize(seed):
+        with torch.device("meta"):
+            model = GPT(config)
+        model.to_empty(device="cpu")
+        torch.manual_seed(seed)
+        model.init_weights()
+        return model.eval()
+
+    first, second, other_seed = materialize(1), materialize(1), materialize(2)
+    assert first.config.tie_embeddings == (first.lm_head.weight is first.wte.weight)
+    logits = first(idx)
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(second(idx), logits, rtol=0, atol=0)
+    assert not torch.allclose(other_seed(idx), logits)
+    # Same as building on CPU directly: no state is left over from the meta device.
+    torch.testing.assert_close(build(config, seed=1)(idx), logits, rtol=0, atol=0)
+
+
+def test_init_weights_statistics():
+    config = Config.from_name("llama-debug")
+    model = build(config)
+    residual_std = 0.02 / (2 * config.n_layer) ** 0.5
+    assert model.wte.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.blocks[0].attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.blocks[0].attn.o_proj.weight.std().item() == pytest.approx(residual_std, rel=0.05)
+    assert model.blocks[0].mlp.down_proj.weight.std().item() == pytest.approx(residual_std, rel=0.05)
+    assert (model.norm_f.weight == 1).all()
+    assert (build(tiny("gemma-debug")).norm_f.weight == 0).all()  # multiplies by (1 + weight)
+    assert (build(tiny("gpt-neox-debug")).blocks[0].attn.q_proj.bias == 0).all()
+
+
+def test_rope_cache_is_not_in_the_state_dict_and_can_be_reset():
+    model = build(tiny("llama-debug"))
+    assert not any("rope" in key for key in model.state_dict())
+    expected = model.rope_cos.clone()
+    model.rope_cos.zero_()
+    model.reset_rope_cache()
+    torch.testing.assert_close(model.rope_cos, expected)
+
+
+def test_max_seq_length():
+    model = build(tiny("llama-debug"))
+    assert model.max_seq_length == 64
+    model.max_seq_length = 16
+    assert model.rope_cos.shape == (16, 64)
+    with pytest.raises(ValueError, match="--train.max_seq_length"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError, match="block_size 64"):
+        model.max_seq_length = 65
+
+
+def test_llama3_rope_scaling_changes_only_low_frequencies():
+    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+    plain = Config.from_name("Meta-Llama-3-8B")
+    scaled = Config.from_name("Meta-Llama-3-8B", rope_scaling=scaling)
+    position = 4096
+    _, sin_plain = build_rope_cache(position + 1, plain)
+    _, sin_scaled = build_rope_cache(position + 1, scaled)
+    # Frequencies whose wavelength is under 8192 / 4 tokens are untouched; the longest slowed down 8x.
+    torch.testing.assert_close(sin_scaled[position, :20], sin_plain[position, :20])
+    lowest_plain = torch.asin(sin_plain[position, 63]).item()
+    lowest_scaled = torch.asin(sin_scaled[position, 63]).item()
+    assert lowest_scaled == pytest.approx(lowest_plain / 8, rel=1e-3)
+
+
+# ---- parameter counts against transformers, on the meta device -----------------------------------
+
+# Published totals (model cards / safetensors metadata).
+PUBLISHED_PARAMETERS = {
+    "tiny-llama-1.1b": 1.100e9,
+    "Llama-2-7b-hf": 6.738e9,
+    "Llama-2-70b-hf": 68.98e9,
+    "Llama-3.1-8B": 8.030e9,
+    "Llama-3.1-405B": 405.85e9,
+    "Llama-3.2-1B": 1.236e9,
+    "Llama-3.2-3B": 3.213e9,
+    "Mistral-7B-v0.1": 7.242e9,
+    "Mistral-7B-v0.3": 7.248e9,
+    "Qwen2.5-0.5B": 0.494e9,
+    "Qwen2.5-7B": 7.616e9,
+    "Qwen2.5-72B": 72.71e9,
+    "gemma-2b": 2.506e9,
+    "gemma-7b": 8.538e9,
+    "phi-2": 2.780e9,
+    "pythia-70m": 70.43e6,
+    "pythia-1b": 1.012e9,
+    "pythia-12b": 11.85e9,
+    "SmolLM2-135M": 134.5e6,
+    "SmolLM2-1.7B": 1.711e9,
+}
+# Built as transformers models too: at least one per family, kept small enough to stay fast.
+COMPARED_WITH_TRANSFORMERS = [
+    "tiny-llama-1.1b", "Llama-2-7b-hf", "Llama-3.1-8B", "Llama-3.2-1B", "Mistral-7B-v0.1", "Qwen2.5-0.5B",
+    "Qwen2.5-7B", "gemma-2b", "phi-2", "pythia-70m", "pythia-1b", "SmolLM2-135M",
+]
+
+
+def hf_family(config: Config) -> str:
+    if config.mlp_class_name == "GemmaMLP":
+        return "gemma"
+    if config.mlp_class_name == "GptNeoxMLP":
+        return "phi" if config.shared_attention_norm else "gpt_neox"
+    if config.attn_bias:
+        return "qwen2"
+    return "mistral" if config.sliding_window is not None else "llama"
+
+
+def hf_model(config: Config):
+    """The transformers model with the architecture of `config` (fp32, eager attention)."""
+    import transformers
+
+    rope = {"rope_type": "default", "rope_theta": config.rope_base}
+    if config.rope_scaling is not None:
+        scaling = config.rope_scaling
+        rope = {**rope, "rope_type": "llama3", "factor": scaling["factor"],
+                "low_freq_factor": scaling["low_freq_factor"], "high_freq_factor": scaling["high_freq_factor"],
+                "original_max_position_embeddings": scaling["original_max_seq_len"]}
+    if config.rotary_percentage < 1.0:
+        rope["partial_rotary_factor"] = config.rotary_percentage
+    common = dict(
+        vocab_size=config.padded_vocab_size, hidden_size=config.n_embd, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
+        max_position_embeddings=config.block_size, tie_word_embeddings=config.tie_embeddings,
+        rope_parameters=rope, attn_implementation="eager",
+    )
+    llama_like = dict(common, num_key_value_heads=config.n_query_groups, head_dim=config.head_size,
+                      rms_norm_eps=config.norm_eps)
+    family = hf_family(config)
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_like))
+    if family == "mistral":
+        hf_config = transformers.MistralConfig(**llama_like, sliding_window=config.sliding_window)
+        return transformers.MistralForCausalLM(hf_config)
+    if family == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**llama_like))
+    if family == "gemma":
+        hf_config = transformers.GemmaConfig(**llama_like, hidden_activation="gelu_pytorch_tanh")
+        return transformers.GemmaForCausalLM(hf_config)
+    if family == "phi":
+        hf_config = transformers.PhiConfig(**common, layer_norm_eps=config.norm_eps, hidden_act="gelu_new")
+        return transformers.PhiForCausalLM(hf_config)
+    hf_config = transformers.GPTNeoXConfig(**common, layer_norm_eps=config.norm_eps, hidden_act="gelu",
+                                           use_parallel_residual=config.parallel_residual)
+    return transformers.GPTNeoXForCausalLM(hf_config)
+
+
+@pytest.mark.parametrize("name", COMPARED_WITH_TRANSFORMERS)
+def test_parameter_count_matches_transformers(name):
+    config = Config.from_name(name)
+    with torch.device("meta"):
+        ours = sum(p.numel() for p in GPT(config).parameters())
+        theirs = sum(p.numel() for p in hf_model(config).parameters())
+    assert ours == theirs
+    assert num_parameters(config) == ours
+
+
+@pytest.mark.parametrize("name, published", PUBLISHED_PARAMETERS.items())
+def test_parameter_count_matches_published_size(name, published):
+    assert num_parameters(Config.from_name(name)) == pytest.approx(published, rel=0.01)
+
+
+# ---- logits against transformers -----------------------------------------------------------------
+
+# (transformers name pattern, our name); `{q,k,v}` in the transformers name marks a fused QKV tensor.
+LLAMA_NAMES = [
+    (r"model\.embed_tokens\.(\w+)", r"wte.\1"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.(\w+)", r"blocks.\1.attn_norm.\2"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.(\w+)", r"blocks.\1.mlp_norm.\2"),
+    (r"model\.layers\.(\d+)\.self_attn\.(\w)_proj\.(\w+)", r"blocks.\1.attn.\2_proj.\3"),
+    (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.(\w+)", r"blocks.\1.mlp.\2_proj.\3"),
+    (r"model\.norm\.(\w+)", r"norm_f.\1"),
+    (r"lm_head\.(\w+)", r"lm_head.\1"),
+]
+PHI_NAMES = [
+    (r"model\.embed_tokens\.(\w+)", r"wte.\1"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.(\w+)", r"blocks.\1.attn_norm.\2"),
+    (r"model\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.(\w+)", r"blocks.\1.attn.\2_proj.\3"),
+    (r"model\.layers\.(\d+)\.self_attn\.dense\.(\w+)", r"blocks.\1.attn.o_proj.\2"),
+    (r"model\.layers\.(\d+)\.mlp\.fc1\.(\w+)", r"blocks.\1.mlp.fc.\2"),
+    (r"model\.layers\.(\d+)\.mlp\.fc2\.(\w+)", r"blocks.\1.mlp.proj.\2"),
+    (r"model\.final_layernorm\.(\w+)", r"norm_f.\1"),
+    (r"lm_head\.(\w+)", r"lm_head.\1"),
+]
+GPT_NEOX_NAMES = [
+    (r"gpt_neox\.embed_in\.(\w+)", r"wte.\1"),
+    (r"gpt_neox\.layers\.(\d+)\.input_layernorm\.(\w+)", r"blocks.\1.attn_norm.\2"),
+    (r"gpt_neox\.layers\.(\d+)\.post_attention_layernorm\.(\w+)", r"blocks.\1.mlp_norm.\2"),
+    (r"gpt_neox\.layers\.(\d+)\.attention\.query_key_value\.(\w+)", r"blocks.\1.attn.{qkv}_proj.\2"),
+    (r"gpt_neox\.layers\.(\d+)\.attention\.dense\.(\w+)", r"blocks.\1.attn.o_proj.\2"),
+    (r"gpt_neox\.layers\.(\d+)\.mlp\.dense_h_to_4h\.(\w+)", r"blocks.\1.mlp.fc.\2"),
+    (r"gpt_neox\.layers\.(\d+)\.mlp\.dense_4h_to_h\.(\w+)", r"blocks.\1.mlp.proj.\2"),
+    (r"gpt_neox\.final_layer_norm\.(\w+)", r"norm_f.\1"),
+    (r"lm_head\.(\w+)", r"lm_head.\1"),
+]
+HF_NAMES = {"llama": LLAMA_NAMES, "mistral": LLAMA_NAMES, "qwen2": LLAMA_NAMES, "gemma": LLAMA_NAMES,
+            "phi": PHI_NAMES, "gpt_neox": GPT_NEOX_NAMES}
+
+
+def state_dict_from_hf(hf_state_dict: dict, config: Config) -> dict:
+    """Rename a transformers state dict to llmtrain names (the seed of the later converters)."""
+    ours = {}
+    for hf_name, tensor in hf_state_dict.items():
+        for pattern, replacement in HF_NAMES[hf_family(config)]:
+            if re.fullmatch(pattern, hf_name):
+                name = re.sub(pattern, replacement, hf_name)
+                break
+        else:
+            raise KeyError(f"No llmtrain name for {hf_name}")
+        if "{qkv}" in name:
+            # GPT-NeoX fuses q, k, v per head: rows are laid out as (n_head, 3, head_size).
+            per_head = tensor.reshape(config.n_head, 3, config.head_size, *tensor.shape[1:])
+            for i, part in enumerate("qkv"):
+                ours[name.replace("{qkv}", part)] = per_head[:, i].reshape(-1, *tensor.shape[1:])
+        else:
+            ours[name] = tensor
+    return ours
+
+
+LOGIT_CASES = {
+    "llama": tiny("llama-debug"),
+    "llama-3.2-rope-scaling": tiny("llama-debug", tie_embeddings=True, rope_base=500000.0,
+                                   rope_scaling=dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                     original_max_seq_len=32)),
+    "mistral-sliding-window": tiny("mistral-debug", sliding_window=8),
+    "qwen2": tiny("qwen2-debug"),
+    "gemma": tiny("gemma-debug"),
+    "phi": tiny("phi-debug"),
+    "gpt-neox": tiny("gpt-neox-debug"),
+}
+
+
+@pytest.mark.parametrize("case", LOGIT_CASES)
+def test_logits_match_transformers(case):
+    config = LOGIT_CASES[case]
+    torch.manual_seed(0)
+    hf = hf_model(config).eval()
+    with torch.no_grad():
+        # Randomise everything, norms and biases included, so that no wiring mistake hides.
+        for param in hf.parameters():
+            param.normal_(0.0, 0.1)
+    ours = GPT(config).eval()
+    ours.load_state_dict(state_dict_from_hf(hf.state_dict(), config), strict=True)
+
+    idx = torch.randint(0, config.vocab_size, (2, 24))
+    with torch.no_grad():
+        expected = hf(idx).logits
+        actual = ours(idx)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
