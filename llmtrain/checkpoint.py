@@ -152,6 +152,7 @@ def link_model_dir(source: Path, target: Path) -> Path:
     meta = json.loads((source / MARKER_FILE).read_text())
     meta["files"] = sorted(p.name for p in tmp.iterdir())
     meta["source"] = source.name
+    meta["kind"] = "model"
     (tmp / MARKER_FILE).write_text(json.dumps(meta, indent=2))
     _fsync_tree(tmp)
     if target.exists():

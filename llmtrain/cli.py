@@ -28,10 +28,12 @@ def _positional_to_flag(argv: list[str]) -> list[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from jsonargparse import CLI
+    from jsonargparse import CLI, set_parsing_settings
 
     import llmtrain.data  # noqa: F401  (registers the data modules so `--data NAME` resolves)
 
+    # Field docstrings of the argument dataclasses become the flags' help text.
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
     args = _positional_to_flag(list(sys.argv[1:] if argv is None else argv))
     CLI(commands(), args=args, description="Pretrain and fine-tune GPT-style language models.")
 

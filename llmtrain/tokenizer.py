@@ -35,12 +35,17 @@ class Tokenizer:
                 f"Tokenizer {what} not found: {missing}. Pass --tokenizer_dir pointing to a folder "
                 "that holds tokenizer.json (e.g. a downloaded Hugging Face model folder)."
             )
-        self.processor = HFTokenizer.from_file(str(tokenizer_path))
+        # Read the file once: the fingerprint must describe exactly what was loaded.
+        tokenizer_json = tokenizer_path.read_bytes()
+        self.processor = HFTokenizer.from_str(tokenizer_json.decode("utf-8"))
         settings = _read_special_token_settings(self.checkpoint_dir)
         self.bos_id: Optional[int] = self._resolve_id(settings.get("bos_token"), settings.get("bos_token_id"))
         self.eos_id: Optional[int] = self._resolve_id(settings.get("eos_token"), settings.get("eos_token_id"))
         self.add_bos: bool = self._default_add_bos(settings.get("add_bos_token"))
-        self._fingerprint: Optional[str] = None
+        digest = hashlib.sha256(tokenizer_json)
+        digest.update(json.dumps(self._config_dict(), sort_keys=True).encode())
+        self.fingerprint: str = digest.hexdigest()
+        """Changes whenever the ids this tokenizer produces could change; a cache key."""
 
     @property
     def vocab_size(self) -> int:
@@ -78,15 +83,6 @@ class Tokenizer:
             # NOTE: the settings may have come from generation_config.json, which belongs to the
             # model rather than the tokenizer; write them down so the copy reads the same.
             _atomic_write_json(out_dir / "tokenizer_config.json", self._config_dict())
-
-    @property
-    def fingerprint(self) -> str:
-        """Changes whenever the ids this tokenizer produces could change; a cache key."""
-        if self._fingerprint is None:
-            digest = hashlib.sha256((self.checkpoint_dir / "tokenizer.json").read_bytes())
-            digest.update(json.dumps(self._config_dict(), sort_keys=True).encode())
-            self._fingerprint = digest.hexdigest()
-        return self._fingerprint
 
     def __repr__(self) -> str:
         return (

@@ -9,7 +9,6 @@ A batch is ``{"input_ids": LongTensor (B, T), "labels": LongTensor (B, T)}``; la
 inputs shifted by one, and -100 marks positions that must not count in the loss.
 """
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -19,8 +18,6 @@ import torch
 
 from llmtrain.data.tokens import open_tokens
 from llmtrain.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
 
 Batch = dict[str, torch.Tensor]
 IGNORE_INDEX = -100
@@ -158,6 +155,8 @@ class TrainLoader:
     def _global_order(self, positions: np.ndarray) -> np.ndarray:
         """Sample indices at global positions (which may span an epoch boundary)."""
         epochs, offsets = np.divmod(positions, self.samples_per_epoch)
+        if not self.shuffle:
+            return offsets
         indices = np.empty_like(positions)
         for epoch in np.unique(epochs).tolist():
             mask = epochs == epoch
@@ -165,8 +164,6 @@ class TrainLoader:
         return indices
 
     def _order(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(self.samples_per_epoch)
         if epoch not in self._orders:
             # Keep only the epochs a micro-step can still touch: the permutation of a big dataset is large.
             self._orders = {e: order for e, order in self._orders.items() if e >= epoch - 1}
@@ -212,6 +209,10 @@ class PretrainDataModule(DataModule):
     _dp_rank: int = 0
     _dp_size: int = 1
 
+    def connect(self, tokenizer: Tokenizer, micro_batch_size: int, max_seq_length: int, seed: int = 42) -> None:
+        super().connect(tokenizer, micro_batch_size, max_seq_length, seed)
+        self._files = None  # token files belong to one tokenizer; find them again
+
     def setup(self, dp_rank: int = 0, dp_size: int = 1) -> None:
         self._require_connected()
         if self._files is None:  # prepare_data is idempotent: on a cache hit it only finds the files
@@ -219,11 +220,12 @@ class PretrainDataModule(DataModule):
         files = self._files
         assert files is not None, f"{type(self).__name__}.prepare_data() must set self._files"
         train = open_tokens(files.train)
-        val = open_tokens(files.val) if files.val is not None else None
+        val, val_name = (open_tokens(files.val), files.val_name) if files.val is not None else (None, "")
         if val is None and files.val_fraction > 0:
             # The held-out tail of the one stream: deterministic and free of overlap with train.
             num_val = int(len(train) * files.val_fraction)
             train, val = train[: len(train) - num_val], train[len(train) - num_val :]
+            val_name = f"The last {files.val_fraction:g} (--data.val_split_fraction) of {files.train_name}"
         self._dp_rank, self._dp_size = dp_rank, dp_size
         self._train_tokens, self._val_tokens = train, val
         needed = dp_size * self.micro_batch_size
@@ -231,9 +233,9 @@ class PretrainDataModule(DataModule):
                          f"one micro-step takes {needed} (data-parallel size {dp_size} × micro batch "
                          f"{self.micro_batch_size}). Add data, or lower --train.micro_batch_size or --train.max_seq_length")
         if val is not None:
-            self._check_size(val, files.val_name, dp_size,
-                             f"each of the {dp_size} data-parallel ranks needs one. Add validation data, "
-                             "or lower --train.max_seq_length")
+            self._check_size(val, val_name, dp_size,
+                             f"each of the {dp_size} data-parallel ranks needs one. Add validation data "
+                             "(or raise --data.val_split_fraction), or lower --train.max_seq_length")
 
     def train_dataloader(self) -> TrainLoader:
         windows = TokenWindows(self._opened(self._train_tokens), self.max_seq_length)
@@ -270,7 +272,7 @@ class TokenFiles:
     """The training data as the user named it, e.g. "--data.train_data_path /data/books"."""
     val: Optional[Path] = None
     """Cached token file of the validation data, if it has its own."""
-    val_name: str = "the validation data"
+    val_name: str = "The validation data"
     """The validation data as the user named it."""
     val_fraction: float = 0.0
     """Without `val`: the fraction at the end of the train tokens held out for validation."""

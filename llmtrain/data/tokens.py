@@ -96,10 +96,20 @@ def tokenize_to_cache(
     if existing is not None:
         return existing
     bin_path = cache_dir() / "tokens" / f"{key}.bin"
-    bin_path.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(bin_path.with_suffix(".lock")):
+        existing = cached_token_file(key)  # another process may have finished while we waited
+        if existing is not None:
+            return existing
+        return _tokenize(pieces, tokenizer, bin_path, num_workers, total_chars, description)
+
+
+def _tokenize(
+    pieces: Iterable[Piece], tokenizer: Tokenizer, bin_path: Path, num_workers: int,
+    total_chars: Optional[int], description: str,
+) -> Path:
     if total_chars is not None and total_chars < PROCESS_POOL_MIN_CHARS:
         num_workers = 1
-    log.info("Tokenizing %s into %s", description or key, bin_path)
+    log.info("Tokenizing %s into %s", description or bin_path.stem, bin_path)
     start = time.perf_counter()
     dtype = token_dtype(tokenizer.vocab_size)
     temp_bin = _temp_name(bin_path)
@@ -145,8 +155,16 @@ def token_file_info(bin_path: Path) -> dict:
     return json.loads(bin_path.with_suffix(".json").read_text())
 
 
-def split_lines(text_lines: Iterable[str], piece_chars: int = PIECE_CHARS) -> Iterator[Piece]:
-    """One document from its lines, cut into pieces of about `piece_chars` at line ends.
+def document_pieces(text: str) -> Iterator[Piece]:
+    """A document as one piece, or as several when it is long (one book in one row, say)."""
+    if len(text) <= PIECE_CHARS:
+        yield Piece(text)
+    else:
+        yield from split_lines(text.splitlines(keepends=True))
+
+
+def split_lines(text_lines: Iterable[str]) -> Iterator[Piece]:
+    """One document from its lines, cut into pieces of about PIECE_CHARS at line ends.
 
     NOTE: cutting only at line ends keeps words whole, so the ids match those of encoding
     the document in one go, except possibly for runs of blank lines at a cut.
@@ -157,7 +175,7 @@ def split_lines(text_lines: Iterable[str], piece_chars: int = PIECE_CHARS) -> It
     for line in text_lines:
         buffer.append(line)
         size += len(line)
-        if size >= piece_chars:
+        if size >= PIECE_CHARS:
             yield Piece("".join(buffer), starts_document=first, ends_document=False)
             buffer, size, first = [], 0, False
     yield Piece("".join(buffer), starts_document=first, ends_document=True)
@@ -176,11 +194,11 @@ def exclusive_lock(path: Path) -> Iterator[None]:
         yield
         return
     with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # some shared filesystems (Lustre without -o flock) refuse locks
+            log.debug("No lock on %s; processes may duplicate work", path)
+        yield
 
 
 def _chunk(pieces: Iterable[Piece]) -> Iterator[list[Piece]]:

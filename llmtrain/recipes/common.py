@@ -48,6 +48,8 @@ def check_out_dir(out_dir: Path) -> None:
     parent = out_dir
     while not parent.exists():
         parent = parent.parent
+    if not parent.is_dir():
+        raise NotADirectoryError(f"--out_dir {out_dir}: {parent} is a file, not a directory; choose another --out_dir")
     if not os.access(parent, os.W_OK):
         raise PermissionError(f"--out_dir {out_dir}: {parent} is not writable; choose a directory you can write to")
     if out_dir.exists():

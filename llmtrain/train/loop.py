@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -83,8 +84,8 @@ def plan_horizon(train: TrainArgs, tokens_per_step: int, samples_per_epoch: Opti
     else:
         warmup = train.lr_warmup_steps or 0
     if warmup > total:
-        raise ValueError(f"--train.lr_warmup_steps {warmup} is longer than the whole run ({total} steps); "
-                         f"lower it below {total} or train longer")
+        warnings.warn(f"--train.lr_warmup_steps {warmup} is longer than the whole run ({total} steps): the "
+                      "learning rate never reaches its peak", stacklevel=2)
     return Horizon(total_steps=total, warmup_steps=warmup, max_steps=train.max_steps,
                    max_tokens=train.max_tokens, epochs=train.epochs, max_time=train.max_time)
 

@@ -1,0 +1,20 @@
+"""Data modules for pretraining, and the registry that `--data NAME` picks from.
+
+Every module is a dataclass subclass of `DataModule`; its fields are the `--data.*` flags.
+"""
+
+from llmtrain.data.base import IGNORE_INDEX, DataModule, PretrainDataModule, TrainLoader, ValLoader
+from llmtrain.data.hf_dataset import HFDataset
+from llmtrain.data.stories import BuiltinStories
+from llmtrain.data.text_files import TextFiles
+from llmtrain.data.tokens import cache_dir
+
+REGISTRY: dict[str, type[DataModule]] = {
+    module.__name__: module for module in (BuiltinStories, TextFiles, HFDataset)
+}
+"""Every data module by the name users pass to --data."""
+
+__all__ = [
+    "IGNORE_INDEX", "REGISTRY", "BuiltinStories", "DataModule", "HFDataset", "PretrainDataModule", "TextFiles",
+    "TrainLoader", "ValLoader", "cache_dir",
+]

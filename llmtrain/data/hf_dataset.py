@@ -1,0 +1,113 @@
+"""Pretrain on anything `datasets.load_dataset` reads: local json/parquet/csv/text files, or a Hub dataset."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+from llmtrain.data.base import PretrainDataModule, TokenFiles
+from llmtrain.data.tokens import Piece, available_cpu_count, cache_key, document_pieces, tokenize_to_cache
+from llmtrain.tokenizer import Tokenizer
+
+# load_dataset builders that read local files and so need --data.data_files.
+FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas", "webdataset")
+
+
+@dataclass
+class HFDataset(PretrainDataModule):
+    """A Hugging Face `datasets` source; one row's text field is one document."""
+
+    path: str
+    """First argument of datasets.load_dataset: "json", "parquet", "csv", "text", a local folder, or a Hub name."""
+    data_files: Optional[Union[str, list[str], dict[str, Union[str, list[str]]]]] = None
+    """Files for the json/parquet/csv/text builders: a path, a glob, a list, or {split: files}."""
+    name: Optional[str] = None
+    """Dataset configuration name (second argument of load_dataset), if the source has several."""
+    split: str = "train"
+    """Split to train on; slicing works, e.g. "train[:90%]"."""
+    text_field: str = "text"
+    """Column that holds the text."""
+    val_split: Optional[str] = None
+    """Split to validate on, e.g. "validation". None: hold out the end of the training data."""
+    val_split_fraction: float = 0.05
+    """Without --data.val_split: the fraction of training tokens, from the end, kept for validation. 0: no validation."""
+    num_workers: int = field(default_factory=available_cpu_count)
+    """Processes that tokenize in parallel (default: every available CPU core)."""
+
+    def validate(self) -> None:
+        if self.path in FILE_BUILDERS:
+            if not self.data_files:
+                raise ValueError(f"--data.path {self.path} reads local files: pass them with --data.data_files")
+            for file in _local_files(self.data_files):
+                if not Path(file).expanduser().exists():
+                    raise FileNotFoundError(f"--data.data_files names {file}, which does not exist")
+        elif _looks_local(self.path) and not Path(self.path).expanduser().exists():
+            raise FileNotFoundError(f"--data.path {self.path} does not exist")
+        if not 0 <= self.val_split_fraction < 1:
+            raise ValueError(f"--data.val_split_fraction must be in [0, 1), got {self.val_split_fraction}")
+        if self.num_workers < 1:
+            raise ValueError(f"--data.num_workers must be at least 1, got {self.num_workers}")
+
+    def prepare_data(self) -> None:
+        tokenizer = self._require_connected()
+        train_name = f"--data.path {self.path} (split {self.split!r})"
+        train = self._tokenize(self.split, "--data.split", tokenizer)
+        if self.val_split is None:
+            self._files = TokenFiles(train, train_name, val_fraction=self.val_split_fraction)
+            return
+        val = self._tokenize(self.val_split, "--data.val_split", tokenizer)
+        self._files = TokenFiles(train, train_name, val, f"--data.path {self.path} (split {self.val_split!r})")
+
+    def _tokenize(self, split: str, flag: str, tokenizer: Tokenizer) -> Path:
+        dataset = self._load(split, flag)
+        # NOTE: datasets derives the fingerprint from the builder config, which hashes the data files'
+        # paths and modification times (or the Hub revision), so edited data gets a new key.
+        source = getattr(dataset, "_fingerprint", None) or [self.path, self.name, self.data_files, dataset.num_rows]
+        key = cache_key("hf-dataset", source, split, self.text_field, tokenizer.fingerprint)
+        return tokenize_to_cache(
+            _documents(dataset, self.text_field), tokenizer, key, self.num_workers,
+            total_chars=dataset.data.nbytes, description=f"{self.path} split {split!r} ({dataset.num_rows:,} rows)",
+        )
+
+    def _load(self, split: str, flag: str) -> Any:
+        import datasets
+
+        try:
+            dataset = datasets.load_dataset(self.path, name=self.name, data_files=self.data_files, split=split)
+        except ValueError as error:
+            if "split" in str(error).lower():
+                raise ValueError(f"{flag} {split!r} is not available in --data.path {self.path}: {error}") from error
+            raise
+        if self.text_field not in dataset.column_names:
+            raise ValueError(
+                f"--data.text_field {self.text_field!r} is not a column of --data.path {self.path} (split {split!r}); "
+                f"its columns are {dataset.column_names}. Pass --data.text_field with one of them."
+            )
+        feature = dataset.features[self.text_field]
+        if getattr(feature, "dtype", None) not in ("string", "large_string"):
+            raise ValueError(
+                f"--data.text_field {self.text_field!r} of --data.path {self.path} holds {feature}, not text; "
+                f"pass --data.text_field with a text column of {dataset.column_names}."
+            )
+        return dataset.select_columns([self.text_field])
+
+
+def _documents(dataset: Any, text_field: str) -> Iterator[Piece]:
+    for batch in dataset.iter(batch_size=1024):
+        for text in batch[text_field]:
+            if text:  # empty and missing values are not documents
+                yield from document_pieces(text)
+
+
+def _local_files(data_files: Union[str, list, dict]) -> list[str]:
+    """The plain local paths among data_files (globs and URLs are left to datasets)."""
+    if isinstance(data_files, str):
+        candidates = [data_files]
+    elif isinstance(data_files, dict):
+        candidates = [f for files in data_files.values() for f in ([files] if isinstance(files, str) else files)]
+    else:
+        candidates = list(data_files)
+    return [f for f in candidates if "://" not in f and not any(c in f for c in "*?[")]
+
+
+def _looks_local(path: str) -> bool:
+    return path.startswith(("/", "./", "../", "~")) or Path(path).expanduser().exists()
