@@ -7,6 +7,7 @@ docstring, so a new flag is a new typed argument with one line of documentation.
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Callable, Optional, Sequence
 
 # Subcommands whose first positional argument is sugar for a flag: `pretrain NAME` = `pretrain --model_name NAME`.
@@ -32,6 +33,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     import llmtrain.data  # noqa: F401  (registers the data modules so `--data NAME` resolves)
 
+    # Warnings read as one line for people, not as a source listing.
+    warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"
     # Field docstrings of the argument dataclasses become the flags' help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     args = _positional_to_flag(list(sys.argv[1:] if argv is None else argv))

@@ -216,3 +216,22 @@ def test_unwritable_out_dir(tmp_path, tiny_model_file):
                 main(tiny_args(tiny_model_file, locked / "out", "--train.max_steps", "1"))
     finally:
         locked.chmod(0o700)
+
+
+def test_stops_on_epochs(tmp_path, tiny_model_file):
+    out_dir = tmp_path / "epochs"
+    main(tiny_args(tiny_model_file, out_dir, "--train.epochs", "0.01"))
+    last = out_dir / f"step-{max(train_losses(out_dir)):08d}"
+    state = torch.load(last / "training_state.pt", weights_only=True)
+    data = state["data"]
+    assert data["samples_consumed"] >= 0.01 * data["samples_per_epoch"]
+    assert data["samples_consumed"] - 4 < 0.01 * data["samples_per_epoch"]  # stopped at the first step past it
+
+
+def test_stops_on_max_time_with_a_checkpoint(tmp_path, tiny_model_file):
+    out_dir = tmp_path / "time"
+    main(tiny_args(tiny_model_file, out_dir, "--train.max_steps", "100000", "--train.max_time", "1.0"))
+    steps = max(train_losses(out_dir))
+    assert 1 <= steps < 100000
+    assert (out_dir / f"step-{steps:08d}" / "training_state.pt").is_file()
+    assert (out_dir / "final" / "model.safetensors").is_file()

@@ -195,6 +195,7 @@ def fit(job: Fit) -> TrainState:
         optimizer.zero_grad(set_to_none=True)
 
         state.step += 1
+        console.advance(state.step)
         step_tokens = int(counts[1].item()) if counts.device.type == "cpu" else None
         if step_tokens is None:  # NOTE: avoid a device sync per step: every step feeds the same shape
             step_tokens = job.plan.global_batch_size * micro_batches[0]["input_ids"].shape[1]
