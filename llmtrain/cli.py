@@ -7,7 +7,6 @@ docstring, so a new flag is a new typed argument with one line of documentation.
 from __future__ import annotations
 
 import sys
-import warnings
 from typing import Callable, Optional, Sequence
 
 # Subcommands whose first positional argument is sugar for a flag: `pretrain NAME` = `pretrain --model_name NAME`.
@@ -33,12 +32,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     import llmtrain.data  # noqa: F401  (registers the data modules so `--data NAME` resolves)
 
-    # Warnings read as one line for people, not as a source listing.
-    warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"
+    from llmtrain.distributed.launch import WorkerFailedError
+    from llmtrain.recipes.common import configure_process
+
+    configure_process()
     # Field docstrings of the argument dataclasses become the flags' help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     args = _positional_to_flag(list(sys.argv[1:] if argv is None else argv))
-    CLI(commands(), args=args, description="Pretrain and fine-tune GPT-style language models.")
+    try:
+        CLI(commands(), args=args, description="Pretrain and fine-tune GPT-style language models.")
+    except WorkerFailedError as error:  # the workers' tracebacks were printed already
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,16 @@ The user names a sharding strategy they know; it maps onto PyTorch's wrappers:
 
 The model may be built on the meta device; :func:`materialize` then allocates each rank's shard
 and initialises it so that the sharded model equals, bit for bit, a model initialised with the same
-seed in a single process.
+seed in a single process. A recipe does::
+
+    with torch.device("meta"):
+        model = GPT(config).to(precision.param_dtype)
+    model.max_seq_length = seq_len
+    model, info = parallelize(model, runtime=runtime, strategy=strategy, fsdp=fsdp, precision=precision,
+                              num_nodes=num_nodes, compile=compile)
+    materialize(model, runtime.device, seed, cpu_offload=info.cpu_offload)
+    # then: load_full_weights(model, dir) for initial weights; the optimizer over model.parameters();
+    # Fit(..., autocast_enabled=info.autocast_enabled)
 """
 
 from __future__ import annotations
@@ -273,7 +282,7 @@ class _FullSizeInit(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         target = args[0] if args else kwargs.get("tensor")
-        overwrites = func in _OVERWRITING_METHODS or getattr(func, "__module__", None) == "torch.nn.init"
+        overwrites = func in _OVERWRITING_METHODS or _is_public_initializer(func)
         if not (overwrites and isinstance(target, torch.Tensor) and _needs_full_size(target)):
             return func(*args, **kwargs)
         from torch.distributed.tensor import DTensor, distribute_tensor
@@ -288,6 +297,12 @@ class _FullSizeInit(TorchFunctionMode):
             full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
         _local(target).copy_(full)
         return target
+
+
+def _is_public_initializer(func) -> bool:
+    """nn.init.normal_, nn.init.ones_, ...: they overwrite their tensor argument."""
+    name = getattr(func, "__name__", "")
+    return getattr(func, "__module__", None) == "torch.nn.init" and name.endswith("_") and not name.startswith("_")
 
 
 def _needs_full_size(tensor: torch.Tensor) -> bool:

@@ -10,15 +10,24 @@ import contextlib
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 
+RDZV_TIMEOUT_ENV = "LLMTRAIN_RDZV_TIMEOUT"
+"""Seconds the processes of a run wait for each other to meet; :func:`llmtrain.distributed.launch.launch` sets it."""
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else default
+
+
+def _env_float(name: str) -> Optional[float]:
+    value = os.environ.get(name)
+    return float(value) if value not in (None, "") else None
 
 
 @dataclass
@@ -43,11 +52,14 @@ class Runtime:
         return self.world_size > 1
 
     @classmethod
-    def from_env(cls, accelerator: str = "auto", timeout_s: float = 600.0) -> "Runtime":
+    def from_env(cls, accelerator: str = "auto", timeout_s: float = 600.0,
+                 rdzv_timeout_s: Optional[float] = None) -> "Runtime":
         """Build the runtime from torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, ...).
 
         Without them this is a single process. With them, the default process group is created here
-        (NCCL on CUDA, gloo on CPU) with a bounded timeout so a missing peer fails instead of hanging.
+        (NCCL on CUDA, gloo on CPU). Two bounds keep a broken job from hanging: the processes must all
+        meet within ``rdzv_timeout_s`` (default: ``$LLMTRAIN_RDZV_TIMEOUT``, else ``timeout_s``), and
+        each collective afterwards must finish within ``timeout_s``.
         """
         world_size = _env_int("WORLD_SIZE", 1)
         rank = _env_int("RANK", 0)
@@ -55,9 +67,9 @@ class Runtime:
         local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
         device = pick_device(accelerator, local_rank)
         if world_size > 1 and not dist.is_initialized():
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                    **({"device_id": device} if device.type == "cuda" else {}))
+            if rdzv_timeout_s is None:
+                rdzv_timeout_s = _env_float(RDZV_TIMEOUT_ENV) or timeout_s
+            start_process_group(device, rank, world_size, timeout_s, rdzv_timeout_s)
         return cls(rank=rank, world_size=world_size, local_rank=local_rank,
                    local_world_size=local_world_size, device=device,
                    data_parallel_rank=rank, data_parallel_size=world_size)
@@ -102,14 +114,47 @@ class Runtime:
             dist.destroy_process_group()
 
 
+def start_process_group(device: torch.device, rank: int, world_size: int, timeout_s: float,
+                        rdzv_timeout_s: float) -> None:
+    """Meet the other ranks at MASTER_ADDR:MASTER_PORT, then create the default process group.
+
+    NOTE: the meeting gets its own, short timeout. Giving ``init_process_group`` a short timeout
+    instead would also bound every later collective, and a barrier that waits while rank 0
+    tokenizes a corpus or writes a checkpoint legitimately takes minutes.
+    """
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
+                                           timeout=datetime.timedelta(seconds=rdzv_timeout_s)))
+    except dist.DistError as err:
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise RuntimeError(
+            f"rank {rank} of {world_size}: the processes did not all meet at {where} within "
+            f"{rdzv_timeout_s:g}s ({str(err).strip()}). Check that every node and task was started and "
+            "that this address is reachable from all of them") from None
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s),
+                            **({"device_id": device} if device.type == "cuda" else {}))
+
+
 def pick_device(accelerator: str, local_rank: int) -> torch.device:
-    """``auto`` takes this rank's GPU when there is one, else the CPU."""
+    """``auto`` takes this rank's GPU when there is one, else the CPU.
+
+    A process that sees exactly one GPU (SLURM's ``--gpus-per-task 1`` hides the others) uses it
+    whatever its local rank.
+    """
     if accelerator not in ("auto", "cpu", "cuda", "gpu"):
         raise ValueError(f"--accelerator {accelerator!r} must be auto, cpu, cuda or gpu")
     want_cuda = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
     if want_cuda:
         if not torch.cuda.is_available():
             raise ValueError(f"--accelerator {accelerator} was asked for but no CUDA device is visible")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        count = torch.cuda.device_count()
+        index = 0 if count == 1 else local_rank
+        if index >= count:
+            raise ValueError(f"local rank {local_rank} needs GPU {index} but this process sees {count} "
+                             "(CUDA_VISIBLE_DEVICES); start at most one process per visible GPU")
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")

@@ -22,6 +22,14 @@ ResumeArg = Union[bool, Literal["auto"], Path]
 OptimizerArg = Union[str, Callable[[Iterable], torch.optim.Optimizer]]
 
 
+def configure_process() -> None:
+    """Per-process settings; spawned workers are fresh interpreters, so every entrypoint calls this."""
+    import warnings
+
+    # Warnings read as one line for people, not as a source listing.
+    warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"
+
+
 # ----------------------------------------------------------------------------- model config
 def resolve_model_config(model_name: Optional[str], model_config: Optional[Config],
                          initial_checkpoint_dir: Optional[Path] = None) -> Config:
@@ -111,21 +119,27 @@ def check_vocab(tokenizer: Any, config: Config, tokenizer_source: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------- model
-def build_model(config: Config, device: torch.device, seed: int, dtype: torch.dtype,
-                initial_checkpoint_dir: Optional[Path] = None) -> torch.nn.Module:
-    """Build on the meta device, then materialise and initialise on ``device`` (or load weights)."""
+def build_model(config: Config, *, runtime: Any, seed: int, precision: Any, strategy: str = "auto",
+                fsdp: Any = None, num_nodes: int = 1, compile: bool = False,
+                initial_checkpoint_dir: Optional[Path] = None) -> tuple[torch.nn.Module, Any]:
+    """Build on the meta device, parallelize, then materialise only this rank's shard.
+
+    A 70B model never exists whole on one rank: weights are allocated after sharding and initialised
+    (or loaded from ``initial_checkpoint_dir``) shard by shard. The same seed gives the same weights
+    at any world size.
+    """
+    from llmtrain.distributed.checkpoint import load_full_weights
+    from llmtrain.distributed.parallelize import materialize, parallelize
     from llmtrain.model import GPT
 
     with torch.device("meta"):
-        model = GPT(config)
-    model.to_empty(device=device)
-    # NOTE: the same seed on every rank gives every rank the same initial weights.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model.init_weights()
+        model = GPT(config).to(precision.param_dtype)
+    model, info = parallelize(model, runtime=runtime, strategy=strategy, fsdp=fsdp, precision=precision,
+                              num_nodes=num_nodes, compile=compile)
+    materialize(model, runtime.device, seed, cpu_offload=info.cpu_offload)
     if initial_checkpoint_dir is not None:
-        layout.load_model_weights(model, initial_checkpoint_dir)
-    return model.to(dtype)
+        load_full_weights(model, initial_checkpoint_dir)
+    return model, info
 
 
 # ------------------------------------------------------------------------------------ optimizer

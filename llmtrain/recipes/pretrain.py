@@ -11,6 +11,7 @@ import torch
 from llmtrain.args import EvalArgs, TrainArgs, batch_plan
 from llmtrain.config import Config
 from llmtrain.data.base import DataModule
+from llmtrain.distributed.parallelize import FSDPArgs
 from llmtrain.recipes import common
 from llmtrain.train.precision import Precision, PrecisionName
 
@@ -29,6 +30,9 @@ def setup(
     devices: int = 1,
     num_nodes: int = 1,
     accelerator: Literal["auto", "cpu", "cuda"] = "auto",
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto",
+    fsdp: FSDPArgs = FSDPArgs(),
+    compile: bool = False,
     tokenizer_dir: Optional[Path] = None,
     logger_name: Literal["csv", "tensorboard"] = "csv",
     seed: int = 42,
@@ -54,6 +58,10 @@ def setup(
         devices: Processes (devices) per node.
         num_nodes: Number of nodes.
         accelerator: Where to train: auto (GPU if there is one), cpu or cuda.
+        strategy: Data parallelism across processes: auto (FSDP when there is more than one process),
+            ddp or fsdp.
+        fsdp: FSDP settings: sharding strategy, activation checkpointing, CPU offload, checkpoint format.
+        compile: Compile every transformer block with torch.compile (before FSDP wraps it).
         tokenizer_dir: Folder with tokenizer.json and tokenizer_config.json. Built-in data brings its own.
         logger_name: Metrics go to out_dir/metrics.csv always; `tensorboard` adds TensorBoard logs.
         seed: Seed for weight init, data order and dropout.
@@ -70,7 +78,8 @@ def setup(
         "initial_checkpoint_dir": str(initial_checkpoint_dir) if initial_checkpoint_dir else None,
         "resume": str(resume) if isinstance(resume, Path) else resume, "data": common.data_spec(data),
         "train": common.to_yaml(train), "eval": common.to_yaml(eval), "optimizer": common.optimizer_spec(optimizer),
-        "devices": devices, "num_nodes": num_nodes, "accelerator": accelerator,
+        "devices": devices, "num_nodes": num_nodes, "accelerator": accelerator, "strategy": strategy,
+        "fsdp": common.to_yaml(fsdp), "compile": compile,
         "tokenizer_dir": str(tokenizer_dir) if tokenizer_dir else None, "logger_name": logger_name, "seed": seed,
     }
     # Everything cheap is checked before any process, tokenizer or model is created.
@@ -83,36 +92,31 @@ def setup(
         raise ValueError(f"--train.max_seq_length {seq_len} exceeds the block_size {config.block_size} of "
                          f"{config.name or 'the model'}; lower it to at most {config.block_size}")
     data.validate()
-    _check_devices(devices, num_nodes)
-    main(config=config, out_dir=Path(out_dir), precision=Precision(precision), resume_from=resume_from,
-         initial_checkpoint_dir=initial_checkpoint_dir, data=data, train=train, eval=eval, optimizer=optimizer,
-         accelerator=accelerator, tokenizer_dir=tokenizer_dir, logger_name=logger_name, seed=seed,
-         seq_len=seq_len, hyperparameters=hyperparameters)
+    from llmtrain.distributed.launch import launch
+    from llmtrain.distributed.parallelize import resolve_sharding_strategy
 
-
-def _check_devices(devices: int, num_nodes: int) -> None:
-    import os
-
-    if devices < 1 or num_nodes < 1:
-        raise ValueError(f"--devices {devices} and --num_nodes {num_nodes} must both be at least 1")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if devices * num_nodes != world:
-        raise ValueError(
-            f"--devices {devices} × --num_nodes {num_nodes} = {devices * num_nodes} processes, but this process "
-            f"runs in a world of {world}. Launch with torchrun --nproc_per_node {devices} --nnodes {num_nodes} "
-            "(spawning from a plain process comes with the distributed launcher)")
+    resolve_sharding_strategy(strategy, fsdp, devices * num_nodes, num_nodes)  # contradictions fail here
+    launch(main, kwargs=dict(
+        config=config, out_dir=Path(out_dir), precision=Precision(precision), resume_from=resume_from,
+        initial_checkpoint_dir=initial_checkpoint_dir, data=data, train=train, eval=eval, optimizer=optimizer,
+        accelerator=accelerator, strategy=strategy, fsdp=fsdp, compile=compile, num_nodes=num_nodes,
+        tokenizer_dir=tokenizer_dir, logger_name=logger_name, seed=seed, seq_len=seq_len,
+        hyperparameters=hyperparameters), devices=devices, num_nodes=num_nodes)
 
 
 def main(*, config: Config, out_dir: Path, precision: Precision, resume_from: Optional[Path],
          initial_checkpoint_dir: Optional[Path], data: DataModule, train: TrainArgs, eval: EvalArgs,
-         optimizer, accelerator: str, tokenizer_dir: Optional[Path], logger_name: str, seed: int,
-         seq_len: int, hyperparameters: dict) -> None:
+         optimizer, accelerator: str, strategy: str, fsdp: FSDPArgs, compile: bool, num_nodes: int,
+         tokenizer_dir: Optional[Path], logger_name: str, seed: int, seq_len: int, hyperparameters: dict) -> None:
+    """One rank's run: everything after launching. Every process of the job executes this."""
     from llmtrain.distributed.runtime import Runtime
     from llmtrain.flops import device_peak_flops, flops_per_token
-    from llmtrain.train.checkpointer import FullCheckpointer
+    from llmtrain.distributed.checkpoint import build_checkpointer, checkpoint_format
+    from llmtrain.distributed.parallelize import unwrap
     from llmtrain.train.loggers import build_loggers
     from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon
 
+    common.configure_process()
     runtime = Runtime.from_env(accelerator)
     plan = batch_plan(train, runtime.data_parallel_size)
     say = print if runtime.is_main else (lambda *a, **k: None)
@@ -128,23 +132,27 @@ def main(*, config: Config, out_dir: Path, precision: Precision, resume_from: Op
     horizon = plan_horizon(train, plan.global_batch_size * seq_len, train_loader.samples_per_epoch)
 
     t0 = time.perf_counter()
-    model = common.build_model(config, runtime.device, seed, precision.param_dtype, initial_checkpoint_dir)
-    model.max_seq_length = seq_len
-    n_params = sum(p.numel() for p in model.parameters())
+    model, info = common.build_model(config, runtime=runtime, seed=seed, precision=precision, strategy=strategy,
+                                     fsdp=fsdp, num_nodes=num_nodes, compile=compile,
+                                     initial_checkpoint_dir=initial_checkpoint_dir)
+    unwrap(model).max_seq_length = seq_len
+    n_params = sum(p.numel() for p in unwrap(model).parameters())  # FSDP2 parameters report their full size
     torch.manual_seed(seed + runtime.rank)  # dropout and sampling differ per rank, reproducibly
     opt = common.build_optimizer(optimizer, model.parameters())
     scaler = precision.grad_scaler(runtime.device)
     state = TrainState()
-    checkpointer = FullCheckpointer(runtime=runtime, out_dir=out_dir, model=model, optimizer=opt,
-                                    train_loader=train_loader, model_config=config, tokenizer=tokenizer,
-                                    hyperparameters=hyperparameters, scaler=scaler)
+    checkpoint_args = dict(runtime=runtime, out_dir=out_dir, model=model, optimizer=opt, train_loader=train_loader,
+                           model_config=config, tokenizer=tokenizer, hyperparameters=hyperparameters, scaler=scaler)
+    checkpointer = build_checkpointer(fsdp.state_dict_type, **checkpoint_args)
     if resume_from is not None:
-        checkpointer.load(resume_from, state)
+        # A checkpoint is read in the format it was written in, whatever this run writes.
+        build_checkpointer(checkpoint_format(resume_from), **checkpoint_args).load(resume_from, state)
+        checkpointer.last_saved = resume_from
         say(f"resumed from {resume_from} at step {state.step} ({state.tokens:,} tokens)")
     say(f"model {config.name or 'custom'}: {n_params / 1e6:.2f}M parameters, built in {time.perf_counter() - t0:.1f}s | "
-        f"world {runtime.world_size}, micro batch {plan.micro_batch_size}, global batch {plan.global_batch_size}, "
-        f"grad accumulation {plan.grad_accum_steps}, seq {seq_len}, {horizon.total_steps} steps, "
-        f"precision {precision.name}, device {runtime.device}")
+        f"{info.describe()} | world {runtime.world_size}, micro batch {plan.micro_batch_size}, global batch "
+        f"{plan.global_batch_size}, grad accumulation {plan.grad_accum_steps}, seq {seq_len}, "
+        f"{horizon.total_steps} steps, precision {precision.name}, device {runtime.device}")
 
     job = Fit(runtime=runtime, model=model, optimizer=opt, train_loader=train_loader, val_loader=val_loader,
               train=train, eval=eval, plan=plan, horizon=horizon, precision=precision,
@@ -152,7 +160,7 @@ def main(*, config: Config, out_dir: Path, precision: Precision, resume_from: Op
               loggers=build_loggers(logger_name, out_dir, state.step if resume_from else None) if runtime.is_main else [],
               flops_per_token=flops_per_token(config, seq_len),
               peak_flops_per_device=device_peak_flops(runtime.device, precision.compute_dtype),
-              state=state, scaler=scaler)
+              state=state, scaler=scaler, autocast_enabled=info.autocast_enabled)
     fit(job)
     say(f"done: {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.0f}s; final model in {out_dir / 'final'}")
 

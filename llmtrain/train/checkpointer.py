@@ -10,7 +10,6 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
 
@@ -78,19 +77,21 @@ class FullCheckpointer:
         return target
 
     def load(self, checkpoint_dir: Path, state: TrainState) -> None:
-        """Restore model, optimizer, counters, data position and this rank's RNG from ``checkpoint_dir``."""
-        from safetensors.torch import load_file
+        """Restore model, optimizer, counters, data position and this rank's RNG from ``checkpoint_dir``.
+
+        Under DDP or FSDP only rank 0 reads the weights and optimizer state; it broadcasts them and
+        every rank keeps its own shard, so the checkpoint loads at any world size.
+        """
+        from llmtrain.distributed.checkpoint import load_full_weights, restore_training_state
 
         training_state = layout.load_training_state(checkpoint_dir)
-        weights = load_file(str(Path(checkpoint_dir) / layout.MODEL_FILE))
-        set_model_state_dict(self.model, weights, options=StateDictOptions(strict=False))
-        set_optimizer_state_dict(self.model, self.optimizer, training_state["optimizer"])
-        state.load_state_dict(training_state["train_state"])
-        self.train_loader.load_state_dict(training_state["data"])
-        if self.scaler is not None and training_state.get("scaler"):
-            self.scaler.load_state_dict(training_state["scaler"])
-        rng_states = training_state["rng"]
-        # NOTE: with a different world size, ranks beyond the saved ones reuse rank 0's stream offset by rank.
-        rank = self.runtime.rank
-        layout.restore_rng_state(rng_states[rank] if rank < len(rng_states) else rng_states[0])
+        load_full_weights(self.model, checkpoint_dir, strict=False)
+        optimizer_state = training_state["optimizer"]
+        options = None
+        if self.runtime.is_distributed:
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            optimizer_state = optimizer_state if self.runtime.is_main else {}
+        set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
+        restore_training_state(training_state, state, self.train_loader, self.scaler, self.runtime.rank,
+                               optimizer=self.optimizer)
         self.last_saved = Path(checkpoint_dir)

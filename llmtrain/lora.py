@@ -1,0 +1,232 @@
+"""LoRA: train a low-rank update of chosen linear layers while the base model stays frozen.
+
+A `LoRALinear` wraps a base linear layer (plain, or a bitsandbytes 4-bit/int8 one for QLoRA):
+
+    y = base(x) + dropout(x) @ A^T @ B^T * (lora_alpha / lora_r)        A: (r, in), B: (out, r)
+
+B starts at zero, so a fresh adapter leaves the model's output unchanged. The model code knows
+nothing about this: `apply_lora` swaps modules in from outside. Each adapter stays a submodule of
+its `Block`, so `fully_shard(block)` shards adapters and frozen weights alike. Parameter names:
+
+    blocks.0.attn.q_proj.base.weight     the frozen base weight
+    blocks.0.attn.q_proj.lora_A          (r, in_features), trainable
+    blocks.0.attn.q_proj.lora_B          (out_features, r), trainable
+
+`merge_lora` folds the update into the base weight and gives back a plain model whose state-dict
+keys are those of a plain `GPT`.
+
+Order for users: build model -> load weights -> [`quantize_model`] -> `apply_lora` -> `mark_only_lora_trainable`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from llmtrain.quantize import compute_dtype_of, dequantize_weight, dequantize_linear, is_quantized_linear, plain_linear
+
+LORA_PARAMETER_NAMES = ("lora_A", "lora_B")
+_ATTENTION_FLAGS = {"lora_query": "q_proj", "lora_key": "k_proj", "lora_value": "v_proj", "lora_projection": "o_proj"}
+
+
+@dataclass
+class LoRAArgs:
+    """Which linear layers get LoRA adapters, and their shape."""
+
+    lora_r: int = 8
+    """Rank of the low-rank update (the inner dimension of B @ A)."""
+    lora_alpha: int = 16
+    """Scale of the update: it is multiplied by lora_alpha / lora_r."""
+    lora_dropout: float = 0.05
+    """Dropout probability on the adapter's input (the base path sees no dropout)."""
+    lora_query: bool = True
+    """Adapt the attention query projection (q_proj)."""
+    lora_key: bool = False
+    """Adapt the attention key projection (k_proj)."""
+    lora_value: bool = True
+    """Adapt the attention value projection (v_proj)."""
+    lora_projection: bool = False
+    """Adapt the attention output projection (o_proj)."""
+    lora_mlp: bool = False
+    """Adapt every linear layer of the MLP (fc/proj, or gate_proj/up_proj/down_proj)."""
+    lora_head: bool = False
+    """Adapt the output head (lm_head); not allowed when it is tied to the embedding."""
+
+    def __post_init__(self) -> None:
+        if self.lora_r <= 0:
+            raise ValueError(f"--lora_r must be a positive rank, got {self.lora_r}")
+        if self.lora_alpha <= 0:
+            raise ValueError(f"--lora_alpha must be positive, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / self.lora_r
+
+
+class LoRALinear(nn.Module):
+    """A frozen base linear layer plus a trainable low-rank update."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.base = base
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+        self.r = r
+        self.scaling = alpha / r
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        # Adapters live where the base weight lives and train in the dtype the layer computes in
+        # (the compute dtype for a quantized base).
+        factory = dict(device=base.weight.device, dtype=compute_dtype_of(base))
+        self.lora_A = nn.Parameter(torch.empty(r, self.in_features, **factory))
+        self.lora_B = nn.Parameter(torch.empty(self.out_features, r, **factory))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialise the adapter only (A like an nn.Linear, B zero); the base weight is left alone."""
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)  # (..., out_features)
+        hidden = F.linear(self.dropout(x.to(self.lora_A.dtype)), self.lora_A)  # (..., r)
+        update = F.linear(hidden, self.lora_B) * self.scaling  # (..., out_features)
+        return out + update.to(out.dtype)
+
+    @torch.no_grad()
+    def merged(self) -> nn.Linear:
+        """A plain nn.Linear computing base + update: W + B @ A * scale, summed in float32.
+
+        The result has the base weight's dtype, or the compute dtype when the base is quantized.
+        """
+        dtype = self.lora_A.dtype if is_quantized_linear(self.base) else self.base.weight.dtype
+        delta = (self.lora_B.float() @ self.lora_A.float()) * self.scaling  # (out, in)
+        weight = (dequantize_weight(self.base) + delta).to(dtype)
+        return plain_linear(weight, self.base.bias, requires_grad=self.base.weight.requires_grad)
+
+    def extra_repr(self) -> str:
+        return f"r={self.r}, scaling={self.scaling:g}"
+
+
+# ---- applying adapters -------------------------------------------------------------------------
+
+
+def lora_target_names(model: nn.Module, args: LoRAArgs) -> list[str]:
+    """Dotted names of the linear layers that `args` selects in `model`."""
+    names = []
+    for index, block in enumerate(model.blocks):
+        prefix = f"blocks.{index}"
+        names += [f"{prefix}.attn.{child}" for flag, child in _ATTENTION_FLAGS.items() if getattr(args, flag)]
+        if args.lora_mlp:
+            names += [f"{prefix}.mlp.{child}" for child, module in block.mlp.named_children()
+                      if isinstance(module, nn.Linear)]
+    if args.lora_head:
+        names.append("lm_head")
+    return names
+
+
+def apply_lora(model: nn.Module, args: LoRAArgs) -> list[str]:
+    """Wrap the linear layers chosen by `args` in `LoRALinear`, in place; return their names."""
+    names = lora_target_names(model, args)
+    if not names:
+        raise ValueError(
+            "LoRA selects no layers: enable at least one of --lora_query, --lora_key, --lora_value, "
+            "--lora_projection, --lora_mlp, --lora_head"
+        )
+    if any(isinstance(module, LoRALinear) for module in model.modules()):
+        raise ValueError("The model already has LoRA adapters; apply_lora must be called once")
+    if args.lora_head and getattr(model.config, "tie_embeddings", False):
+        raise ValueError(
+            f"--lora_head cannot adapt model {model.config.name!r}: its lm_head is tied to the embedding, "
+            "so merging the update would change the embedding too. Drop --lora_head"
+        )
+    for name in names:
+        parent_name, _, child_name = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        base = getattr(parent, child_name)
+        setattr(parent, child_name, LoRALinear(base, args.lora_r, args.lora_alpha, args.lora_dropout))
+    return names
+
+
+def is_lora_parameter(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in LORA_PARAMETER_NAMES
+
+
+def mark_only_lora_trainable(model: nn.Module) -> None:
+    """Freeze every parameter except the adapters' lora_A and lora_B."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_lora_parameter(name))
+
+
+# ---- adapter checkpoints -----------------------------------------------------------------------
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Only the adapter weights, under their names in `model` (`blocks.0.attn.q_proj.lora_A`, ...)."""
+    # NOTE: from named_parameters rather than state_dict(): the state_dict hooks of bitsandbytes
+    # layers serialise their quantization state, which is expensive and not wanted here.
+    return {name: param.detach() for name, param in model.named_parameters() if is_lora_parameter(name)}
+
+
+@torch.no_grad()
+def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy adapter weights into `model`; every adapter of the model must be given, and nothing else."""
+    params = {name: param for name, param in model.named_parameters() if is_lora_parameter(name)}
+    missing = sorted(set(params) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(params))
+    if missing or unexpected:
+        raise KeyError(
+            f"The adapter weights do not match the model's adapters: missing {missing[:4]}"
+            f"{' ...' if len(missing) > 4 else ''} ({len(missing)}), unexpected {unexpected[:4]}"
+            f"{' ...' if len(unexpected) > 4 else ''} ({len(unexpected)}). Apply LoRA with the same "
+            "--lora_* flags that trained them"
+        )
+    for name, param in params.items():
+        value = state_dict[name]
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(
+                f"Adapter {name} has shape {tuple(value.shape)} in the weights but {tuple(param.shape)} in the "
+                "model; apply LoRA with the --lora_r that trained them"
+            )
+        param.copy_(_like_parameter(value, param))
+
+
+def _like_parameter(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`value` on the parameter's device and dtype, sharded like it when the model is under FSDP."""
+    value = value.to(device=param.device, dtype=param.dtype)
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if isinstance(param, DTensor):
+            value = distribute_tensor(value, param.device_mesh, param.placements)
+    return value
+
+
+# ---- merging -----------------------------------------------------------------------------------
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight and dequantize any quantized layers, in place.
+
+    Returns `model`, now a plain model whose state-dict keys equal a plain GPT's: every
+    `LoRALinear` and bitsandbytes layer becomes an `nn.Linear`. Merging sums in float32; weights of
+    quantized layers come out in their compute dtype. Save `lora_state_dict(model)` first if the
+    adapters are still needed on their own.
+    """
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoRALinear):
+            _replace(model, name, module.merged())
+    for name, module in list(model.named_modules()):
+        if is_quantized_linear(module):
+            _replace(model, name, dequantize_linear(module))
+    return model
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child_name = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child_name, new)

@@ -1,0 +1,462 @@
+"""Prompt styles: how an instruction or a conversation is written out for a given model family.
+
+A style renders a conversation into *segments*: prompt text (what the model is given) and
+response text (what it should learn to write, including any end-of-turn marker). Fine-tuning
+tokenizes the segments and masks the prompt; generation renders the prompt with `apply()` and
+stops on `stop_tokens()`. Both come from the same rendering, so what the model learns is what
+it is asked.
+
+The leading bos token is never part of the rendered text: `Tokenizer.encode` adds it (as the
+model's tokenizer_config.json says), so it is not doubled.
+
+A conversation is a list of messages ``{"role": "system" | "user" | "assistant", "content": str}``.
+A user message may carry an ``"input"`` (Alpaca's context field); Alpaca gives it its own section,
+the other styles append it to the instruction after a blank line.
+
+Importing this module must not import torch: the CLI resolves styles before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple, Optional, Union
+
+import yaml
+
+PROMPT_STYLE_FILE = "prompt_style.yaml"
+"""Written beside the weights, so that generation and further fine-tuning use the style a model was tuned with."""
+
+Message = dict[str, str]
+Prompt = Union[str, list[Message]]
+ROLES = ("system", "user", "assistant")
+
+
+class Segment(NamedTuple):
+    """A piece of a rendered conversation."""
+
+    text: str
+    is_response: bool
+    """True for an assistant turn (the text the loss covers when the prompt is masked)."""
+
+
+@dataclass(frozen=True)
+class PromptStyle:
+    """Base of every style. Subclasses set `name` and the four pieces of a turn, and are registered by name."""
+
+    system: Optional[str] = None
+    """System message for conversations that bring none (e.g. Qwen2.5's "You are Qwen, ...")."""
+
+    name: ClassVar[str] = ""
+    supports_system: ClassVar[bool] = True
+    """False: the format has no system role; a system message is prepended to the first user message."""
+    separator: ClassVar[str] = ""
+    """Text between the end of an assistant turn and the next user turn."""
+    stop_texts: ClassVar[tuple[str, ...]] = ()
+    """End-of-turn markers that end generation, besides the tokenizer's eos token."""
+
+    registry: ClassVar[dict[str, type[PromptStyle]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            PromptStyle.registry[cls.name] = cls
+
+    # ------------------------------------------------------------------------------ what a style defines
+    def prefix(self, system: Optional[str], first_user: Message) -> str:
+        """Text before the first user turn (typically the system block)."""
+        return ""
+
+    def user(self, message: Message, turn: int) -> str:
+        """A user turn, through the header that opens the assistant's reply."""
+        raise NotImplementedError
+
+    def assistant(self, content: str) -> str:
+        """An assistant turn, including its end-of-turn marker."""
+        return content
+
+    def merge_system(self, system: str, content: str) -> str:
+        """The first user message of a format without a system role."""
+        return f"{system}\n\n{content}"
+
+    # ------------------------------------------------------------------------------ shared machinery
+    def apply(self, prompt: Prompt, *, input: str = "", system: Optional[str] = None) -> str:
+        """The text to give the model: a single instruction (with optional `input`) or a conversation.
+
+        A conversation that ends with a user message ends with the header of the assistant's reply;
+        one that ends with an assistant message is rendered in full.
+        """
+        messages = to_messages(prompt, input=input, system=system)
+        return "".join(segment.text for segment in self.render(messages))
+
+    def render(self, messages: list[Message]) -> list[Segment]:
+        """Prompt and response segments of a conversation, alternating, in order."""
+        system, turns = split_turns(messages)
+        system = system if system is not None else self.system
+        if system is not None and not self.supports_system:
+            first = dict(turns[0][0])
+            first["content"] = self.merge_system(system, first["content"])
+            turns[0] = (first, turns[0][1])
+            system = None
+        segments: list[Segment] = []
+        text = self.prefix(system, turns[0][0])
+        for turn, (user, answer) in enumerate(turns):
+            if turn:
+                text += self.separator
+            text += self.user(user, turn)
+            if answer is None:
+                break
+            segments += [Segment(text, False), Segment(self.assistant(answer), True)]
+            text = ""
+        if text:
+            segments.append(Segment(text, False))
+        return segments
+
+    def stop_tokens(self, tokenizer: Any) -> tuple[list[int], ...]:
+        """Token sequences that end generation: the eos token and this style's end-of-turn markers."""
+        stops: list[list[int]] = []
+        if tokenizer.eos_id is not None:
+            stops.append([tokenizer.eos_id])
+        for text in self.stop_texts:
+            token_id = tokenizer.token_to_id(text)
+            ids = [token_id] if token_id is not None else tokenizer.encode(text, bos=False)
+            if ids and ids not in stops:
+                stops.append(ids)
+        return tuple(stops)
+
+    # ------------------------------------------------------------------------------ construction
+    @classmethod
+    def from_name(cls, name: str, **fields: Any) -> PromptStyle:
+        """The style registered as `name` ("alpaca", "chatml", ...), with optional fields (`system=`)."""
+        key = ALIASES.get(name.lower(), name.lower())
+        if key not in cls.registry:
+            close = difflib.get_close_matches(key, list(cls.registry) + list(ALIASES), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"Unknown prompt style {name!r}.{hint} Choose from {sorted(cls.registry)}.")
+        return cls.registry[key](**fields)
+
+    @classmethod
+    def from_config(cls, config: Any) -> PromptStyle:
+        """The style a zoo model was trained with, found from its name (or its Hugging Face repository name).
+
+        Base models get their family's chat format too, so that a fine-tuned base model and the
+        family's instruct models are prompted the same way. Debug sizes and unknown models get Alpaca.
+        """
+        names = [getattr(config, "name", "") or "", (getattr(config, "hf_config", None) or {}).get("name", "")]
+        for name in filter(None, names):
+            for pattern, style, fields in FAMILY_STYLES:
+                if re.search(pattern, name, flags=re.IGNORECASE):
+                    return cls.from_name(style, **fields)
+        return Alpaca()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> PromptStyle:
+        values = dict(values)
+        if "name" not in values:
+            raise ValueError(f"A prompt style needs a 'name' (one of {sorted(cls.registry)}); got {values}")
+        return cls.from_name(values.pop("name"), **values)
+
+
+# ------------------------------------------------------------------------------------------ the styles
+@dataclass(frozen=True)
+class Default(PromptStyle):
+    """Plain continuation: the prompt as it is, the response right after it.
+
+    A longer conversation (a system message, or several turns) cannot be told apart without
+    speakers, so it is written as a transcript: "System: ...", "User: ...", "Assistant: ...".
+    """
+
+    name: ClassVar[str] = "default"
+    separator: ClassVar[str] = "\n\n"
+
+    def render(self, messages: list[Message]) -> list[Segment]:
+        system, turns = split_turns(messages)
+        if (system if system is not None else self.system) is None and len(turns) == 1:
+            user, answer = turns[0]
+            return [Segment(user_content(user), False)] + ([Segment(answer, True)] if answer is not None else [])
+        return _Transcript(system=self.system).render(messages)
+
+    def user(self, message: Message, turn: int) -> str:
+        return user_content(message)
+
+
+@dataclass(frozen=True)
+class _Transcript(PromptStyle):
+    """Default's form for conversations (not registered: it has no name)."""
+
+    separator: ClassVar[str] = "\n\n"
+
+    def prefix(self, system: Optional[str], first_user: Message) -> str:
+        return f"System: {system}\n\n" if system is not None else ""
+
+    def user(self, message: Message, turn: int) -> str:
+        return f"User: {user_content(message)}\n\nAssistant:"
+
+    def assistant(self, content: str) -> str:
+        return f" {content}"
+
+
+ALPACA_PREAMBLE = ("Below is an instruction that describes a task. "
+                   "Write a response that appropriately completes the request.")
+ALPACA_PREAMBLE_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides "
+                              "further context. Write a response that appropriately completes the request.")
+
+
+@dataclass(frozen=True)
+class Alpaca(PromptStyle):
+    """Stanford Alpaca's template; a system message replaces the preamble, later turns repeat the sections."""
+
+    name: ClassVar[str] = "alpaca"
+    separator: ClassVar[str] = "\n\n"
+
+    def prefix(self, system: Optional[str], first_user: Message) -> str:
+        if system is None:
+            system = ALPACA_PREAMBLE_WITH_INPUT if first_user.get("input") else ALPACA_PREAMBLE
+        return f"{system}\n\n"
+
+    def user(self, message: Message, turn: int) -> str:
+        text = f"### Instruction:\n{message['content']}\n\n"
+        if message.get("input"):
+            text += f"### Input:\n{message['input']}\n\n"
+        return text + "### Response:\n"
+
+
+@dataclass(frozen=True)
+class ChatML(PromptStyle):
+    """ChatML, as used by Qwen2.5 and SmolLM2."""
+
+    name: ClassVar[str] = "chatml"
+    separator: ClassVar[str] = "\n"
+    stop_texts: ClassVar[tuple[str, ...]] = ("<|im_end|>",)
+
+    def prefix(self, system: Optional[str], first_user: Message) -> str:
+        return f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
+
+    def user(self, message: Message, turn: int) -> str:
+        return f"<|im_start|>user\n{user_content(message)}<|im_end|>\n<|im_start|>assistant\n"
+
+    def assistant(self, content: str) -> str:
+        return f"{content}<|im_end|>"
+
+
+@dataclass(frozen=True)
+class Llama2(PromptStyle):
+    """Llama 2 chat: [INST] turns, the system message in a <<SYS>> block inside the first one."""
+
+    name: ClassVar[str] = "llama2"
+    supports_system: ClassVar[bool] = False
+    separator: ClassVar[str] = "<s>"  # every turn after the first opens with a bos of its own
+
+    def merge_system(self, system: str, content: str) -> str:
+        return f"<<SYS>>\n{system}\n<</SYS>>\n\n{content}"
+
+    def user(self, message: Message, turn: int) -> str:
+        return f"[INST] {user_content(message).strip()} [/INST]"
+
+    def assistant(self, content: str) -> str:
+        return f" {content.strip()} </s>"
+
+
+@dataclass(frozen=True)
+class Llama3(PromptStyle):
+    """Llama 3 (and 3.1, 3.2) instruct: header tokens around each role, <|eot_id|> after each turn."""
+
+    name: ClassVar[str] = "llama3"
+    stop_texts: ClassVar[tuple[str, ...]] = ("<|eot_id|>",)
+
+    def prefix(self, system: Optional[str], first_user: Message) -> str:
+        return self._header("system") + f"{system.strip()}<|eot_id|>" if system is not None else ""
+
+    def user(self, message: Message, turn: int) -> str:
+        return self._header("user") + f"{user_content(message).strip()}<|eot_id|>" + self._header("assistant")
+
+    def assistant(self, content: str) -> str:
+        return f"{content.strip()}<|eot_id|>"
+
+    @staticmethod
+    def _header(role: str) -> str:
+        return f"<|start_header_id|>{role}<|end_header_id|>\n\n"
+
+
+@dataclass(frozen=True)
+class Mistral(PromptStyle):
+    """Mistral instruct: [INST] turns, eos after each answer; no system role."""
+
+    name: ClassVar[str] = "mistral"
+    supports_system: ClassVar[bool] = False
+
+    def user(self, message: Message, turn: int) -> str:
+        return f"[INST] {user_content(message)} [/INST]"
+
+    def assistant(self, content: str) -> str:
+        return f"{content}</s>"
+
+
+@dataclass(frozen=True)
+class Gemma(PromptStyle):
+    """Gemma instruct: user and model turns; no system role."""
+
+    name: ClassVar[str] = "gemma"
+    supports_system: ClassVar[bool] = False
+    separator: ClassVar[str] = "\n"
+    stop_texts: ClassVar[tuple[str, ...]] = ("<end_of_turn>",)
+
+    def user(self, message: Message, turn: int) -> str:
+        return f"<start_of_turn>user\n{user_content(message)}<end_of_turn>\n<start_of_turn>model\n"
+
+    def assistant(self, content: str) -> str:
+        return f"{content}<end_of_turn>"
+
+
+@dataclass(frozen=True)
+class Phi(PromptStyle):
+    """Phi-2's QA format: "Instruct: ...\\nOutput:"."""
+
+    name: ClassVar[str] = "phi"
+    separator: ClassVar[str] = "\n"
+
+    def prefix(self, system: Optional[str], first_user: Message) -> str:
+        return f"{system}\n" if system else ""
+
+    def user(self, message: Message, turn: int) -> str:
+        return f"Instruct: {user_content(message)}\nOutput:"
+
+    def assistant(self, content: str) -> str:
+        return f" {content}"
+
+
+@dataclass(frozen=True)
+class TinyLlama(PromptStyle):
+    """TinyLlama chat (Zephyr's format): <|system|>, <|user|>, <|assistant|>, each turn closed by </s>."""
+
+    name: ClassVar[str] = "tinyllama"
+    separator: ClassVar[str] = "\n"
+    stop_texts: ClassVar[tuple[str, ...]] = ("</s>",)
+
+    def prefix(self, system: Optional[str], first_user: Message) -> str:
+        return f"<|system|>\n{system}</s>\n" if system is not None else ""
+
+    def user(self, message: Message, turn: int) -> str:
+        return f"<|user|>\n{user_content(message)}</s>\n<|assistant|>\n"
+
+    def assistant(self, content: str) -> str:
+        return f"{content}</s>"
+
+
+ALIASES = {"plain": "default", "zephyr": "tinyllama", "qwen": "chatml", "qwen2.5": "chatml", "smollm2": "chatml",
+           "phi-2": "phi", "phi2": "phi", "llama-2": "llama2", "llama-3": "llama3",
+           # NOTE: Pythia and GPT-NeoX base models have no chat format; Alpaca is the usual one to tune them with.
+           "pythia": "alpaca", "gpt-neox": "alpaca"}
+"""Other names users reach for."""
+
+QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+FAMILY_STYLES: list[tuple[str, str, dict[str, Any]]] = [
+    # Debug sizes come first: "gemma-debug" is not Gemma's tokenizer or format.
+    (r"-debug$", "alpaca", {}),
+    (r"^(meta-)?llama-3", "llama3", {}),
+    (r"^llama-2", "llama2", {}),
+    (r"^tiny-?llama", "tinyllama", {}),
+    (r"^mistral", "mistral", {}),
+    (r"^qwen2", "chatml", {"system": QWEN_SYSTEM}),
+    (r"^smollm2", "chatml", {"system": SMOLLM2_SYSTEM}),
+    (r"^gemma", "gemma", {}),
+    (r"^phi-2", "phi", {}),
+    (r"^pythia", "alpaca", {}),
+]
+"""(pattern on the zoo or repository name, style, fields): the first match wins."""
+
+
+# ------------------------------------------------------------------------------------------ messages
+def to_messages(prompt: Prompt, input: str = "", system: Optional[str] = None) -> list[Message]:
+    """A conversation from an instruction string or a list of messages."""
+    if isinstance(prompt, str):
+        user: Message = {"role": "user", "content": prompt}
+        if input:
+            user["input"] = input
+        messages = [user]
+    else:
+        messages = list(prompt)
+        if input:
+            raise ValueError("`input` goes with a single instruction; put it in the conversation's user message")
+    if system is not None:
+        if messages and messages[0].get("role") == "system":
+            raise ValueError("the conversation has a system message already; do not pass system= as well")
+        messages = [{"role": "system", "content": system}, *messages]
+    return messages
+
+
+def split_turns(messages: list[Message]) -> tuple[Optional[str], list[tuple[Message, Optional[str]]]]:
+    """The system message (or None) and (user message, assistant reply or None) pairs.
+
+    Raises ValueError unless the conversation is: an optional system message, then user and
+    assistant messages alternating, starting with a user.
+    """
+    if not messages:
+        raise ValueError("the conversation has no messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            role = message.get("role") if isinstance(message, dict) else type(message).__name__
+            raise ValueError(f"message {index} has role {role!r}; roles are {', '.join(ROLES)}")
+        if not isinstance(message.get("content"), str):
+            raise ValueError(f"message {index} ({message['role']}) has no text 'content'")
+    system = None
+    if messages[0]["role"] == "system":
+        system, messages = messages[0]["content"], messages[1:]
+    turns: list[tuple[Message, Optional[str]]] = []
+    for index, message in enumerate(messages):
+        expected = "user" if index % 2 == 0 else "assistant"
+        if message["role"] != expected:
+            where = index + (system is not None)
+            raise ValueError(f"message {where} is from {message['role']!r} but {expected!r} was expected: after an "
+                             "optional system message, user and assistant messages must alternate, user first")
+        if expected == "user":
+            turns.append((message, None))
+        else:
+            turns[-1] = (turns[-1][0], message["content"])
+    if not turns:
+        raise ValueError("the conversation has no user message")
+    return system, turns
+
+
+def user_content(message: Message) -> str:
+    """A user message's text, with its `input` (if any) after a blank line."""
+    return f"{message['content']}\n\n{message['input']}" if message.get("input") else message["content"]
+
+
+# ------------------------------------------------------------------------------------------ files
+def save_prompt_style(style: Union[PromptStyle, str], checkpoint_dir: Union[Path, str]) -> Path:
+    """Write `prompt_style.yaml` into `checkpoint_dir` atomically; returns its path."""
+    style = PromptStyle.from_name(style) if isinstance(style, str) else style
+    path = Path(checkpoint_dir) / PROMPT_STYLE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    temp.write_text(yaml.safe_dump(style.to_dict(), sort_keys=False), encoding="utf-8")
+    os.replace(temp, path)
+    return path
+
+
+def load_prompt_style(checkpoint_dir: Union[Path, str]) -> PromptStyle:
+    path = Path(checkpoint_dir) / PROMPT_STYLE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; pass the prompt style by name instead")
+    values = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} must hold a mapping like 'name: alpaca', not {values!r}")
+    try:
+        return PromptStyle.from_dict(values)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from error
+
+
+def has_prompt_style(checkpoint_dir: Union[Path, str]) -> bool:
+    return (Path(checkpoint_dir) / PROMPT_STYLE_FILE).is_file()

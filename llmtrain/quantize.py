@@ -1,0 +1,210 @@
+"""Quantize the frozen base weights of a GPT for QLoRA, through bitsandbytes.
+
+The linear layers inside each `Block` (attention q/k/v/o and the MLP) are replaced by bitsandbytes
+layers holding the same weights: `Linear4bit` (NF4 or FP4, optionally with double-quantized
+statistics) or `Linear8bitLt` (LLM.int8()). Embeddings, norms and `lm_head` stay in `compute_dtype`:
+they are a small share of the weights and the head is the layer most sensitive to quantization.
+
+Order for users: build model -> load weights -> `quantize_model` -> `apply_lora` -> `mark_only_lora_trainable`.
+
+Quantization is done here, explicitly, on the device the weights are on (or on `device`), rather
+than by bitsandbytes' "quantize on `.cuda()`" convention, so the same code runs on CPU and GPU.
+
+bitsandbytes is imported only inside the functions that need it; the rest of llmtrain never does.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal, Optional, get_args
+
+import torch
+import torch.nn as nn
+
+QuantizeMode = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8-training"]
+QUANTIZE_MODES: tuple[str, ...] = get_args(QuantizeMode)
+
+# Values per absmax block for 4-bit weights (bitsandbytes' default, as in the QLoRA paper).
+BLOCKSIZE_4BIT = 64
+# LLM.int8(): activation columns with any |value| above this are multiplied in 16-bit, not int8.
+INT8_OUTLIER_THRESHOLD = 6.0
+
+
+def import_bitsandbytes():
+    """Import bitsandbytes, or fail with a message that says how to get it."""
+    # NOTE: on CPUs with AVX512-BF16, bitsandbytes logs at import that an optional inference
+    # kernel package ("kernels") is missing. Training never uses that kernel; keep the log quiet.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+    except ImportError as error:
+        raise ImportError(
+            "Quantization (--quantize bnb.*) needs bitsandbytes: `pip install bitsandbytes`"
+        ) from error
+    return bitsandbytes
+
+
+def quantize_model(
+    model: nn.Module,
+    mode: QuantizeMode,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    device: Optional[torch.device | str] = None,
+) -> nn.Module:
+    """Replace the linear layers inside every `Block` of `model` by quantized bitsandbytes layers, in place.
+
+    mode: `bnb.nf4` / `bnb.fp4` store 4-bit weights with one absmax per 64 values; `-dq` also
+    quantizes those absmax statistics (double quantization, ~0.4 bit/param less); `bnb.int8-training`
+    stores int8 weights with one scale per output row (LLM.int8(), outlier threshold 6.0).
+    compute_dtype: the dtype the quantized layers compute in; the model's other parameters
+    (embeddings, norms, head) are cast to it too, so activations and LoRA adapters share one dtype.
+    device: where to quantize and keep the quantized weights; default: where the weights are now.
+    Loading the weights on CPU and quantizing straight onto the GPU keeps GPU memory at the 4-bit size.
+
+    Returns `model`. Call it after the weights are loaded and before `apply_lora`.
+    """
+    if mode not in QUANTIZE_MODES:
+        raise ValueError(f"--quantize {mode!r} is not supported; choose one of {list(QUANTIZE_MODES)}")
+    if any(name.rsplit(".", 1)[-1] in ("lora_A", "lora_B") for name, _ in model.named_parameters()):
+        raise ValueError("quantize_model must run before apply_lora: quantize the base model, then add adapters")
+    bnb = import_bitsandbytes()
+    for block in model.blocks:
+        for name, module in list(block.named_modules()):
+            # NOTE: the exact type, so layers that are already quantized (subclasses) are left alone.
+            if type(module) is not nn.Linear:
+                continue
+            parent_name, _, child_name = name.rpartition(".")
+            parent = block.get_submodule(parent_name)
+            setattr(parent, child_name, quantize_linear(module, mode, compute_dtype, device, bnb))
+    _cast_unquantized_parameters(model, compute_dtype)
+    return model
+
+
+def quantize_linear(
+    linear: nn.Linear, mode: QuantizeMode, compute_dtype: torch.dtype, device=None, bnb=None
+) -> nn.Linear:
+    """A bitsandbytes layer holding `linear`'s weights quantized per `mode` (frozen, on `device`)."""
+    bnb = bnb or import_bitsandbytes()
+    weight = linear.weight.detach()
+    if weight.is_meta:
+        raise ValueError("quantize_model needs real weights, not meta tensors: load the checkpoint first")
+    weight = weight.to(device or weight.device).contiguous()
+    if mode == "bnb.int8-training":
+        layer = _int8_linear(linear, weight, compute_dtype, bnb)
+    else:
+        layer = _4bit_linear(linear, weight, mode, compute_dtype, bnb)
+    if linear.bias is not None:
+        bias = linear.bias.detach().to(device=weight.device, dtype=compute_dtype)
+        layer.bias = nn.Parameter(bias, requires_grad=False)
+    layer.train(linear.training)
+    return layer
+
+
+def _4bit_linear(linear: nn.Linear, weight: torch.Tensor, mode: str, compute_dtype: torch.dtype, bnb) -> nn.Linear:
+    quant_type = mode.removeprefix("bnb.").removesuffix("-dq")  # "nf4" | "fp4"
+    double_quant = mode.endswith("-dq")
+    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        weight = weight.float()
+    packed, quant_state = bnb.functional.quantize_4bit(
+        weight, blocksize=BLOCKSIZE_4BIT, compress_statistics=double_quant, quant_type=quant_type
+    )
+    layer = bnb.nn.Linear4bit(
+        linear.in_features, linear.out_features, bias=linear.bias is not None, compute_dtype=compute_dtype,
+        compress_statistics=double_quant, quant_type=quant_type, device="meta",
+    )
+    layer.weight = bnb.nn.Params4bit(
+        packed, requires_grad=False, quant_state=quant_state, blocksize=BLOCKSIZE_4BIT,
+        compress_statistics=double_quant, quant_type=quant_type, module=layer, bnb_quantized=True,
+    )
+    layer.quant_state = quant_state
+    # NOTE: on CPUs with AVX512-BF16, a Linear4bit in eval mode under no_grad repacks its weight
+    # in place for a bf16 inference kernel. That kernel has no backward, so the next training step
+    # silently gets no gradient through the layer (bitsandbytes 0.50), and for non-double-quantized
+    # weights the packing cannot be undone exactly. Keep the training layout always.
+    layer.support_avx512bf16_for_cpu = False
+    return layer
+
+
+def _int8_linear(linear: nn.Linear, weight: torch.Tensor, compute_dtype: torch.dtype, bnb) -> nn.Linear:
+    # LLM.int8() quantizes each output row by its absmax; bitsandbytes takes fp16 input for it.
+    int8_weight, row_scales, _ = bnb.functional.int8_vectorwise_quant(weight.to(torch.float16))
+    layer = bnb.nn.Linear8bitLt(
+        linear.in_features, linear.out_features, bias=linear.bias is not None, has_fp16_weights=False,
+        threshold=INT8_OUTLIER_THRESHOLD, device="meta",
+    )
+    layer.weight = bnb.nn.Int8Params(
+        int8_weight, requires_grad=False, has_fp16_weights=False, CB=int8_weight, SCB=row_scales
+    )
+    # Linear8bitLt has no compute dtype of its own (it computes in the input's); remember it for
+    # the LoRA adapters and for dequantizing.
+    layer.compute_dtype = compute_dtype
+    return layer
+
+
+def _cast_unquantized_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    quantized = quantized_linear_types()
+    for module in model.modules():
+        if isinstance(module, quantized):
+            continue
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point():
+                param.data = param.data.to(dtype)
+
+
+# ---- inspecting and undoing quantization ----------------------------------------------------------
+
+
+def quantized_linear_types() -> tuple[type, ...]:
+    """The bitsandbytes linear classes, or () when bitsandbytes was never imported."""
+    # NOTE: a model can only hold bitsandbytes layers if bitsandbytes is imported; asking
+    # sys.modules keeps plain LoRA from paying bitsandbytes' import time.
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None:
+        return ()
+    return (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+
+
+def is_quantized_linear(module: nn.Module) -> bool:
+    return isinstance(module, quantized_linear_types())
+
+
+def compute_dtype_of(linear: nn.Linear) -> torch.dtype:
+    """The dtype a linear layer computes in: its weight's, or a quantized layer's compute dtype."""
+    if is_quantized_linear(linear):
+        return getattr(linear, "compute_dtype", None) or torch.float32
+    return linear.weight.dtype
+
+
+def dequantize_weight(linear: nn.Linear) -> torch.Tensor:
+    """The (out_features, in_features) weight of a plain or bitsandbytes linear layer, in float32."""
+    if not is_quantized_linear(linear):
+        return linear.weight.detach().float()
+    bnb = sys.modules["bitsandbytes"]
+    weight = linear.weight
+    if isinstance(linear, bnb.nn.Linear4bit):
+        if getattr(weight.quant_state, "packing_format_for_cpu", False):
+            raise ValueError(
+                "This Linear4bit was repacked by bitsandbytes for CPU inference and cannot be dequantized "
+                "exactly; quantize with llmtrain.quantize.quantize_model, which keeps the training layout"
+            )
+        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).float()
+    # Linear8bitLt keeps the int8 rows in weight.data; the per-row scales move from the weight to
+    # the layer's matmul state on the first forward.
+    row_scales = weight.SCB if getattr(weight, "SCB", None) is not None else linear.state.SCB
+    return bnb.functional.int8_vectorwise_dequant(weight.data, row_scales).float()
+
+
+def dequantize_linear(linear: nn.Linear) -> nn.Linear:
+    """A plain `nn.Linear` with the (dequantized) weights of `linear`, in its compute dtype."""
+    dtype = compute_dtype_of(linear)
+    return plain_linear(dequantize_weight(linear).to(dtype), linear.bias, requires_grad=linear.weight.requires_grad)
+
+
+def plain_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], requires_grad: bool) -> nn.Linear:
+    """An `nn.Linear` holding exactly `weight` (out, in) and `bias`, cast to the weight's dtype."""
+    out_features, in_features = weight.shape
+    linear = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=requires_grad)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach().to(weight.dtype), requires_grad=bias.requires_grad)
+    return linear

@@ -1,0 +1,274 @@
+"""Multi-process harness for tests/test_parallel.py: a tiny training job and the ranks that run it.
+
+``launch(world_size, suite, workdir)`` starts ``world_size`` copies of this file with torchrun-style
+variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) on a free port over gloo; each rank runs
+the scenarios of ``suite`` with the real ``fit()`` and rank 0 saves their results to
+``workdir/SUITE.pt``. The single-process reference runs the same ``train()`` in the test process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from llmtrain.args import EvalArgs, TrainArgs, batch_plan
+from llmtrain.config import Config
+from llmtrain.distributed.checkpoint import ShardedCheckpointer, gather_full_model_state
+from llmtrain.distributed.parallelize import FSDPArgs, materialize, parallelize
+from llmtrain.distributed.runtime import Runtime
+from llmtrain.model import GPT
+from llmtrain.train.checkpointer import FullCheckpointer
+from llmtrain.train.loop import IGNORE_INDEX, Fit, TrainState, fit, plan_horizon
+from llmtrain.train.precision import Precision
+
+SEED = 1234
+SEQ_LEN = 16
+GLOBAL_BATCH = 8
+MAX_STEPS = 8
+SAVE_INTERVAL = 4
+COLLECTIVE_TIMEOUT_S = 45
+
+
+def tiny_config(**overrides) -> Config:
+    """llama-debug shrunk to 2 layers of width 64 and a 256-token vocabulary."""
+    fields = dict(n_layer=2, n_embd=64, n_head=4, n_query_groups=2, intermediate_size=128, vocab_size=256,
+                  block_size=32)
+    return Config.from_name("llama-debug", **{**fields, **overrides})
+
+
+def uneven_tied_config() -> Config:
+    """Tied embeddings and an MLP width (99) that no world size here divides: FSDP pads the last shard."""
+    return Config.from_name("qwen2-debug", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, intermediate_size=99,
+                            vocab_size=250, padding_multiple=2, block_size=32)
+
+
+def make_samples(count: int = 96, length: int = SEQ_LEN, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Learnable sequences (each token determines the next), with 1 to `length` real targets per sample:
+    padding varies a lot between ranks and micro-batches."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for index in range(count):
+        tokens = [int(torch.randint(0, 256, (1,), generator=generator))]
+        for _ in range(length):
+            tokens.append((5 * tokens[-1] + 3) % 256)
+        sequence = torch.tensor(tokens)
+        labels = sequence[1:].clone()
+        labels[1 + (index * 7) % length:] = IGNORE_INDEX
+        samples.append((sequence[:-1], labels))
+    return samples
+
+
+class ShardedListLoader:
+    """A fixed sample list sharded like llmtrain.data's TrainLoader: one global position; in each
+    micro-step rank r takes the r-th contiguous slice of micro_batch_size samples."""
+
+    def __init__(self, samples, micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
+        self.samples, self.micro_batch_size = samples, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.samples_consumed = 0
+
+    @property
+    def epoch(self) -> float:
+        return self.samples_consumed / len(self.samples)
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return len(self.samples)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        start = self.samples_consumed + self.dp_rank * self.micro_batch_size
+        chunk = [self.samples[(start + i) % len(self.samples)] for i in range(self.micro_batch_size)]
+        self.samples_consumed += self.dp_size * self.micro_batch_size
+        return {"input_ids": torch.stack([c[0] for c in chunk]), "labels": torch.stack([c[1] for c in chunk])}
+
+    def state_dict(self) -> dict:
+        return {"samples_consumed": self.samples_consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.samples_consumed = state["samples_consumed"]
+
+
+@dataclass
+class Recorder:
+    """A logger for fit(): keeps loss and grad norm per step."""
+
+    losses: dict = field(default_factory=dict)
+    grad_norms: dict = field(default_factory=dict)
+
+    def log(self, metrics: dict) -> None:
+        if "loss" in metrics:
+            self.losses[metrics["step"]] = metrics["loss"]
+            self.grad_norms[metrics["step"]] = metrics["grad_norm"]
+
+    def close(self) -> None:
+        pass
+
+
+def build(runtime: Runtime, *, config: Optional[Config] = None, strategy: str = "auto",
+          fsdp: Optional[FSDPArgs] = None, precision: str = "32-true", num_nodes: int = 1):
+    """Meta model → parallelize → materialize, as a recipe does."""
+    precision_ = Precision(precision)
+    with torch.device("meta"):
+        model = GPT(config or tiny_config())
+    model.max_seq_length = SEQ_LEN
+    model.to(precision_.param_dtype)
+    model, info = parallelize(model, runtime=runtime, strategy=strategy, fsdp=fsdp or FSDPArgs(),
+                              precision=precision_, num_nodes=num_nodes)
+    materialize(model, runtime.device, SEED, cpu_offload=info.cpu_offload)
+    return model, info
+
+
+def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] = None, precision: str = "32-true",
+          num_nodes: int = 1, micro_batch_size: int = 1, out_dir: Optional[Path] = None,
+          checkpoint_formats: tuple[str, ...] = ("sharded",), resume_from: Optional[Path] = None,
+          resume_format: str = "sharded") -> dict:
+    """8 AdamW steps of the tiny model with fit(); checkpoints every 4 steps into out_dir/FORMAT/ when given."""
+    model, info = build(runtime, strategy=strategy, fsdp=fsdp, precision=precision, num_nodes=num_nodes)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.1)
+    train_args = TrainArgs(global_batch_size=GLOBAL_BATCH, micro_batch_size=micro_batch_size, max_steps=MAX_STEPS,
+                           lr_warmup_steps=2, save_interval=SAVE_INTERVAL if out_dir else None, max_norm=1.0)
+    plan = batch_plan(train_args, runtime.data_parallel_size)
+    loader = ShardedListLoader(make_samples(), plan.micro_batch_size, runtime.data_parallel_rank,
+                               runtime.data_parallel_size)
+    state = TrainState()
+    arguments = dict(runtime=runtime, model=model, optimizer=optimizer, train_loader=loader,
+                     model_config=tiny_config(), tokenizer=None, hyperparameters={"test": True})
+    classes = {"sharded": ShardedCheckpointer, "full": FullCheckpointer}
+    checkpointers = [classes[fmt](out_dir=Path(out_dir or ".") / fmt, **arguments) for fmt in checkpoint_formats]
+    if resume_from is not None:
+        classes[resume_format](out_dir=Path(out_dir or "."), **arguments).load(resume_from, state)
+    recorder = Recorder()
+    job = Fit(runtime=runtime, model=model, optimizer=optimizer, train_loader=loader, val_loader=None,
+              train=train_args, eval=EvalArgs(initial_validation=False, final_validation=False), plan=plan,
+              horizon=plan_horizon(train_args, GLOBAL_BATCH * SEQ_LEN, None), precision=Precision(precision),
+              save_checkpoint=lambda s: [c.save(s) for c in checkpointers] if out_dir else None,
+              save_final=lambda s: checkpointers[0].save_final(s) if out_dir else None,
+              loggers=[recorder], state=state, autocast_enabled=info.autocast_enabled)
+    fit(job)
+    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "mesh_shape": info.mesh_shape,
+            "mesh_ndim": info.mesh.ndim if info.mesh is not None else 0, "wrapper": info.wrapper,
+            "sharding_strategy": info.sharding_strategy, "autocast_enabled": info.autocast_enabled,
+            "weights": gather_full_model_state(model),
+            "grad_accum_steps": plan.grad_accum_steps}
+
+
+def initial_weights(runtime: Runtime, **build_args) -> dict:
+    """The full weights right after materialize (gathered on rank 0), and whether the embedding is still tied."""
+    model, info = build(runtime, config=uneven_tied_config(), **build_args)
+    tied = model.lm_head.weight is model.wte.weight
+    return {"weights": gather_full_model_state(model), "tied": tied, "mesh_shape": info.mesh_shape}
+
+
+# ------------------------------------------------------------------------------------ suites
+def suite_two(runtime: Runtime, workdir: Path) -> dict:
+    return {
+        "full_shard": train(runtime, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"), out_dir=workdir / "two",
+                            checkpoint_formats=("sharded", "full")),
+        "shard_grad_op": train(runtime, fsdp=FSDPArgs(sharding_strategy="SHARD_GRAD_OP"), micro_batch_size=2),
+        "ddp": train(runtime, strategy="ddp"),
+        "activation_checkpointing": train(runtime, fsdp=FSDPArgs(activation_checkpointing=True)),
+        "bf16_mixed": train(runtime, precision="bf16-mixed"),
+        "cpu_offload": train(runtime, fsdp=FSDPArgs(cpu_offload=True)),
+        "init": initial_weights(runtime),
+    }
+
+
+def suite_four(runtime: Runtime, workdir: Path) -> dict:
+    two = workdir / "two"
+    return {
+        "hsdp": train(runtime, num_nodes=2),
+        "resume_sharded": train(runtime, num_nodes=2, out_dir=workdir / "four", resume_from=two / "sharded" / "step-00000004"),
+        "resume_full": train(runtime, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"), out_dir=workdir / "four_full",
+                             resume_from=two / "full" / "step-00000004", resume_format="full"),
+        "resume_sharded_ddp": train(runtime, strategy="ddp", out_dir=workdir / "four_ddp",
+                                    resume_from=two / "sharded" / "step-00000004"),
+        "resume_full_ddp": train(runtime, strategy="ddp", out_dir=workdir / "four_ddp_full",
+                                 resume_from=two / "full" / "step-00000004", resume_format="full"),
+        "init": initial_weights(runtime, num_nodes=2),
+    }
+
+
+SUITES = {"two": suite_two, "four": suite_four}
+
+
+def worker_main(suite: str, workdir: Path) -> None:
+    """One rank: run the suite, save rank 0's results, then leave without the interpreter's teardown."""
+    code = 0
+    try:
+        torch.set_num_threads(1)
+        runtime = Runtime.from_env("cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
+        results = SUITES[suite](runtime, workdir)
+        if runtime.is_main:
+            torch.save(results, workdir / f"{suite}.pt")
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # NOTE: with gloo a rank may abort in interpreter teardown after training; skip the teardown.
+    os._exit(code)
+
+
+# ------------------------------------------------------------------------------------ launcher
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "MASTER_ADDR", "MASTER_PORT")
+
+
+def launch(world_size: int, suite: str, workdir: Path, timeout_s: float = 150.0) -> dict:
+    """Run ``suite`` on ``world_size`` local ranks; fail fast when any rank fails, and after timeout_s at most."""
+    workdir = Path(workdir)
+    # The shell's own launcher variables (torchrun, SLURM) must not leak into the ranks.
+    inherited = {name: value for name, value in os.environ.items()
+                 if name not in _LAUNCHER_VARS and not name.startswith(("SLURM_", "TORCHELASTIC_", "LLMTRAIN_"))}
+    env = {**inherited, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
+           "LOCAL_WORLD_SIZE": str(world_size), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    logs = [workdir / f"{suite}-rank{rank}.log" for rank in range(world_size)]
+    processes = []
+    for rank in range(world_size):
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        with open(logs[rank], "w") as log:
+            processes.append(subprocess.Popen([sys.executable, __file__, suite, str(workdir)], env=rank_env,
+                                              stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout_s
+    failure = None
+    while any(p.poll() is None for p in processes):
+        failed = [rank for rank, p in enumerate(processes) if p.poll() not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            failure = f"rank {failed[0]} failed" if failed else f"timed out after {timeout_s:.0f}s"
+            break
+        time.sleep(0.1)
+    for p in processes:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    if failure is None and any(p.returncode != 0 for p in processes):
+        failure = f"exit codes {[p.returncode for p in processes]}"
+    if failure is not None:
+        tails = "\n".join(f"--- rank {rank} ---\n{log.read_text()[-3000:]}" for rank, log in enumerate(logs))
+        raise RuntimeError(f"{world_size}-rank suite {suite!r}: {failure}\n{tails}")
+    return torch.load(workdir / f"{suite}.pt", weights_only=False)
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1], Path(sys.argv[2]))

@@ -1,0 +1,229 @@
+"""parallelize(), materialize() and the checkpointers on real gloo process groups (CPU).
+
+Two launches do the multi-process work: 2 ranks run every 2-rank scenario, then 4 ranks run the
+2-D mesh and the resumes from the 2-rank checkpoints (see dist_worker.py). Each test checks one
+claim against a single-process reference that runs the same code in this process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import dist_worker as worker
+from llmtrain import checkpoint as layout
+from llmtrain.config import Config
+from llmtrain.distributed.checkpoint import checkpoint_format
+from llmtrain.distributed.parallelize import (
+    FSDPArgs,
+    apply_activation_checkpointing,
+    build_mesh,
+    materialize,
+    parallelize,
+    resolve_sharding_strategy,
+)
+from llmtrain.distributed.runtime import Runtime
+from llmtrain.model import GPT
+from llmtrain.train.precision import Precision
+
+LOSS_RTOL = 1e-5
+# The grad norm exposes any error in gradient averaging (a factor of the world size), which AdamW would hide.
+GRAD_NORM_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("parallel")
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    return worker.train(Runtime())
+
+
+@pytest.fixture(scope="module")
+def two(workdir) -> dict:
+    return worker.launch(2, "two", workdir)
+
+
+@pytest.fixture(scope="module")
+def four(workdir, two) -> dict:
+    return worker.launch(4, "four", workdir)
+
+
+def plain_init(config: Config, seed: int, dtype: torch.dtype = torch.float32) -> GPT:
+    """The reference: an ordinary model on the CPU, seeded and initialised in this one process."""
+    model = GPT(config)
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model.to(dtype)
+
+
+def assert_same_training(result: dict, reference: dict, steps=range(1, worker.MAX_STEPS + 1)) -> None:
+    steps = list(steps)
+    assert sorted(result["losses"]) == steps
+    losses = torch.tensor([result["losses"][s] for s in steps])
+    expected = torch.tensor([reference["losses"][s] for s in steps])
+    torch.testing.assert_close(losses, expected, rtol=LOSS_RTOL, atol=0)
+    norms = torch.tensor([result["grad_norms"][s] for s in steps])
+    expected_norms = torch.tensor([reference["grad_norms"][s] for s in steps])
+    torch.testing.assert_close(norms, expected_norms, rtol=GRAD_NORM_RTOL, atol=0)
+
+
+# ------------------------------------------------------------------------------------ parity
+def test_reference_run_learns(single):
+    """Guard: the reference loss really moves, so agreeing on it means something."""
+    assert single["losses"][worker.MAX_STEPS] < single["losses"][1] - 0.3
+
+
+@pytest.mark.parametrize("scenario, wrapper, mesh", [
+    ("full_shard", "fsdp", "shard 2"),
+    ("shard_grad_op", "fsdp", "shard 2"),
+    ("ddp", "ddp", "replicate 2"),
+    ("cpu_offload", "fsdp", "shard 2"),
+])
+def test_two_ranks_match_single_process(two, single, scenario, wrapper, mesh):
+    result = two[scenario]
+    assert (result["wrapper"], result["mesh_shape"]) == (wrapper, mesh)
+    assert result["grad_accum_steps"] >= 2
+    assert_same_training(result, single)
+
+
+def test_hybrid_shard_on_two_nodes_uses_a_2d_mesh_and_matches(four, single):
+    result = four["hsdp"]
+    assert result["sharding_strategy"] == "HYBRID_SHARD"  # the default for num_nodes > 1
+    assert result["mesh_ndim"] == 2 and result["mesh_shape"] == "replicate 2 × shard 2"
+    assert result["grad_accum_steps"] == 2
+    assert_same_training(result, single)
+
+
+def test_activation_checkpointing_gives_the_same_losses(two):
+    assert_same_training(two["activation_checkpointing"], two["full_shard"])
+
+
+def test_bf16_mixed_under_fsdp_uses_the_policy_and_stays_close_to_fp32(two, single):
+    result = two["bf16_mixed"]
+    assert result["autocast_enabled"] is False  # FSDP's MixedPrecisionPolicy casts instead
+    assert two["full_shard"]["autocast_enabled"] is True
+    losses = torch.tensor(list(result["losses"].values()))
+    expected = torch.tensor(list(single["losses"].values()))
+    torch.testing.assert_close(losses, expected, rtol=0, atol=0.02)
+    assert not torch.equal(losses, expected)  # it really computed in bf16
+    # fp32 master weights: the trained weights stay float32.
+    assert all(t.dtype == torch.float32 for t in result["weights"].values())
+
+
+# ------------------------------------------------------------------------------ materialize
+def test_sharded_meta_init_equals_single_process_init_bit_exactly(two, four):
+    config = worker.uneven_tied_config()
+    expected = plain_init(config, worker.SEED).state_dict()
+    for result in (two["init"], four["init"]):
+        assert result["tied"], f"lm_head and wte came untied on mesh {result['mesh_shape']}"
+        assert sorted(result["weights"]) == sorted(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(result["weights"][name], tensor), f"{name} differs on mesh {result['mesh_shape']}"
+
+
+def test_materialize_in_one_process_matches_plain_init_also_in_bf16():
+    config = worker.tiny_config()
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.device("meta"):
+            model = GPT(config).to(dtype)
+        materialize(model, torch.device("cpu"), worker.SEED)
+        expected = plain_init(config, worker.SEED, dtype)
+        for (name, tensor), reference in zip(model.state_dict().items(), expected.state_dict().values()):
+            assert tensor.dtype == dtype and torch.equal(tensor, reference), name
+        assert model.rope_cos.dtype == torch.float32  # RoPE tables stay float32 (apply_rope casts per use)
+
+
+# ------------------------------------------------------------------------------- checkpoints
+def test_sharded_checkpoint_layout(two, workdir):
+    out_dir = workdir / "two" / "sharded"
+    step = out_dir / "step-00000004"
+    assert (step / "dcp" / ".metadata").is_file()
+    for name in (layout.STATE_FILE, layout.CONFIG_FILE, layout.HPARAMS_FILE, layout.MARKER_FILE):
+        assert (step / name).is_file(), name
+    marker = json.loads((step / layout.MARKER_FILE).read_text())
+    assert marker["format"] == "sharded" and marker["step"] == 4 and marker["world_size"] == 2
+    assert checkpoint_format(step) == "sharded"
+    assert checkpoint_format(workdir / "two" / "full" / "step-00000004") == "full"
+    assert layout.latest_checkpoint(out_dir) == out_dir / "step-00000008"
+    assert not [p.name for p in out_dir.iterdir() if p.name.startswith(".")], "temporary directories left behind"
+    training_state = layout.load_training_state(step)
+    assert training_state["train_state"]["step"] == 4 and len(training_state["rng"]) == 2
+    assert training_state["data"] == {"samples_consumed": 4 * worker.GLOBAL_BATCH}
+
+
+def test_sharded_checkpoint_from_2_ranks_resumes_on_4_ranks(four, two):
+    assert four["resume_sharded"]["mesh_shape"] == "replicate 2 × shard 2"
+    assert_same_training(four["resume_sharded"], two["full_shard"], steps=range(5, 9))
+
+
+def test_sharded_checkpoint_from_2_ranks_resumes_in_one_process(two, workdir):
+    result = worker.train(Runtime(), out_dir=workdir / "one", resume_from=workdir / "two" / "sharded" / "step-00000004")
+    assert_same_training(result, two["full_shard"], steps=range(5, 9))
+    torch.testing.assert_close(result["weights"], two["full_shard"]["weights"], rtol=1e-4, atol=1e-6)
+
+
+def test_full_checkpoint_written_under_fsdp_resumes_on_4_fsdp_ranks(four, two):
+    assert four["resume_full"]["mesh_shape"] == "shard 4"
+    assert_same_training(four["resume_full"], two["full_shard"], steps=range(5, 9))
+
+
+@pytest.mark.parametrize("scenario", ["resume_sharded_ddp", "resume_full_ddp"])
+def test_checkpoints_written_under_fsdp_resume_under_ddp(four, two, scenario):
+    assert four[scenario]["wrapper"] == "ddp"
+    assert_same_training(four[scenario], two["full_shard"], steps=range(5, 9))
+
+
+def test_final_is_a_full_model_directory_that_loads_in_one_process(two, workdir):
+    final = workdir / "two" / "sharded" / "final"
+    assert checkpoint_format(final) == "full"
+    model = GPT(Config.from_file(final / layout.CONFIG_FILE))
+    layout.load_model_weights(model, final)
+    gathered = two["full_shard"]["weights"]
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, gathered[name]), name
+
+
+def test_checkpoint_format_needs_a_marker(tmp_path):
+    with pytest.raises(FileNotFoundError, match="checkpoint.json"):
+        checkpoint_format(tmp_path)
+
+
+# ------------------------------------------------------------------------- options, no processes
+def test_strategy_resolution():
+    assert resolve_sharding_strategy("auto", FSDPArgs(), world_size=1, num_nodes=1) is None
+    assert resolve_sharding_strategy("auto", FSDPArgs(), world_size=8, num_nodes=1) == "FULL_SHARD"
+    assert resolve_sharding_strategy("fsdp", FSDPArgs(), world_size=16, num_nodes=2) == "HYBRID_SHARD"
+    assert resolve_sharding_strategy("ddp", FSDPArgs(), world_size=2, num_nodes=1) == "NO_SHARD"
+    assert resolve_sharding_strategy("fsdp", FSDPArgs("SHARD_GRAD_OP"), world_size=2, num_nodes=1) == "SHARD_GRAD_OP"
+    with pytest.raises(ValueError, match="--strategy ddp contradicts"):
+        resolve_sharding_strategy("ddp", FSDPArgs("FULL_SHARD"), world_size=2, num_nodes=1)
+    with pytest.raises(ValueError, match="cpu_offload"):
+        resolve_sharding_strategy("fsdp", FSDPArgs("NO_SHARD", cpu_offload=True), world_size=2, num_nodes=1)
+    with pytest.raises(ValueError, match="--fsdp.sharding_strategy"):
+        FSDPArgs(sharding_strategy="ZERO3")
+    with pytest.raises(ValueError, match="not divisible by --num_nodes 3"):
+        build_mesh(world_size=4, num_nodes=3, strategy="HYBRID_SHARD", device_type="cpu")
+
+
+def test_single_process_parallelize_applies_checkpointing_only():
+    config = worker.tiny_config()
+    plain = plain_init(config, worker.SEED)
+    checkpointed = plain_init(config, worker.SEED)
+    model, info = parallelize(checkpointed, runtime=Runtime(), fsdp=FSDPArgs(activation_checkpointing=True),
+                              precision=Precision("bf16-mixed"))
+    assert model is checkpointed and info.wrapper == "none" and info.autocast_enabled
+    assert "activation checkpointing" in info.describe()
+    assert list(model.state_dict()) == list(plain.state_dict())  # no wrapper prefix in the keys
+    ids = torch.randint(0, 256, (2, worker.SEQ_LEN))
+    for m in (plain, model):
+        m(ids).float().square().mean().backward()
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
+    apply_activation_checkpointing(model)  # idempotent
+    assert type(model.blocks[0]).__name__ == "CheckpointedBlock"

@@ -1,0 +1,214 @@
+"""SLURM end to end on a real cluster (tests/slurm_cluster.py): two fake nodes on this machine.
+
+The cluster is installed and started when missing; if that fails the tests fail, they never skip.
+The jobs run the checkout under test with this interpreter (``python -m llmtrain``, PYTHONPATH = the
+checkout) on the CPU over gloo on the loopback interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_cluster import NODE_NAMES, ensure_cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+PRETRAIN_SBATCH = ROOT / "scripts/slurm/pretrain.sbatch"
+FINETUNE_SBATCH = ROOT / "scripts/slurm/finetune.sbatch"
+NODELIST = "llmtrain-node[1-2]"
+TEST_LIMIT_S = 150
+CLUSTER_LIMIT_S = 240
+JOB_TIMEOUT_S = 120
+# The templates ask for GPUs and a day; the fake nodes have 2 CPUs and no GPUs.
+CPU_OPTIONS = ["--nodes=2", "--gpus-per-node=0", "--time=4"]
+
+DUMP_ENV = """
+import json, os, socket, sys
+env = {k: v for k, v in os.environ.items() if k.startswith("SLURM")}
+env["hostname"] = socket.gethostname()
+name = sys.argv[2] if len(sys.argv) > 2 else "task-" + env["SLURM_PROCID"]
+with open(os.path.join(sys.argv[1], name + ".json"), "w") as f:
+    json.dump(env, f, indent=1, sort_keys=True)
+"""
+
+# Stands in for llmtrain: writes its arguments, then either returns or (first
+# run, with FAKE_WAIT_FOR_USR1=1) waits for USR1, as llmtrain does before it checkpoints and stops.
+FAKE_LLMTRAIN = """#!/bin/bash
+run="$MARK_DIR/run${SLURM_RESTART_COUNT:-0}-task${SLURM_PROCID}"
+printf '%s\\n' "$@" > "$run.args"
+if [[ ${FAKE_WAIT_FOR_USR1:-0} == 1 && ${SLURM_RESTART_COUNT:-0} == 0 ]]; then
+    trap 'touch "$run.usr1"; exit 0' USR1
+    touch "$run.ready"
+    for _ in $(seq 600); do sleep 0.1; done
+    exit 3
+fi
+"""
+
+
+@contextlib.contextmanager
+def hard_limit(seconds: int, what: str):
+    """Raise in this (main) thread when ``seconds`` have passed, whatever the code is waiting on."""
+    def expire(signum, frame):
+        raise TimeoutError(f"{what} exceeded its hard limit of {seconds}s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(autouse=True)
+def per_test_limit(request):
+    with hard_limit(TEST_LIMIT_S, request.node.name):
+        yield
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    with hard_limit(CLUSTER_LIMIT_S, "installing and starting SLURM"):
+        handle = ensure_cluster()
+    yield handle
+    if handle.started_here:
+        handle.teardown()
+
+
+def run_job(cluster, script, args=(), env=None, options=(), timeout=JOB_TIMEOUT_S):
+    """Submit, wait, and insist on COMPLETED (else fail with the job's output)."""
+    job_id = cluster.submit(script, args, env, options)
+    state = cluster.wait(job_id, timeout)
+    assert state == "COMPLETED", f"job {job_id} ended {state}:\n{cluster.output(job_id)}"
+    return job_id
+
+
+def env_dump_script(tmp_path):
+    (tmp_path / "dump_env.py").write_text(DUMP_ENV)
+    script = tmp_path / "env.sbatch"
+    script.write_text(f"""#!/bin/bash
+set -euo pipefail
+"{sys.executable}" "{tmp_path}/dump_env.py" "{tmp_path}" batch
+srun "{sys.executable}" "{tmp_path}/dump_env.py" "{tmp_path}"
+""")
+    return script
+
+
+def read_tasks(tmp_path):
+    tasks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("task-*.json"))]
+    return sorted(tasks, key=lambda env: int(env["SLURM_PROCID"]))
+
+
+def test_two_tasks_on_each_of_two_nodes(cluster, tmp_path):
+    run_job(cluster, env_dump_script(tmp_path), options=["--nodes=2", "--ntasks-per-node=2"])
+    tasks = read_tasks(tmp_path)
+    assert [int(t["SLURM_PROCID"]) for t in tasks] == [0, 1, 2, 3]
+    # Block distribution: ranks 0-1 on the first node, 2-3 on the second.
+    assert [int(t["SLURM_NODEID"]) for t in tasks] == [0, 0, 1, 1]
+    assert [int(t["SLURM_LOCALID"]) for t in tasks] == [0, 1, 0, 1]
+    assert [t["SLURMD_NODENAME"] for t in tasks] == [NODE_NAMES[0]] * 2 + [NODE_NAMES[1]] * 2
+    for task in tasks:
+        assert task["SLURM_NTASKS"] == "4" and task["SLURM_NNODES"] == "2"
+        assert task["SLURM_NTASKS_PER_NODE"] == "2" and task["SLURM_TASKS_PER_NODE"] == "2(x2)"
+        assert task["SLURM_JOB_NODELIST"] == NODELIST and task["SLURM_STEP_NODELIST"] == NODELIST
+        assert task["SLURM_STEP_ID"] == "0" and task["SLURM_STEP_NUM_TASKS"] == "4"
+    # The batch script also carries SLURM_PROCID=0 and SLURM_NTASKS, but no step: it is not a rank.
+    batch = json.loads((tmp_path / "batch.json").read_text())
+    assert "SLURM_STEP_ID" not in batch and batch["SLURM_NTASKS"] == "4"
+
+
+def test_one_task_per_node(cluster, tmp_path):
+    run_job(cluster, env_dump_script(tmp_path), options=["--nodes=2", "--ntasks-per-node=1"])
+    tasks = read_tasks(tmp_path)
+    assert [(t["SLURM_PROCID"], t["SLURM_NODEID"], t["SLURM_LOCALID"]) for t in tasks] == [("0", "0", "0"),
+                                                                                           ("1", "1", "0")]
+    assert [t["SLURMD_NODENAME"] for t in tasks] == list(NODE_NAMES)
+    for task in tasks:
+        assert task["SLURM_NTASKS"] == "2" and task["SLURM_NNODES"] == "2"
+        assert task["SLURM_NTASKS_PER_NODE"] == "1" and task["SLURM_TASKS_PER_NODE"] == "1(x2)"
+        assert task["SLURM_JOB_NODELIST"] == NODELIST and task["SLURM_STEP_ID"] == "0"
+
+
+def fake_llmtrain(tmp_path):
+    fake = tmp_path / "fake-llmtrain"
+    fake.write_text(FAKE_LLMTRAIN)
+    fake.chmod(0o755)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    return fake, marks
+
+
+def wait_for_files(paths, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline, f"never appeared: {[str(p) for p in paths if not p.exists()]}"
+        time.sleep(0.2)
+
+
+def test_pretrain_sbatch_passes_usr1_on_and_requeues_with_resume(cluster, tmp_path):
+    """The time-limit path, with a stand-in for llmtrain: USR1 reaches every task, then the job runs again."""
+    fake, marks = fake_llmtrain(tmp_path)
+    env = {"LLMTRAIN": str(fake), "MARK_DIR": str(marks), "FAKE_WAIT_FOR_USR1": "1"}
+    job_id = cluster.submit(PRETRAIN_SBATCH, ["--config", "x.yaml"], env,
+                            [*CPU_OPTIONS, "--ntasks-per-node=2", f"--chdir={tmp_path}"])
+    wait_for_files([marks / f"run0-task{rank}.ready" for rank in range(4)])
+    # What `#SBATCH --signal=B:USR1@120` does 120 s before the time limit.
+    cluster.run("scancel", "--signal=USR1", "--batch", str(job_id))
+    state = cluster.wait(job_id, JOB_TIMEOUT_S)
+    output = cluster.output(job_id)
+    assert state == "COMPLETED", output
+    assert cluster.job(job_id)["Restarts"] == "1", output
+    for rank in range(4):
+        assert (marks / f"run0-task{rank}.usr1").exists(), output
+        args = (marks / f"run1-task{rank}.args").read_text().split()
+        assert args == ["pretrain", "--devices", "2", "--num_nodes", "2", "--resume", "auto", "--config", "x.yaml"]
+    assert "requeueing job" in output
+
+
+def test_finetune_sbatch_one_task_per_node_arguments(cluster, tmp_path):
+    fake, marks = fake_llmtrain(tmp_path)
+    env = {"LLMTRAIN": str(fake), "MARK_DIR": str(marks), "DEVICES": "2"}
+    job_id = run_job(cluster, FINETUNE_SBATCH, ["ckpt/model", "--data", "JSON"], env,
+                     [*CPU_OPTIONS, "--ntasks-per-node=1", "--cpus-per-task=2", f"--chdir={tmp_path}"])
+    # The node's task gets the node's cores (srun does not inherit --cpus-per-task from sbatch).
+    assert "+ srun --kill-on-bad-exit=1 --cpus-per-task=2 " in cluster.output(job_id)
+    for rank in range(2):
+        args = (marks / f"run0-task{rank}.args").read_text().split()
+        assert args == ["finetune_lora", "ckpt/model", "--devices", "2", "--num_nodes", "2", "--resume", "auto",
+                        "--data", "JSON"]
+    assert not (marks / "run0-task2.args").exists()
+
+
+@pytest.mark.parametrize("tasks_per_node", [2, 1], ids=["task-per-device", "task-per-node"])
+def test_pretrain_sbatch_writes_final_model(cluster, tmp_path, tasks_per_node):
+    """The project's sbatch script runs the debug recipe (shrunk) on 2 nodes × 2 devices, both layouts."""
+    out_dir = tmp_path / "out"
+    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {
+        "LLMTRAIN": f"{sys.executable} -m llmtrain",
+        "PYTHONPATH": python_path,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "LLMTRAIN_CACHE_DIR": str(tmp_path / "cache"),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+    }
+    args = ["--config", str(ROOT / "config_hub/pretrain/debug.yaml"), "--out_dir", str(out_dir),
+            "--train.max_steps", "4", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
+            "--train.max_seq_length", "64", "--train.lr_warmup_steps", "1", "--eval.max_iters", "2", "--accelerator", "cpu",
+            "--devices", "2", "--num_nodes", "2"]
+    # One task per node gets the node's two cores for its two workers.
+    cpus = ["--cpus-per-task=2"] if tasks_per_node == 1 else []
+    job_id = run_job(cluster, PRETRAIN_SBATCH, args, env,
+                     [*CPU_OPTIONS, f"--ntasks-per-node={tasks_per_node}", *cpus, f"--chdir={tmp_path}"])
+    output = cluster.output(job_id)
+    assert "world 4," in output, output  # one run of four ranks, not four single-process runs
+    final = out_dir / "final"
+    assert (final / "model.safetensors").is_file()
+    assert (final / "model_config.yaml").is_file()
