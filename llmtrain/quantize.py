@@ -31,11 +31,19 @@ BLOCKSIZE_4BIT = 64
 INT8_OUTLIER_THRESHOLD = 6.0
 
 
+def _drop_int8_cast_notice(record: logging.LogRecord) -> bool:
+    # LLM.int8() matmuls log "inputs will be cast ... to float16" on every call whose input is not
+    # fp16 (bf16/fp32 compute dtypes): once per layer per step. The cast is documented in
+    # quantize_model; one line per matmul would bury the training log.
+    return not str(record.msg).startswith("MatMul8bitLt: inputs will be cast")
+
+
 def import_bitsandbytes():
     """Import bitsandbytes, or fail with a message that says how to get it."""
     # NOTE: on CPUs with AVX512-BF16, bitsandbytes logs at import that an optional inference
     # kernel package ("kernels") is missing. Training never uses that kernel; keep the log quiet.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    logging.getLogger("bitsandbytes.autograd._functions").addFilter(_drop_int8_cast_notice)
     try:
         import bitsandbytes
     except ImportError as error:
@@ -55,7 +63,9 @@ def quantize_model(
 
     mode: `bnb.nf4` / `bnb.fp4` store 4-bit weights with one absmax per 64 values; `-dq` also
     quantizes those absmax statistics (double quantization, ~0.4 bit/param less); `bnb.int8-training`
-    stores int8 weights with one scale per output row (LLM.int8(), outlier threshold 6.0).
+    stores int8 weights with one scale per output row (LLM.int8(), outlier threshold 6.0); its int8
+    matmuls take fp16 inputs, so other compute dtypes are cast to fp16 and back on GPU. On CPU,
+    bitsandbytes trains int8 layers by dequantizing the weight and multiplying in the input's dtype.
     compute_dtype: the dtype the quantized layers compute in; the model's other parameters
     (embeddings, norms, head) are cast to it too, so activations and LoRA adapters share one dtype.
     device: where to quantize and keep the quantized weights; default: where the weights are now.

@@ -22,11 +22,10 @@ import torch
 
 from llmtrain.args import EvalArgs, TrainArgs, batch_plan
 from llmtrain.config import Config
-from llmtrain.distributed.checkpoint import ShardedCheckpointer, gather_full_model_state
+from llmtrain.distributed.checkpoint import build_checkpointer, gather_full_model_state, load_checkpoint
 from llmtrain.distributed.parallelize import FSDPArgs, materialize, parallelize
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
-from llmtrain.train.checkpointer import FullCheckpointer
 from llmtrain.train.loop import IGNORE_INDEX, Fit, TrainState, fit, plan_horizon
 from llmtrain.train.precision import Precision
 
@@ -132,9 +131,11 @@ def build(runtime: Runtime, *, config: Optional[Config] = None, strategy: str = 
 
 def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] = None, precision: str = "32-true",
           num_nodes: int = 1, micro_batch_size: int = 1, out_dir: Optional[Path] = None,
-          checkpoint_formats: tuple[str, ...] = ("sharded",), resume_from: Optional[Path] = None,
-          resume_format: str = "sharded") -> dict:
-    """8 AdamW steps of the tiny model with fit(); checkpoints every 4 steps into out_dir/FORMAT/ when given."""
+          checkpoint_formats: tuple[str, ...] = ("sharded",), resume_from: Optional[Path] = None) -> dict:
+    """8 AdamW steps of the tiny model with fit(); checkpoints every 4 steps into out_dir/FORMAT/ when given.
+
+    A resume loads ``resume_from`` (either format) through the first checkpointer.
+    """
     model, info = build(runtime, strategy=strategy, fsdp=fsdp, precision=precision, num_nodes=num_nodes)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.1)
     train_args = TrainArgs(global_batch_size=GLOBAL_BATCH, micro_batch_size=micro_batch_size, max_steps=MAX_STEPS,
@@ -145,10 +146,10 @@ def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] 
     state = TrainState()
     arguments = dict(runtime=runtime, model=model, optimizer=optimizer, train_loader=loader,
                      model_config=tiny_config(), tokenizer=None, hyperparameters={"test": True})
-    classes = {"sharded": ShardedCheckpointer, "full": FullCheckpointer}
-    checkpointers = [classes[fmt](out_dir=Path(out_dir or ".") / fmt, **arguments) for fmt in checkpoint_formats]
+    checkpointers = [build_checkpointer(fmt, out_dir=Path(out_dir or ".") / fmt, **arguments)
+                     for fmt in checkpoint_formats]
     if resume_from is not None:
-        classes[resume_format](out_dir=Path(out_dir or "."), **arguments).load(resume_from, state)
+        load_checkpoint(checkpointers[0], resume_from, state)
     recorder = Recorder()
     job = Fit(runtime=runtime, model=model, optimizer=optimizer, train_loader=loader, val_loader=None,
               train=train_args, eval=EvalArgs(initial_validation=False, final_validation=False), plan=plan,
@@ -191,11 +192,12 @@ def suite_four(runtime: Runtime, workdir: Path) -> dict:
         "hsdp": train(runtime, num_nodes=2),
         "resume_sharded": train(runtime, num_nodes=2, out_dir=workdir / "four", resume_from=two / "sharded" / "step-00000004"),
         "resume_full": train(runtime, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"), out_dir=workdir / "four_full",
-                             resume_from=two / "full" / "step-00000004", resume_format="full"),
-        "resume_sharded_ddp": train(runtime, strategy="ddp", out_dir=workdir / "four_ddp",
+                             checkpoint_formats=("full",), resume_from=two / "full" / "step-00000004"),
+        # Under DDP, and across formats: a full-format run resumes a sharded checkpoint and vice versa.
+        "resume_sharded_ddp": train(runtime, strategy="ddp", out_dir=workdir / "four_ddp", checkpoint_formats=("full",),
                                     resume_from=two / "sharded" / "step-00000004"),
         "resume_full_ddp": train(runtime, strategy="ddp", out_dir=workdir / "four_ddp_full",
-                                 resume_from=two / "full" / "step-00000004", resume_format="full"),
+                                 resume_from=two / "full" / "step-00000004"),
         "init": initial_weights(runtime, num_nodes=2),
     }
 

@@ -66,7 +66,8 @@ def install_packages(timeout_s: float = 600.0) -> None:
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
         except (OSError, subprocess.TimeoutExpired) as err:
-            raise SlurmError(f"could not install SLURM: `{' '.join(command)}` failed: {err}\n" + "".join(log)) from None
+            raise SlurmError(f"could not install SLURM: `{' '.join(command)}` failed: {err}\n"
+                             + "".join(log)) from None
         log.append(f"$ {' '.join(command)}  (exit {done.returncode})\n{done.stdout}{done.stderr}")
         if done.returncode != 0:
             raise SlurmError("could not install SLURM with apt (the SLURM tests need Debian's slurmctld, slurmd, "
@@ -210,7 +211,7 @@ class SlurmCluster:
                 self.run("scancel", "--full", *jobs, check=False)
                 # Their tasks end with the job steps, which stop only while the slurmds are up.
                 deadline = time.monotonic() + 30
-                while self.run("squeue", "-h", "-o", "%i", check=False).stdout.split() and time.monotonic() < deadline:
+                while time.monotonic() < deadline and self.run("squeue", "-h", check=False).stdout.strip():
                     time.sleep(0.3)
         # The slurmds first and munged last: a daemon that shuts down still talks to the others.
         for name, pid_file in reversed(list(self._pid_files().items())):
@@ -294,15 +295,15 @@ class SlurmCluster:
         """Start a daemon that forks into the background; it must report success."""
         done = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=30)
         if done.returncode != 0:
-            raise SlurmError(f"`{' '.join(command)}` failed (exit {done.returncode}):\n{done.stdout}{done.stderr}\n"
-                             f"{self.logs()}")
+            raise SlurmError(f"`{' '.join(command)}` failed (exit {done.returncode}):\n"
+                             f"{done.stdout}{done.stderr}\n{self.logs()}")
 
     def _poll(self, ready, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
         while not ready():
             if time.monotonic() > deadline:
-                raise SlurmError(f"timed out after {timeout_s:g}s waiting for {what}; nodes: {self.node_states()}\n"
-                                 f"{self.logs()}")
+                raise SlurmError(f"timed out after {timeout_s:g}s waiting for {what}; "
+                                 f"nodes: {self.node_states()}\n{self.logs()}")
             time.sleep(0.3)
 
 

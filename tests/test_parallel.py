@@ -57,8 +57,9 @@ def four(workdir, two) -> dict:
 def plain_init(config: Config, seed: int, dtype: torch.dtype = torch.float32) -> GPT:
     """The reference: an ordinary model on the CPU, seeded and initialised in this one process."""
     model = GPT(config)
-    torch.manual_seed(seed)
-    model.init_weights()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model.init_weights()
     return model.to(dtype)
 
 
@@ -166,6 +167,11 @@ def test_sharded_checkpoint_from_2_ranks_resumes_in_one_process(two, workdir):
     result = worker.train(Runtime(), out_dir=workdir / "one", resume_from=workdir / "two" / "sharded" / "step-00000004")
     assert_same_training(result, two["full_shard"], steps=range(5, 9))
     torch.testing.assert_close(result["weights"], two["full_shard"]["weights"], rtol=1e-4, atol=1e-6)
+    # A full-format run can resume the sharded checkpoint too, and still writes a full final/.
+    result = worker.train(Runtime(), out_dir=workdir / "one_full", checkpoint_formats=("full",),
+                          resume_from=workdir / "two" / "sharded" / "step-00000004")
+    assert_same_training(result, two["full_shard"], steps=range(5, 9))
+    assert (workdir / "one_full" / "full" / "final" / layout.MODEL_FILE).is_file()
 
 
 def test_full_checkpoint_written_under_fsdp_resumes_on_4_fsdp_ranks(four, two):

@@ -255,7 +255,7 @@ def restore_training_state(training_state: dict, state: TrainState, train_loader
 
 
 def build_checkpointer(state_dict_type: CheckpointFormat, **arguments: Any):
-    """The checkpointer that writes ``state_dict_type`` checkpoints; its ``load`` reads both formats.
+    """The checkpointer that writes ``state_dict_type`` checkpoints (resume with :func:`load_checkpoint`).
 
     ``arguments`` are FullCheckpointer's: runtime, out_dir, model, optimizer, train_loader,
     model_config, tokenizer, hyperparameters, scaler.
@@ -267,6 +267,27 @@ def build_checkpointer(state_dict_type: CheckpointFormat, **arguments: Any):
 
         return FullCheckpointer(**arguments)
     raise ValueError(f"--fsdp.state_dict_type {state_dict_type!r} must be `full` or `sharded`")
+
+
+def load_checkpoint(checkpointer: Any, checkpoint_dir: Path, state: TrainState) -> None:
+    """Resume from ``checkpoint_dir`` whatever its format, into ``checkpointer``'s model, optimizer and loader.
+
+    A run may resume a checkpoint of the other format (e.g. after changing --fsdp.state_dict_type).
+    """
+    if isinstance(checkpointer, ShardedCheckpointer):
+        checkpointer.load(checkpoint_dir, state)
+        return
+    fmt = checkpoint_format(checkpoint_dir)
+    if fmt == "full":
+        checkpointer.load(checkpoint_dir, state)
+        return
+    ShardedCheckpointer(runtime=checkpointer.runtime, out_dir=checkpointer.out_dir, model=checkpointer.model,
+                        optimizer=checkpointer.optimizer, train_loader=checkpointer.train_loader,
+                        model_config=checkpointer.model_config, tokenizer=checkpointer.tokenizer,
+                        hyperparameters=checkpointer.hyperparameters, scaler=checkpointer.scaler,
+                        ).load(checkpoint_dir, state)
+    # A sharded step directory has no model.safetensors for a full-format final/ to link to.
+    checkpointer.last_saved = None
 
 
 # ------------------------------------------------------------------------------------- writing

@@ -22,12 +22,15 @@ ResumeArg = Union[bool, Literal["auto"], Path]
 OptimizerArg = Union[str, Callable[[Iterable], torch.optim.Optimizer]]
 
 
-def configure_process() -> None:
+def configure_process(runtime: Any = None) -> None:
     """Per-process settings; spawned workers are fresh interpreters, so every entrypoint calls this."""
     import warnings
 
     # Warnings read as one line for people, not as a source listing.
     warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"
+    if runtime is not None and not runtime.is_main:
+        # Every rank sees the same configuration: rank 0 says it once. Errors still come from every rank.
+        warnings.simplefilter("ignore")
 
 
 # ----------------------------------------------------------------------------- model config

@@ -116,8 +116,8 @@ def main(*, config: Config, out_dir: Path, precision: Precision, resume_from: Op
     from llmtrain.train.loggers import build_loggers
     from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon
 
-    common.configure_process()
     runtime = Runtime.from_env(accelerator)
+    common.configure_process(runtime)
     plan = batch_plan(train, runtime.data_parallel_size)
     say = print if runtime.is_main else (lambda *a, **k: None)
 

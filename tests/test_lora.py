@@ -1,0 +1,317 @@
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmtrain.config import Config
+from llmtrain.lora import (
+    LoRAArgs,
+    LoRALinear,
+    apply_lora,
+    load_lora_state_dict,
+    lora_state_dict,
+    mark_only_lora_trainable,
+    merge_lora,
+)
+from llmtrain.model import GPT
+from llmtrain.quantize import QUANTIZE_MODES, quantize_model
+
+CONFIGS = {
+    "llama": Config(name="lora-llama", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, vocab_size=128,
+                    padding_multiple=64, block_size=32, intermediate_size=128),
+    # GPT-NeoX: biases everywhere, parallel residual, fc/proj MLP.
+    "neox": Config.from_name("gpt-neox-debug", n_embd=64, vocab_size=128, block_size=32, intermediate_size=128),
+    # Gemma: GeGLU MLP, MQA, head_size 64, tied embeddings.
+    "gemma": Config.from_name("gemma-debug", n_embd=64, vocab_size=128, block_size=32, intermediate_size=128),
+}
+MLP_LINEARS = {"GptNeoxMLP": ("fc", "proj"), "LLaMAMLP": ("gate_proj", "up_proj", "down_proj"),
+               "GemmaMLP": ("gate_proj", "up_proj", "down_proj")}
+FLAGS = ("lora_query", "lora_key", "lora_value", "lora_projection", "lora_mlp", "lora_head")
+
+# Relative error ||logits - logits_fp32|| / ||logits_fp32|| of the quantized tiny Llama above
+# (weights N(0, 0.02)). Measured on bitsandbytes 0.50.2's CPU backend: nf4 0.058, nf4-dq 0.058,
+# fp4 0.080, fp4-dq 0.080, int8 0.005. The bounds leave ~1.5x headroom for other seeds.
+QUANTIZED_LOGITS_RTOL = {"bnb.nf4": 0.09, "bnb.nf4-dq": 0.09, "bnb.fp4": 0.12, "bnb.fp4-dq": 0.12,
+                         "bnb.int8-training": 0.01}
+
+
+def build(config: Config, seed: int = 0) -> GPT:
+    model = GPT(config)
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model.eval()
+
+
+def all_layers(config: Config, **overrides) -> LoRAArgs:
+    """Every flag on (but the head when it is tied to the embedding), no dropout."""
+    args = dict(lora_dropout=0.0, lora_query=True, lora_key=True, lora_value=True, lora_projection=True,
+                lora_mlp=True, lora_head=not config.tie_embeddings)
+    return LoRAArgs(**{**args, **overrides})
+
+
+def tokens(config: Config, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def train(model: GPT, idx: torch.Tensor, steps: int, lr: float = 1e-2) -> None:
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    for _ in range(steps):
+        logits = model(idx[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1).float(), idx[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
+def expected_trainable(config: Config, args: LoRAArgs) -> int:
+    """r * (in + out) summed over the adapted layers, from the config alone."""
+    C, hs, r = config.n_embd, config.head_size, args.lora_r
+    q, kv = config.n_head * hs, config.n_query_groups * hs
+    per_block = {"lora_query": C + q, "lora_key": C + kv, "lora_value": C + kv, "lora_projection": q + C,
+                 "lora_mlp": 3 * (C + config.intermediate_size)}
+    if config.mlp_class_name == "GptNeoxMLP":
+        per_block["lora_mlp"] = 2 * (C + config.intermediate_size)
+    total = config.n_layer * sum(size for flag, size in per_block.items() if getattr(args, flag))
+    if args.lora_head:
+        total += C + config.padded_vocab_size
+    return r * total
+
+
+# ---- LoRA on a plain model ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_fresh_adapters_leave_the_output_unchanged(name):
+    config = CONFIGS[name]
+    base = build(config)
+    model = copy.deepcopy(base)
+    apply_lora(model, all_layers(config, lora_dropout=0.1))
+    idx = tokens(config)
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), base(idx), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_one_step_trains_only_the_adapters(name):
+    config = CONFIGS[name]
+    model = build(config)
+    args = all_layers(config, lora_r=4, lora_dropout=0.05)
+    apply_lora(model, args)
+    mark_only_lora_trainable(model)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.endswith((".lora_A", ".lora_B")) for n in trainable)
+    assert sum(p.numel() for p in trainable.values()) == expected_trainable(config, args)
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train(model, tokens(config), steps=1)
+    for n, p in model.named_parameters():
+        if n.endswith(".lora_B"):
+            assert not torch.equal(p, before[n]), f"{n} did not train"
+        elif not n.endswith(".lora_A"):
+            assert torch.equal(p, before[n]), f"frozen {n} changed"
+
+
+@pytest.mark.parametrize("flag", FLAGS)
+@pytest.mark.parametrize("name", CONFIGS)
+def test_each_flag_wraps_exactly_its_layers(name, flag):
+    config = CONFIGS[name]
+    model = build(config)
+    args = LoRAArgs(**{f: f == flag for f in FLAGS})
+    if flag == "lora_head" and config.tie_embeddings:
+        with pytest.raises(ValueError, match="tied"):
+            apply_lora(model, args)
+        return
+    children = {"lora_query": ["attn.q_proj"], "lora_key": ["attn.k_proj"], "lora_value": ["attn.v_proj"],
+                "lora_projection": ["attn.o_proj"],
+                "lora_mlp": [f"mlp.{child}" for child in MLP_LINEARS[config.mlp_class_name]]}
+    expected = ["lm_head"] if flag == "lora_head" else [
+        f"blocks.{i}.{child}" for i in range(config.n_layer) for child in children[flag]]
+
+    assert apply_lora(model, args) == expected
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    assert wrapped == expected
+    for n in expected:
+        module = model.get_submodule(n)
+        assert type(module.base) is torch.nn.Linear
+        assert module.lora_A.shape == (args.lora_r, module.in_features)
+        assert module.lora_B.shape == (module.out_features, args.lora_r)
+
+
+def test_bad_arguments_are_errors():
+    model = build(CONFIGS["llama"])
+    with pytest.raises(ValueError, match="selects no layers"):
+        apply_lora(model, LoRAArgs(lora_query=False, lora_value=False))
+    with pytest.raises(ValueError, match="--lora_r"):
+        LoRAArgs(lora_r=0)
+    with pytest.raises(ValueError, match="--lora_dropout"):
+        LoRAArgs(lora_dropout=1.0)
+    apply_lora(model, LoRAArgs())
+    with pytest.raises(ValueError, match="once"):
+        apply_lora(model, LoRAArgs())
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_merged_model_is_a_plain_gpt_with_the_same_logits(name):
+    config = CONFIGS[name]
+    model = build(config)
+    apply_lora(model, all_layers(config, lora_dropout=0.05))
+    mark_only_lora_trainable(model)
+    idx = tokens(config)
+    train(model, idx, steps=3)
+    with torch.no_grad():
+        lora_logits = model(idx)
+        assert not torch.allclose(lora_logits, build(config)(idx), atol=1e-3)  # the adapters did learn
+
+    merged = merge_lora(model)
+    assert not any(isinstance(m, LoRALinear) for m in merged.modules())
+    plain = GPT(config)
+    assert list(merged.state_dict()) == list(plain.state_dict())
+    plain.load_state_dict(merged.state_dict(), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(idx), lora_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(plain.eval()(idx), lora_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_weights_round_trip(tmp_path):
+    config = CONFIGS["neox"]
+    args = all_layers(config)
+    model = build(config)
+    apply_lora(model, args)
+    mark_only_lora_trainable(model)
+    idx = tokens(config)
+    train(model, idx, steps=2)
+    adapters = lora_state_dict(model)
+    assert set(adapters) == {n for n, _ in model.named_parameters() if n.endswith((".lora_A", ".lora_B"))}
+    torch.save(adapters, tmp_path / "lora.pt")
+
+    restored = build(config)  # the same base weights, fresh adapters
+    torch.manual_seed(123)
+    apply_lora(restored, args)
+    load_lora_state_dict(restored, torch.load(tmp_path / "lora.pt", weights_only=True))
+    with torch.no_grad():
+        torch.testing.assert_close(restored(idx), model(idx), rtol=0, atol=0)
+
+    with pytest.raises(KeyError, match="missing"):
+        load_lora_state_dict(restored, {k: v for k, v in adapters.items() if "blocks.1" not in k})
+    with pytest.raises(KeyError, match="unexpected"):
+        load_lora_state_dict(restored, {**adapters, "blocks.0.attn.q_proj.base.weight": torch.zeros(1)})
+    other_rank = build(config)
+    apply_lora(other_rank, all_layers(config, lora_r=4))
+    with pytest.raises(ValueError, match="--lora_r"):
+        load_lora_state_dict(other_rank, adapters)
+
+
+# ---- QLoRA: quantized base weights (bitsandbytes CPU backend) ------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama", "neox"])
+@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+def test_qlora_trains_adapters_and_merges_to_a_plain_model(mode, name):
+    import bitsandbytes as bnb
+
+    config = CONFIGS[name]
+    base = build(config)
+    idx = tokens(config)
+    with torch.no_grad():
+        fp32_logits = base(idx)
+
+    model = quantize_model(copy.deepcopy(base), mode, compute_dtype=torch.float32)
+    quantized_type = bnb.nn.Linear8bitLt if mode == "bnb.int8-training" else bnb.nn.Linear4bit
+    for block in model.blocks:
+        linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear)]
+        assert len(linears) == 4 + len(MLP_LINEARS[config.mlp_class_name])
+        assert all(type(m) is quantized_type for m in linears)
+    assert type(model.lm_head) is torch.nn.Linear
+    with torch.no_grad():
+        quantized_logits = model(idx)
+    relative_error = ((quantized_logits - fp32_logits).norm() / fp32_logits.norm()).item()
+    if name == "llama":
+        assert relative_error < QUANTIZED_LOGITS_RTOL[mode], relative_error
+    assert 0 < relative_error < 2 * QUANTIZED_LOGITS_RTOL[mode]
+
+    apply_lora(model, all_layers(config))
+    mark_only_lora_trainable(model)
+    model.train()
+    F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()).backward()
+    with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert with_grad == {n for n, _ in model.named_parameters() if n.endswith((".lora_A", ".lora_B"))}
+    assert all(model.get_submodule(n.rsplit(".", 1)[0]).lora_B.grad.abs().sum() > 0 for n in with_grad)
+    model.zero_grad()
+
+    train(model, idx, steps=3)
+    with torch.no_grad():
+        qlora_logits = model(idx)
+        model.train()  # int8 on CPU: training dequantizes the weight; inference also quantizes inputs
+        qlora_train_logits = model(idx)
+    merged = merge_lora(model)
+    plain = GPT(config)
+    assert list(merged.state_dict()) == list(plain.state_dict())
+    plain.load_state_dict(merged.state_dict(), strict=True)
+    with torch.no_grad():
+        merged_logits = plain.eval()(idx)
+    # Merging dequantizes exactly what the training forward multiplies by.
+    torch.testing.assert_close(merged_logits, qlora_train_logits, rtol=1e-5, atol=1e-5)
+    inference_atol = 1e-2 if mode == "bnb.int8-training" else 1e-5
+    torch.testing.assert_close(merged_logits, qlora_logits, rtol=0, atol=inference_atol)
+
+
+def test_qlora_gradients_survive_an_evaluation_pass():
+    # bitsandbytes repacks 4-bit weights for a gradient-less CPU kernel on the first eval forward
+    # (AVX512-BF16 CPUs); quantize_model turns that off, so training after validation is unchanged.
+    config = CONFIGS["llama"]
+    model = quantize_model(build(config), "bnb.nf4", compute_dtype=torch.float32)
+    apply_lora(model, all_layers(config))
+    mark_only_lora_trainable(model)
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            torch.nn.init.normal_(module.lora_B, std=0.02)
+    idx = tokens(config)
+
+    def gradients():
+        model.train()
+        model.zero_grad()
+        F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    before = gradients()
+    model.eval()
+    with torch.no_grad():
+        model(idx)
+    after = gradients()
+    assert after.keys() == before.keys()
+    for n in before:
+        torch.testing.assert_close(after[n], before[n], rtol=0, atol=0)
+
+
+def test_qlora_in_bfloat16():
+    config = CONFIGS["neox"]
+    model = quantize_model(build(config), "bnb.nf4-dq", compute_dtype=torch.bfloat16)
+    assert {p.dtype for n, p in model.named_parameters() if not n.endswith(".weight") or "blocks" not in n} == {
+        torch.bfloat16}
+    apply_lora(model, all_layers(config))
+    mark_only_lora_trainable(model)
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.bfloat16}
+    idx = tokens(config)
+    train(model, idx, steps=2)
+    with torch.no_grad():
+        qlora_logits = model(idx)
+    merged = merge_lora(model)
+    assert {p.dtype for p in merged.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        torch.testing.assert_close(merged(idx), qlora_logits, rtol=0, atol=0.05)
+
+
+def test_quantize_errors():
+    config = CONFIGS["llama"]
+    with pytest.raises(ValueError, match="bnb.nf4"):
+        quantize_model(build(config), "bnb.nf3", torch.float32)
+    with torch.device("meta"):
+        meta_model = GPT(config)
+    with pytest.raises(ValueError, match="load the checkpoint"):
+        quantize_model(meta_model, "bnb.nf4", torch.float32)
+    model = build(config)
+    apply_lora(model, LoRAArgs())
+    with pytest.raises(ValueError, match="before apply_lora"):
+        quantize_model(model, "bnb.nf4", torch.float32)

@@ -1,0 +1,195 @@
+from pathlib import Path
+
+import pytest
+
+from llmtrain.config import Config
+from llmtrain.prompts import (
+    PROMPT_STYLE_FILE, Alpaca, ChatML, PromptStyle, Segment, has_prompt_style, load_prompt_style, save_prompt_style,
+)
+from llmtrain.tokenizer import BPE_EOS_TOKEN, Tokenizer, train_bpe_tokenizer
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "What is 2 + 2?"},
+]
+
+# One instruction, as each format's public description writes it (the tokenizer adds a leading bos).
+SINGLE = {
+    "default": "What is 2 + 2?",
+    "alpaca": "Below is an instruction that describes a task. Write a response that appropriately completes the "
+              "request.\n\n### Instruction:\nWhat is 2 + 2?\n\n### Response:\n",
+    "chatml": "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n",
+    "llama2": "[INST] What is 2 + 2? [/INST]",
+    "llama3": "<|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 2?<|eot_id|>"
+              "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "mistral": "[INST] What is 2 + 2? [/INST]",
+    "gemma": "<start_of_turn>user\nWhat is 2 + 2?<end_of_turn>\n<start_of_turn>model\n",
+    "phi": "Instruct: What is 2 + 2?\nOutput:",
+    "tinyllama": "<|user|>\nWhat is 2 + 2?</s>\n<|assistant|>\n",
+}
+
+# The conversation above: a system message, one finished exchange, and a question awaiting its answer.
+MULTI_TURN = {
+    "default": "System: Be brief.\n\nUser: Hi\n\nAssistant: Hello!\n\nUser: What is 2 + 2?\n\nAssistant:",
+    "alpaca": "Be brief.\n\n### Instruction:\nHi\n\n### Response:\nHello!\n\n"
+              "### Instruction:\nWhat is 2 + 2?\n\n### Response:\n",
+    "chatml": "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+              "Hello!<|im_end|>\n<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n",
+    "llama2": "[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello! </s><s>[INST] What is 2 + 2? [/INST]",
+    "llama3": "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+              "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+              "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>"
+              "<|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 2?<|eot_id|>"
+              "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "mistral": "[INST] Be brief.\n\nHi [/INST]Hello!</s>[INST] What is 2 + 2? [/INST]",
+    "gemma": "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
+             "<start_of_turn>user\nWhat is 2 + 2?<end_of_turn>\n<start_of_turn>model\n",
+    "phi": "Be brief.\nInstruct: Hi\nOutput: Hello!\nInstruct: What is 2 + 2?\nOutput:",
+    "tinyllama": "<|system|>\nBe brief.</s>\n<|user|>\nHi</s>\n<|assistant|>\nHello!</s>\n"
+                 "<|user|>\nWhat is 2 + 2?</s>\n<|assistant|>\n",
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    texts = ["<|im_start|>user\nHi<|im_end|> <end_of_turn> What is 2 + 2? 4"] * 20
+    return train_bpe_tokenizer(texts, vocab_size=300, out_dir=tmp_path_factory.mktemp("tok") / "tok")
+
+
+def test_registry_holds_every_style() -> None:
+    assert set(PromptStyle.registry) == set(SINGLE) == set(MULTI_TURN)
+
+
+@pytest.mark.parametrize("name", sorted(SINGLE))
+def test_single_instruction_renders_exactly(name: str) -> None:
+    assert PromptStyle.from_name(name).apply("What is 2 + 2?") == SINGLE[name]
+
+
+@pytest.mark.parametrize("name", sorted(MULTI_TURN))
+def test_conversation_renders_exactly(name: str) -> None:
+    style = PromptStyle.from_name(name)
+    assert style.apply(CONVERSATION) == MULTI_TURN[name]
+    # The same conversation from the instruction form, the system message given separately.
+    assert style.apply(CONVERSATION[1:], system="Be brief.") == MULTI_TURN[name]
+
+
+def test_segments_split_prompt_from_response() -> None:
+    finished = CONVERSATION + [{"role": "assistant", "content": "4"}]
+    assert ChatML().render(finished) == [
+        Segment("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+                False),
+        Segment("Hello!<|im_end|>", True),
+        Segment("\n<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n", False),
+        Segment("4<|im_end|>", True),
+    ]
+    # A finished conversation renders in full, without a new assistant header.
+    assert ChatML().apply(finished) == MULTI_TURN["chatml"] + "4<|im_end|>"
+    assert [s.is_response for s in PromptStyle.from_name("default").render(finished[1:3])] == [False, True]
+
+
+def test_input_and_system_fields() -> None:
+    assert Alpaca().apply("Sort the numbers.", input="3, 1, 2") == (
+        "Below is an instruction that describes a task, paired with an input that provides further context. "
+        "Write a response that appropriately completes the request.\n\n"
+        "### Instruction:\nSort the numbers.\n\n### Input:\n3, 1, 2\n\n### Response:\n")
+    assert PromptStyle.from_name("phi").apply("Sort the numbers.", input="3, 1, 2") == (
+        "Instruct: Sort the numbers.\n\n3, 1, 2\nOutput:")
+    qwen = ChatML(system="You are Qwen.")
+    assert qwen.apply("Hi") == "<|im_start|>system\nYou are Qwen.<|im_end|>\n" + SINGLE["chatml"].replace(
+        "What is 2 + 2?", "Hi")
+    assert qwen.apply("Hi", system="Other.").startswith("<|im_start|>system\nOther.<|im_end|>")  # a message wins
+
+
+@pytest.mark.parametrize("messages, error", [
+    ([], "no messages"),
+    ([{"role": "assistant", "content": "Hi"}], "'user' was expected"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "message 1 is from 'user'"),
+    ([{"role": "robot", "content": "a"}], "role 'robot'"),
+    ([{"role": "user"}], "no text 'content'"),
+    ([{"role": "system", "content": "s"}], "no user message"),
+])
+def test_malformed_conversations_are_rejected(messages: list, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        ChatML().apply(messages)
+
+
+@pytest.mark.parametrize("name, style, system", [
+    ("Meta-Llama-3-8B-Instruct", "llama3", None),
+    ("Llama-3.1-8B", "llama3", None),
+    ("Llama-3.2-1B-Instruct", "llama3", None),
+    ("Llama-2-7b-chat-hf", "llama2", None),
+    ("Qwen2.5-0.5B-Instruct", "chatml", "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."),
+    ("SmolLM2-135M-Instruct", "chatml", "You are a helpful AI assistant named SmolLM, trained by Hugging Face"),
+    ("gemma-2b-it", "gemma", None),
+    ("Mistral-7B-Instruct-v0.3", "mistral", None),
+    ("tiny-llama-1.1b-chat", "tinyllama", None),
+    ("TinyLlama/TinyLlama-1.1B-Chat-v1.0", "tinyllama", None),
+    ("phi-2", "phi", None),
+    ("pythia-14m", "alpaca", None),
+    ("llama-debug", "alpaca", None),
+    ("gemma-debug", "alpaca", None),
+    ("qwen2-debug", "alpaca", None),
+])
+def test_from_config_picks_the_family_style(name: str, style: str, system: str) -> None:
+    picked = PromptStyle.from_config(Config.from_name(name))
+    assert (picked.name, picked.system) == (style, system)
+
+
+def test_from_config_of_a_custom_model_and_unknown_names() -> None:
+    assert PromptStyle.from_config(Config(name="")).name == "alpaca"
+    custom = Config(name="my-model", hf_config={"org": "Qwen", "name": "Qwen2.5-7B-Instruct"})
+    assert PromptStyle.from_config(custom).name == "chatml"  # the repository name tells the family
+    assert PromptStyle.from_name("Zephyr").name == "tinyllama" and PromptStyle.from_name("pythia").name == "alpaca"
+    with pytest.raises(ValueError, match="Did you mean 'chatml'.*Choose from"):
+        PromptStyle.from_name("chatm")
+
+
+def test_stop_tokens(tokenizer: Tokenizer) -> None:
+    eos = [tokenizer.eos_id]
+    assert Alpaca().stop_tokens(tokenizer) == (eos,)
+    assert ChatML().stop_tokens(tokenizer) == (eos, tokenizer.encode("<|im_end|>", bos=False))
+    assert PromptStyle.from_name("tinyllama").stop_tokens(tokenizer) == (eos, tokenizer.encode("</s>", bos=False))
+
+    class EndsWithEos(ChatML):  # no name: not registered
+        stop_texts = ("<|im_end|>", BPE_EOS_TOKEN)
+
+    # A marker that is one token of the vocabulary stops as that token, and none is listed twice.
+    assert EndsWithEos().stop_tokens(tokenizer) == (eos, tokenizer.encode("<|im_end|>", bos=False))
+    assert "" not in PromptStyle.registry
+
+
+def test_save_and_load(tmp_path: Path) -> None:
+    assert not has_prompt_style(tmp_path)
+    qwen = PromptStyle.from_config(Config.from_name("Qwen2.5-0.5B"))
+    path = save_prompt_style(qwen, tmp_path / "final")
+    assert path == tmp_path / "final" / PROMPT_STYLE_FILE and has_prompt_style(tmp_path / "final")
+    assert load_prompt_style(tmp_path / "final") == qwen
+    save_prompt_style("llama3", tmp_path / "final")  # overwrites, by name
+    assert load_prompt_style(tmp_path / "final") == PromptStyle.from_name("llama3")
+    assert [p.name for p in (tmp_path / "final").iterdir()] == [PROMPT_STYLE_FILE]  # no temporary files left
+    (tmp_path / "final" / PROMPT_STYLE_FILE).write_text("name: nope\n")
+    with pytest.raises(ValueError, match=f"{PROMPT_STYLE_FILE}.*Unknown prompt style 'nope'"):
+        load_prompt_style(tmp_path / "final")
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "missing")):
+        load_prompt_style(tmp_path / "missing")
+
+
+def test_a_custom_style_registers_and_round_trips(tmp_path: Path) -> None:
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    @dataclass(frozen=True)
+    class Shout(PromptStyle):
+        name: ClassVar[str] = "test-shout"
+
+        def user(self, message: dict, turn: int) -> str:
+            return f"Q: {message['content'].upper()}\nA:"
+
+    try:
+        assert PromptStyle.from_name("test-shout").apply("hi") == "Q: HI\nA:"
+        save_prompt_style(Shout(system="s"), tmp_path)
+        assert load_prompt_style(tmp_path) == Shout(system="s")
+    finally:
+        PromptStyle.registry.pop("test-shout")
