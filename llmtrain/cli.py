@@ -27,6 +27,19 @@ def _positional_to_flag(argv: list[str]) -> list[str]:
     return argv
 
 
+def _qualify_optimizer(argv: list[str]) -> list[str]:
+    """``--optimizer AdamW`` means torch.optim.AdamW, even when another imported package (bitsandbytes)
+    defines an optimizer class of the same name, which would make jsonargparse's short name ambiguous."""
+    import torch.optim
+
+    out = list(argv)
+    for index, arg in enumerate(out[:-1]):
+        name = out[index + 1]
+        if arg == "--optimizer" and "." not in name and isinstance(getattr(torch.optim, name, None), type):
+            out[index + 1] = f"torch.optim.{name}"
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     from jsonargparse import CLI, set_parsing_settings
 
@@ -38,7 +51,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     configure_process()
     # Field docstrings of the argument dataclasses become the flags' help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    args = _positional_to_flag(list(sys.argv[1:] if argv is None else argv))
+    args = _qualify_optimizer(_positional_to_flag(list(sys.argv[1:] if argv is None else argv)))
     try:
         CLI(commands(), args=args, description="Pretrain and fine-tune GPT-style language models.")
     except WorkerFailedError as error:  # the workers' tracebacks were printed already

@@ -12,6 +12,9 @@ its `Block`, so `fully_shard(block)` shards adapters and frozen weights alike. P
     blocks.0.attn.q_proj.lora_A          (r, in_features), trainable
     blocks.0.attn.q_proj.lora_B          (out_features, r), trainable
 
+A plain model's checkpoint (`q_proj.weight`) still loads into a model with adapters, with
+`load_state_dict(..., strict=False)` reporting only the adapters as missing.
+
 `merge_lora` folds the update into the base weight and gives back a plain model whose state-dict
 keys are those of a plain `GPT`.
 
@@ -91,6 +94,15 @@ class LoRALinear(nn.Module):
         """Initialise the adapter only (A like an nn.Linear, B zero); the base weight is left alone."""
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # NOTE: accept a plain model's keys (`q_proj.weight`) for the base layer (`q_proj.base.weight`),
+        # so a checkpoint of the plain model loads into a model that already has adapters
+        # (e.g. built on the meta device and sharded before its weights are loaded).
+        for key in ("weight", "bias"):
+            if prefix + key in state_dict and prefix + "base." + key not in state_dict:
+                state_dict[prefix + "base." + key] = state_dict.pop(prefix + key)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)  # (..., out_features)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from typing import Literal, Optional, get_args
 
 import torch
@@ -45,7 +46,11 @@ def import_bitsandbytes():
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     logging.getLogger("bitsandbytes.autograd._functions").addFilter(_drop_int8_cast_notice)
     try:
-        import bitsandbytes
+        with warnings.catch_warnings():
+            # Importing bitsandbytes imports torch.utils.mkldnn, whose torch.jit.script_method use
+            # torch itself deprecates: not ours to fix, and not the user's.
+            warnings.filterwarnings("ignore", message=r".*torch\.jit\.script_method", category=DeprecationWarning)
+            import bitsandbytes
     except ImportError as error:
         raise ImportError(
             "Quantization (--quantize bnb.*) needs bitsandbytes: `pip install bitsandbytes`"
@@ -68,7 +73,7 @@ def quantize_model(
     bitsandbytes trains int8 layers by dequantizing the weight and multiplying in the input's dtype.
     compute_dtype: the dtype the quantized layers compute in; the model's other parameters
     (embeddings, norms, head) are cast to it too, so activations and LoRA adapters share one dtype.
-    device: where to quantize and keep the quantized weights; default: where the weights are now.
+    device: where to quantize, and where the whole model ends up; default: where the weights are now.
     Loading the weights on CPU and quantizing straight onto the GPU keeps GPU memory at the 4-bit size.
 
     Returns `model`. Call it after the weights are loaded and before `apply_lora`.
@@ -86,7 +91,7 @@ def quantize_model(
             parent_name, _, child_name = name.rpartition(".")
             parent = block.get_submodule(parent_name)
             setattr(parent, child_name, quantize_linear(module, mode, compute_dtype, device, bnb))
-    _cast_unquantized_parameters(model, compute_dtype)
+    _convert_unquantized(model, compute_dtype, device)
     return model
 
 
@@ -151,14 +156,17 @@ def _int8_linear(linear: nn.Linear, weight: torch.Tensor, compute_dtype: torch.d
     return layer
 
 
-def _cast_unquantized_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+def _convert_unquantized(model: nn.Module, dtype: torch.dtype, device=None) -> None:
+    """Cast the floating parameters outside the quantized layers to `dtype`; move them and the buffers to `device`."""
     quantized = quantized_linear_types()
     for module in model.modules():
         if isinstance(module, quantized):
             continue
         for param in module.parameters(recurse=False):
-            if param.is_floating_point():
-                param.data = param.data.to(dtype)
+            param.data = param.data.to(device=device, dtype=dtype if param.is_floating_point() else None)
+        if device is not None:
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(device))
 
 
 # ---- inspecting and undoing quantization ----------------------------------------------------------

@@ -359,8 +359,11 @@ def test_missing_text_field_lists_columns(tmp_path: Path, tokenizer: Tokenizer, 
 
 
 def test_registry_and_cli_resolution(tmp_path: Path) -> None:
-    assert REGISTRY == {"BuiltinStories": BuiltinStories, "TextFiles": TextFiles, "HFDataset": HFDataset}
-    jsonargparse = pytest.importorskip("jsonargparse")
+    pretraining = {"BuiltinStories": BuiltinStories, "TextFiles": TextFiles, "HFDataset": HFDataset}
+    assert pretraining.items() <= REGISTRY.items()
+    assert all(issubclass(cls, DataModule) and name == cls.__name__ for name, cls in REGISTRY.items())
+    import jsonargparse
+
     parser = jsonargparse.ArgumentParser()
     parser.add_argument("--data", type=Optional[DataModule])
     args = parser.parse_args(["--data", "TextFiles", "--data.train_data_path", str(tmp_path),

@@ -15,7 +15,7 @@ from llmtrain.lora import (
     merge_lora,
 )
 from llmtrain.model import GPT
-from llmtrain.quantize import QUANTIZE_MODES, quantize_model
+from llmtrain.quantize import QUANTIZE_MODES, import_bitsandbytes, quantize_model
 
 CONFIGS = {
     "llama": Config(name="lora-llama", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, vocab_size=128,
@@ -29,11 +29,15 @@ MLP_LINEARS = {"GptNeoxMLP": ("fc", "proj"), "LLaMAMLP": ("gate_proj", "up_proj"
                "GemmaMLP": ("gate_proj", "up_proj", "down_proj")}
 FLAGS = ("lora_query", "lora_key", "lora_value", "lora_projection", "lora_mlp", "lora_head")
 
-# Relative error ||logits - logits_fp32|| / ||logits_fp32|| of the quantized tiny Llama above
-# (weights N(0, 0.02)). Measured on bitsandbytes 0.50.2's CPU backend: nf4 0.058, nf4-dq 0.058,
-# fp4 0.080, fp4-dq 0.080, int8 0.005. The bounds leave ~1.5x headroom for other seeds.
-QUANTIZED_LOGITS_RTOL = {"bnb.nf4": 0.09, "bnb.nf4-dq": 0.09, "bnb.fp4": 0.12, "bnb.fp4-dq": 0.12,
-                         "bnb.int8-training": 0.01}
+# Bounds on the relative error ||logits - logits_fp32|| / ||logits_fp32|| after quantizing the
+# tiny models above (weights N(0, 0.02), fp32 compute). Measured on bitsandbytes 0.50.2's CPU backend:
+#   llama: nf4 0.059, nf4-dq 0.059, fp4 0.071, fp4-dq 0.071, int8-training 0.0050
+#   neox:  nf4 0.085, nf4-dq 0.085, fp4 0.118, fp4-dq 0.118, int8-training 0.0084
+# Tiny layers (64-128 wide) make 4-bit error look large; it is what the formats give, not a bug.
+QUANTIZED_LOGITS_RTOL = {
+    "llama": {"bnb.nf4": 0.09, "bnb.nf4-dq": 0.09, "bnb.fp4": 0.11, "bnb.fp4-dq": 0.11, "bnb.int8-training": 0.01},
+    "neox": {"bnb.nf4": 0.13, "bnb.nf4-dq": 0.13, "bnb.fp4": 0.18, "bnb.fp4-dq": 0.18, "bnb.int8-training": 0.015},
+}
 
 
 def build(config: Config, seed: int = 0) -> GPT:
@@ -203,14 +207,33 @@ def test_adapter_weights_round_trip(tmp_path):
         load_lora_state_dict(other_rank, adapters)
 
 
+def test_plain_checkpoint_loads_into_a_model_built_with_adapters_on_meta():
+    # The FSDP order: build on meta, add adapters, (shard), materialise, then load the base weights.
+    config = CONFIGS["neox"]
+    base = build(config)
+    with torch.device("meta"):
+        model = GPT(config)
+    apply_lora(model, all_layers(config))
+    model.to_empty(device="cpu")
+    result = model.load_state_dict(base.state_dict(), strict=False)
+    assert not result.unexpected_keys
+    assert set(result.missing_keys) == {n for n, _ in model.named_parameters() if n.endswith((".lora_A", ".lora_B"))}
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            module.reset_parameters()
+    model.reset_rope_cache()
+    idx = tokens(config)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(idx), base(idx), rtol=0, atol=0)
+
+
 # ---- QLoRA: quantized base weights (bitsandbytes CPU backend) ------------------------------------
 
 
 @pytest.mark.parametrize("name", ["llama", "neox"])
 @pytest.mark.parametrize("mode", QUANTIZE_MODES)
 def test_qlora_trains_adapters_and_merges_to_a_plain_model(mode, name):
-    import bitsandbytes as bnb
-
+    bnb = import_bitsandbytes()
     config = CONFIGS[name]
     base = build(config)
     idx = tokens(config)
@@ -227,9 +250,7 @@ def test_qlora_trains_adapters_and_merges_to_a_plain_model(mode, name):
     with torch.no_grad():
         quantized_logits = model(idx)
     relative_error = ((quantized_logits - fp32_logits).norm() / fp32_logits.norm()).item()
-    if name == "llama":
-        assert relative_error < QUANTIZED_LOGITS_RTOL[mode], relative_error
-    assert 0 < relative_error < 2 * QUANTIZED_LOGITS_RTOL[mode]
+    assert 0 < relative_error < QUANTIZED_LOGITS_RTOL[name][mode], relative_error
 
     apply_lora(model, all_layers(config))
     mark_only_lora_trainable(model)
@@ -287,9 +308,9 @@ def test_qlora_gradients_survive_an_evaluation_pass():
 
 def test_qlora_in_bfloat16():
     config = CONFIGS["neox"]
-    model = quantize_model(build(config), "bnb.nf4-dq", compute_dtype=torch.bfloat16)
-    assert {p.dtype for n, p in model.named_parameters() if not n.endswith(".weight") or "blocks" not in n} == {
-        torch.bfloat16}
+    model = quantize_model(build(config), "bnb.nf4-dq", compute_dtype=torch.bfloat16, device="cpu")
+    # 4-bit weights are packed in uint8; everything else (biases, norms, embedding, head) is bf16.
+    assert {p.dtype for p in model.parameters()} == {torch.uint8, torch.bfloat16}
     apply_lora(model, all_layers(config))
     mark_only_lora_trainable(model)
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.bfloat16}

@@ -79,7 +79,7 @@ class BuiltinInstruct(InstructDataModule):
     num_val: int = 100
     """Validation examples, all different, none of them among the training examples. 0: no validation."""
     tasks: Optional[list[str]] = None
-    """Tasks to draw from (addition, subtraction, reverse, count_letters, first_letter, sort, uppercase, larger). None: all."""
+    """Tasks to draw from: addition, subtraction, reverse, count_letters, first_letter, sort, uppercase, larger. None: all."""
     generator_seed: int = 0
     """Seed of the task generator (not of the training order, which --seed controls)."""
 

@@ -2,8 +2,8 @@
 
 A record is either Alpaca style, ``{"instruction", "output"}`` with optional ``"input"`` and
 ``"system"``, or chat style, ``{"messages": [{"role", "content"}, ...]}``. The prompt style turns
-it into prompt and response segments; each segment is tokenized on its own, so the boundary
-between what the model is given and what it must write is exact.
+it into prompt and response segments. The whole text is tokenized at once, as generation will
+see it; the text up to the end of each segment, tokenized too, says where that segment ends.
 
 A sample is bos (if the tokenizer adds one) + segments + eos (unless the last token is eos
 already). Inputs are the sample without its last token, labels the sample without its first;
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from llmtrain.data.base import IGNORE_INDEX, Batch, DataModule, TrainLoader, ValLoader
-from llmtrain.prompts import Message, PromptStyle, split_turns
+from llmtrain.prompts import Message, PromptStyle, Segment, split_turns
 from llmtrain.tokenizer import Tokenizer
 
 Conversation = list[Message]
@@ -259,21 +259,27 @@ def tokenize_conversations(
 ) -> tuple["PaddedSamples", int, int]:
     """Samples of the conversations, the number truncated, and how many of those lost every response token."""
     rendered = [style.render(conversation) for conversation in conversations]
-    # One call for every segment of every conversation: tokenizers spreads it over all cores.
-    flat_ids = iter(tokenizer.encode_batch([s.text for segments in rendered for s in segments], bos=False))
-    bos = tokenizer.bos_id if tokenizer.add_bos else None
+    # NOTE: the tokens are those of the whole text, as generation will see it; encoding each segment
+    # alone would differ where a tokenizer prepends a space to every call (sentencepiece-style ones).
+    # A segment ends where the tokens of the text up to its end stop agreeing with the whole text's.
+    prefixes = [text for segments in rendered for text in _running_texts(segments)]
+    # One call for every prefix of every conversation: tokenizers spreads it over all cores.
+    encoded = iter(tokenizer.encode_batch(prefixes, bos=False))
+    bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
     inputs, labels = [], []
     truncated = emptied = 0
     for segments in rendered:
-        ids: list[int] = [] if bos is None else [bos]
-        is_response: list[bool] = [False] * len(ids)
-        for segment in segments:
-            segment_ids = next(flat_ids)
-            ids += segment_ids
-            is_response += [segment.is_response] * len(segment_ids)
+        prefix_ids = [next(encoded) for _ in segments]
+        ids = bos + prefix_ids[-1]
+        is_response = np.zeros(len(ids), dtype=bool)
+        start = len(bos)
+        for segment, segment_ids in zip(segments, prefix_ids):
+            end = len(bos) + _common_prefix_length(segment_ids, prefix_ids[-1])
+            is_response[start:end] = segment.is_response
+            start = end
         if tokenizer.eos_id is not None and (not ids or ids[-1] != tokenizer.eos_id):
             ids.append(tokenizer.eos_id)
-            is_response.append(True)
+            is_response = np.append(is_response, True)
         was_truncated = len(ids) > max_seq_length + 1
         if was_truncated:
             truncated += 1
@@ -281,13 +287,31 @@ def tokenize_conversations(
         tokens = np.asarray(ids, dtype=np.int64)
         targets = tokens[1:].copy()
         if mask_prompt:
-            targets[~np.asarray(is_response[1:], dtype=bool)] = ignore_index
+            targets[~is_response[1:]] = ignore_index
             emptied += was_truncated and bool((targets == ignore_index).all())
         inputs.append(tokens[:-1])
         labels.append(targets)
     pad_id = getattr(tokenizer, "pad_id", None)
     pad_id = pad_id if pad_id is not None else (tokenizer.eos_id if tokenizer.eos_id is not None else 0)
     return PaddedSamples(inputs, labels, pad_id, ignore_index), truncated, emptied
+
+
+def _running_texts(segments: list[Segment]) -> list[str]:
+    """The text up to the end of each segment; the last is the whole text."""
+    texts, text = [], ""
+    for segment in segments:
+        text += segment.text
+        texts.append(text)
+    return texts
+
+
+def _common_prefix_length(a: list[int], b: list[int]) -> int:
+    length = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        length += 1
+    return length
 
 
 class PaddedSamples:

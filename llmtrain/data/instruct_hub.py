@@ -19,7 +19,7 @@ class HubInstruct(InstructDataModule):
     """Shared loading of Hub instruction sets; subclasses name the dataset and map one row to a record."""
 
     path: Optional[str] = None
-    """A local copy (a .json/.jsonl/.parquet/.csv file, or a folder of them) or another Hub name. None: the Hub dataset."""
+    """A local copy (a .json/.jsonl/.parquet/.csv file or a folder of them), or a Hub name. None: the usual Hub name."""
     val_split_fraction: float = 0.05
     """Fraction of rows, drawn at random, held out for validation. 0: no validation."""
     split_seed: int = 42

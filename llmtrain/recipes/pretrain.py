@@ -111,7 +111,7 @@ def main(*, config: Config, out_dir: Path, precision: Precision, resume_from: Op
     """One rank's run: everything after launching. Every process of the job executes this."""
     from llmtrain.distributed.runtime import Runtime
     from llmtrain.flops import device_peak_flops, flops_per_token
-    from llmtrain.distributed.checkpoint import build_checkpointer, checkpoint_format
+    from llmtrain.distributed.checkpoint import build_checkpointer, load_checkpoint
     from llmtrain.distributed.parallelize import unwrap
     from llmtrain.train.loggers import build_loggers
     from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon
@@ -146,8 +146,7 @@ def main(*, config: Config, out_dir: Path, precision: Precision, resume_from: Op
     checkpointer = build_checkpointer(fsdp.state_dict_type, **checkpoint_args)
     if resume_from is not None:
         # A checkpoint is read in the format it was written in, whatever this run writes.
-        build_checkpointer(checkpoint_format(resume_from), **checkpoint_args).load(resume_from, state)
-        checkpointer.last_saved = resume_from
+        load_checkpoint(checkpointer, resume_from, state)
         say(f"resumed from {resume_from} at step {state.step} ({state.tokens:,} tokens)")
     say(f"model {config.name or 'custom'}: {n_params / 1e6:.2f}M parameters, built in {time.perf_counter() - t0:.1f}s | "
         f"{info.describe()} | world {runtime.world_size}, micro batch {plan.micro_batch_size}, global batch "
