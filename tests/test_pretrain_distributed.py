@@ -82,3 +82,38 @@ def test_mismatched_devices_under_torchrun_fail_fast(tmp_path, dist_env, free_po
     result = subprocess.run(command, env=dist_env, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode != 0
     assert "--devices 4" in result.stdout + result.stderr
+
+
+def test_two_nodes_as_two_torchrun_commands_use_hybrid_shard(tmp_path, run_cli, dist_env, free_port, tmp_path_factory):
+    """4 processes as 2 "nodes" × 2 devices, one launcher command per node: HSDP on a 2-D mesh."""
+    reference = tmp_path / "reference"
+    run_cli(reference, "--train.max_steps", "4")
+    model_file = tmp_path / "tiny.yaml"  # written by the run_cli fixture
+    out_dir = tmp_path / "hsdp"
+    env = dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "dist-cache"))
+    port = free_port()
+    nodes = []
+    for node_rank in (0, 1):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node_rank),
+                   "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                   "-m", "llmtrain", "pretrain", "--model_config", str(model_file), "--out_dir", str(out_dir),
+                   "--devices", "2", "--num_nodes", "2", "--data", "BuiltinStories", "--data.num_documents", "400",
+                   "--data.num_val_documents", "40", "--train.global_batch_size", "8", "--train.micro_batch_size",
+                   "2", "--train.max_seq_length", "32", "--train.lr_warmup_steps", "2", "--train.log_interval", "1",
+                   "--eval.interval", "100", "--eval.max_iters", "2", "--optimizer", "AdamW", "--optimizer.lr",
+                   "0.003", "--train.max_steps", "4"]
+        nodes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, cwd=ROOT))
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=240)[0])
+    finally:
+        for node in nodes:
+            node.kill()
+    assert all(node.returncode == 0 for node in nodes), "\n".join(o[-3000:] for o in outputs)
+    # The mesh really is 2-D: replicated across the 2 nodes, sharded over the 2 devices of each.
+    assert "HYBRID_SHARD, mesh replicate 2 × shard 2" in outputs[0]
+    assert "world 4" in outputs[0]
+    assert losses(out_dir) == pytest.approx(losses(reference), rel=1e-4)
+    assert (out_dir / "final" / "model.safetensors").is_file()
