@@ -24,7 +24,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -98,10 +98,12 @@ def model_weights_for_saving(state_dict: dict[str, torch.Tensor]) -> dict[str, t
 
 def write_model_dir(target: Path, *, state_dict: dict[str, torch.Tensor], model_config: Any,
                     hyperparameters: Optional[dict], tokenizer: Any, extra_files: Optional[dict[str, Any]] = None,
-                    marker: Optional[dict] = None) -> Path:
+                    marker: Optional[dict] = None, weights_file: str = MODEL_FILE,
+                    write_extras: Optional[Callable[[Path], None]] = None) -> Path:
     """Write a complete model directory atomically at ``target`` (replacing nothing that exists).
 
-    ``extra_files`` maps file names to objects saved with ``torch.save`` (the training state).
+    ``extra_files`` maps file names to objects saved with ``torch.save`` (the training state);
+    ``write_extras(directory)`` adds any other files (the prompt style, LoRA settings) before the marker.
     """
     from safetensors.torch import save_file
 
@@ -110,7 +112,7 @@ def write_model_dir(target: Path, *, state_dict: dict[str, torch.Tensor], model_
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_file(model_weights_for_saving(state_dict), str(tmp / MODEL_FILE), metadata={"format": "pt"})
+    save_file(model_weights_for_saving(state_dict), str(tmp / weights_file), metadata={"format": "pt"})
     model_config.save(tmp / CONFIG_FILE)
     if hyperparameters is not None:
         (tmp / HPARAMS_FILE).write_text(yaml.safe_dump(hyperparameters, sort_keys=False))
@@ -118,6 +120,8 @@ def write_model_dir(target: Path, *, state_dict: dict[str, torch.Tensor], model_
         tokenizer.save(tmp)
     for name, obj in (extra_files or {}).items():
         torch.save(obj, tmp / name)
+    if write_extras is not None:
+        write_extras(tmp)
     meta = {"format_version": FORMAT_VERSION, "written_at": time.time(),
             "files": sorted(p.name for p in tmp.iterdir()), **(marker or {})}
     (tmp / MARKER_FILE).write_text(json.dumps(meta, indent=2))

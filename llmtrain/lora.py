@@ -242,3 +242,47 @@ def merge_lora(model: nn.Module) -> nn.Module:
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child_name = name.rpartition(".")
     setattr(model.get_submodule(parent_name), child_name, new)
+
+
+# ---- state-dict level: for sharded models, whose modules cannot be merged in place ---------------
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, LoRALinear)}
+
+
+def reset_lora_parameters(model: nn.Module) -> None:
+    """Initialise every adapter (after a meta-device model got its storage)."""
+    for module in lora_modules(model).values():
+        module.reset_parameters()
+
+
+def plain_to_lora_keys(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """Rename a plain model's keys (`q_proj.weight`) to where the base weights sit in `model` (`q_proj.base.weight`).
+
+    Loading through torch.distributed's state-dict API checks keys before any module hook runs,
+    so the renaming has to happen on the dict.
+    """
+    out = dict(state_dict)
+    for name in lora_modules(model):
+        for key in ("weight", "bias"):
+            if f"{name}.{key}" in out:
+                out[f"{name}.base.{key}"] = out.pop(f"{name}.{key}")
+    return out
+
+
+@torch.no_grad()
+def merged_state_dict(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """A plain model's weights from a LoRA model's full state dict: W + B @ A * scale, summed in float32.
+
+    `model` only tells which layers carry adapters and their scaling; the tensors come from
+    `state_dict` (e.g. gathered from FSDP shards on rank 0).
+    """
+    out = dict(state_dict)
+    for name, module in lora_modules(model).items():
+        weight = out.pop(f"{name}.base.weight")
+        lora_a, lora_b = out.pop(f"{name}.lora_A"), out.pop(f"{name}.lora_B")
+        out[f"{name}.weight"] = (weight.float() + (lora_b.float() @ lora_a.float()) * module.scaling).to(weight.dtype)
+        if f"{name}.base.bias" in out:
+            out[f"{name}.bias"] = out.pop(f"{name}.base.bias")
+    return out

@@ -4,6 +4,10 @@ One `GPT` class covers every family in the zoo (Llama, Mistral, Qwen2, Gemma, Ph
 `Config` switches the parts. This module knows nothing about parallelism, precision or LoRA:
 `parallelize()` wraps each `Block` from outside.
 
+Training calls `model(idx)`: causal attention over the whole sequence, no state. Generation calls
+`model.set_kv_cache(...)` once, then `model(idx, input_pos)` with the positions of the tokens in
+`idx`: each attention layer writes their keys and values into its cache and attends over it.
+
 Weights follow Hugging Face layouts where it costs nothing: separate q/k/v/o projections and the
 "rotate_half" RoPE convention, so Llama/Qwen/Mistral/Gemma checkpoints load without permutation.
 """
@@ -53,8 +57,12 @@ class GPT(nn.Module):
         self._max_seq_length = value
         self.reset_rope_cache()
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, padded_vocab_size)."""
+    def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, padded_vocab_size).
+
+        input_pos: None for training (positions 0..T-1, no cache). Otherwise the positions (T,) of the
+        tokens in `idx`, for decoding with the cache allocated by `set_kv_cache`.
+        """
         B, T = idx.shape
         if T > self.max_seq_length:
             raise ValueError(
@@ -65,11 +73,63 @@ class GPT(nn.Module):
         if self.config.scale_embeddings:
             # NOTE: Gemma rounds the scale to the activation dtype before multiplying; so do we.
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, rope_n_elem)
-        mask = build_sliding_window_mask(T, self.config.sliding_window, x.device)
+        if input_pos is None:
+            cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, rope_n_elem)
+            mask = build_sliding_window_mask(T, self.config.sliding_window, x.device)
+        else:
+            cache_length = self._check_kv_cache(B, T, input_pos)
+            cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # (T, rope_n_elem)
+            mask = build_kv_cache_mask(input_pos, cache_length, self.config.sliding_window)  # (T, S)
         for block in self.blocks:
-            x = block(x, cos, sin, mask)
+            x = block(x, cos, sin, mask, input_pos)
         return self.lm_head(self.norm_f(x))  # (B, T, padded_vocab_size)
+
+    # ---- KV cache for generation ------------------------------------------------------------------
+
+    def set_kv_cache(
+        self,
+        batch_size: int,
+        max_seq_length: Optional[int] = None,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        """Give every attention layer a zeroed key/value cache for `batch_size` sequences of up to
+        `max_seq_length` tokens (default: the model's max_seq_length), replacing any earlier cache.
+
+        The caches are non-persistent buffers: they follow `.to()` but never enter the state dict.
+        device, dtype: default to those of the token embedding.
+        """
+        max_seq_length = self.max_seq_length if max_seq_length is None else max_seq_length
+        if not 0 < max_seq_length <= self.max_seq_length:
+            raise ValueError(
+                f"KV cache length {max_seq_length} must be in [1, max_seq_length {self.max_seq_length}] of model "
+                f"{self.config.name!r} (block_size {self.config.block_size})"
+            )
+        if batch_size <= 0:
+            raise ValueError(f"KV cache batch size must be positive, got {batch_size}")
+        device = self.wte.weight.device if device is None else device
+        dtype = self.wte.weight.dtype if dtype is None else dtype
+        for block in self.blocks:
+            block.attn.kv_cache = KVCache(
+                batch_size, self.config.n_query_groups, max_seq_length, self.config.head_size, device, dtype
+            )
+
+    def clear_kv_cache(self) -> None:
+        """Free the caches; the model is back to its training-time self."""
+        for block in self.blocks:
+            block.attn.kv_cache = None
+
+    def _check_kv_cache(self, batch_size: int, seq_len: int, input_pos: torch.Tensor) -> int:
+        """The cache length, after checking that a cache exists and fits the call (no device sync)."""
+        cache = self.blocks[0].attn.kv_cache
+        if cache is None:
+            raise ValueError("forward(idx, input_pos) decodes with the KV cache: call model.set_kv_cache(...) first")
+        if input_pos.shape != (seq_len,):
+            raise ValueError(f"input_pos must have shape ({seq_len},) for {seq_len} tokens, got {tuple(input_pos.shape)}")
+        if batch_size > cache.batch_size:
+            raise ValueError(f"Batch of {batch_size} sequences, but the KV cache holds {cache.batch_size}; "
+                             "call model.set_kv_cache with a larger batch_size")
+        return cache.max_seq_length
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -122,10 +182,15 @@ class Block(nn.Module):
         self.parallel_residual = config.parallel_residual
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        input_pos: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         x_normed = self.attn_norm(x)
-        attn_out = self.attn(x_normed, cos, sin, mask)
+        attn_out = self.attn(x_normed, cos, sin, mask, input_pos)
         if self.parallel_residual:
             mlp_in = x_normed if self.mlp_norm is None else self.mlp_norm(x)
             return x + attn_out + self.mlp(mlp_in)
@@ -146,16 +211,26 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(config.n_embd, config.n_query_groups * config.head_size, bias=qkv_bias)
         self.v_proj = nn.Linear(config.n_embd, config.n_query_groups * config.head_size, bias=qkv_bias)
         self.o_proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
+        # Set by GPT.set_kv_cache for generation; None while training.
+        self.kv_cache: Optional[KVCache] = None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        input_pos: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k_proj(x).view(B, T, self.n_query_groups, self.head_size).transpose(1, 2)  # (B, ng, T, hs)
         v = self.v_proj(x).view(B, T, self.n_query_groups, self.head_size).transpose(1, 2)  # (B, ng, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if mask is None:
+        if input_pos is not None:
+            k, v = self.kv_cache(input_pos, k, v)  # (B, ng, S, hs) each
+            y = grouped_attention(q, k.to(q.dtype), v.to(q.dtype), mask)
+        elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_query_groups != self.n_head)
         else:
             # NOTE: not every SDPA kernel supports enable_gqa together with an explicit mask, so
@@ -166,6 +241,48 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_size)  # (B, T, nh * hs)
         return self.o_proj(y)
+
+
+class KVCache(nn.Module):
+    """Keys and values of one attention layer for the positions decoded so far, grouped as in the model."""
+
+    def __init__(self, batch_size: int, n_query_groups: int, max_seq_length: int, head_size: int,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        shape = (batch_size, n_query_groups, max_seq_length, head_size)  # (B, ng, S, hs)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.size(0)
+
+    @property
+    def max_seq_length(self) -> int:
+        return self.k.size(2)
+
+    def forward(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, ng, T, hs) at positions input_pos (T,); return the cache of the first B rows."""
+        B = k.size(0)
+        cache_k, cache_v = self.k[:B], self.v[:B]  # views: the writes below land in the buffers
+        cache_k.index_copy_(2, input_pos, k.to(cache_k.dtype))
+        cache_v.index_copy_(2, input_pos, v.to(cache_v.dtype))
+        return cache_k, cache_v  # (B, ng, S, hs)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of q (B, nh, T, hs) over grouped k, v (B, ng, S, hs) with a boolean mask (T, S).
+
+    NOTE: the query heads that share a key/value group are stacked along the query axis rather
+    than copying the cache once per head, which would cost nh/ng times the cache in memory traffic.
+    """
+    B, n_head, T, head_size = q.shape
+    n_query_groups = k.size(1)
+    repeats = n_head // n_query_groups
+    # Head h belongs to group h // repeats, as in repeat_interleave.
+    q = q.reshape(B, n_query_groups, repeats * T, head_size)  # (B, ng, rep * T, hs)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(repeats, 1))  # (B, ng, rep * T, hs)
+    return y.view(B, n_head, T, head_size)  # (B, nh, T, hs)
 
 
 class GptNeoxMLP(nn.Module):
@@ -300,3 +417,17 @@ def build_sliding_window_mask(seq_len: int, sliding_window: Optional[int], devic
         return None
     ones = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device)
     return ones.tril() & ~ones.tril(-sliding_window)
+
+
+def build_kv_cache_mask(input_pos: torch.Tensor, cache_length: int, sliding_window: Optional[int]) -> torch.Tensor:
+    """Boolean (T, S) mask for queries at positions input_pos (T,) over a cache of S positions.
+
+    True where key position j <= the query's position (later slots are stale or empty) and, with
+    a sliding window, within sliding_window tokens of it.
+    """
+    query_pos = input_pos.unsqueeze(1)  # (T, 1)
+    key_pos = torch.arange(cache_length, device=input_pos.device).unsqueeze(0)  # (1, S)
+    mask = key_pos <= query_pos
+    if sliding_window is not None:
+        mask &= query_pos - key_pos < sliding_window
+    return mask

@@ -19,7 +19,7 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -125,8 +125,10 @@ class ShardedCheckpointer:
 
     def __init__(self, *, runtime: Runtime, out_dir: Path, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, train_loader: Any, model_config: Any, tokenizer: Any,
-                 hyperparameters: dict, scaler: Optional[torch.amp.GradScaler] = None) -> None:
+                 hyperparameters: dict, scaler: Optional[torch.amp.GradScaler] = None,
+                 write_extras: Optional[Callable[[Path], None]] = None) -> None:
         self.runtime = runtime
+        self.write_extras = write_extras
         self.out_dir = Path(out_dir)
         self.model = model
         self.optimizer = optimizer
@@ -179,7 +181,7 @@ class ShardedCheckpointer:
             layout.write_model_dir(target, state_dict=model_state, model_config=self.model_config,
                                    hyperparameters=self.hyperparameters, tokenizer=self.tokenizer,
                                    marker={"kind": "final", "format": "full", "step": state.step,
-                                           "tokens": state.tokens})
+                                           "tokens": state.tokens}, write_extras=self.write_extras)
         self.runtime.barrier()
         return target
 
@@ -211,7 +213,7 @@ class ShardedCheckpointer:
     def _arguments(self) -> dict:
         return dict(runtime=self.runtime, out_dir=self.out_dir, model=self.model, optimizer=self.optimizer,
                     train_loader=self.train_loader, model_config=self.model_config, tokenizer=self.tokenizer,
-                    hyperparameters=self.hyperparameters, scaler=self.scaler)
+                    hyperparameters=self.hyperparameters, scaler=self.scaler, write_extras=self.write_extras)
 
     def _write_metadata_files(self, directory: Path) -> None:
         self.model_config.save(directory / layout.CONFIG_FILE)
@@ -219,6 +221,8 @@ class ShardedCheckpointer:
             (directory / layout.HPARAMS_FILE).write_text(yaml.safe_dump(self.hyperparameters, sort_keys=False))
         if self.tokenizer is not None:
             self.tokenizer.save(directory)
+        if self.write_extras is not None:
+            self.write_extras(directory)
 
 
 def param_group_settings(optimizer_state: dict) -> list[dict]:

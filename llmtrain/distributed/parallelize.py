@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 import torch.nn as nn
@@ -234,7 +234,8 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def materialize(model: nn.Module, device: torch.device, seed: int, *, cpu_offload: bool = False) -> nn.Module:
+def materialize(model: nn.Module, device: torch.device, seed: int, *, cpu_offload: bool = False,
+                after_init: Optional[Callable[[nn.Module], None]] = None) -> nn.Module:
     """Allocate a meta (or to_empty'd) model on ``device`` and initialise it with ``init_weights()`` under ``seed``.
 
     Works before or after :func:`parallelize`. Under FSDP every rank allocates only its shard, and
@@ -257,6 +258,8 @@ def materialize(model: nn.Module, device: torch.device, seed: int, *, cpu_offloa
     with torch.random.fork_rng(devices=rng_devices), torch.no_grad(), _FullSizeInit():
         torch.manual_seed(seed)
         gpt.init_weights()
+        if after_init is not None:  # e.g. LoRA adapters, which the model itself does not know
+            after_init(gpt)
     return model
 
 

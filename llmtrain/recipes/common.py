@@ -96,6 +96,29 @@ def resolve_resume(resume: ResumeArg, out_dir: Path, initial_checkpoint_dir: Opt
     return path
 
 
+def check_seq_len(train: Any, config: Config) -> int:
+    """The sample length: --train.max_seq_length, else the model's block size, never beyond it."""
+    seq_len = train.max_seq_length or config.block_size
+    if seq_len > config.block_size:
+        raise ValueError(f"--train.max_seq_length {seq_len} exceeds the block_size {config.block_size} of "
+                         f"{config.name or 'the model'}; lower it to at most {config.block_size}")
+    return seq_len
+
+
+def arguments_of(function: Callable, local_vars: dict) -> dict:
+    """The values of ``function``'s parameters among ``local_vars`` (a recipe's ``locals()``)."""
+    return {name: local_vars[name] for name in inspect.signature(function).parameters if name in local_vars}
+
+
+def launch_run(run: Callable, spec: Any, *, devices: int, num_nodes: int) -> None:
+    """Check the parallel settings against the process count, then start ``run(spec)`` on every rank."""
+    from llmtrain.distributed.launch import launch
+    from llmtrain.distributed.parallelize import resolve_sharding_strategy
+
+    resolve_sharding_strategy(spec.strategy, spec.fsdp, devices * num_nodes, num_nodes)  # contradictions fail here
+    launch(run, args=(spec,), devices=devices, num_nodes=num_nodes)
+
+
 # ------------------------------------------------------------------------------------ tokenizer
 def resolve_tokenizer(tokenizer_dir: Optional[Path], data: Any, *fallback_dirs: Optional[Path]):
     """``--tokenizer_dir``, else a model directory's tokenizer, else the data module's own, else an error."""
@@ -124,25 +147,94 @@ def check_vocab(tokenizer: Any, config: Config, tokenizer_source: str) -> None:
 # ---------------------------------------------------------------------------------------- model
 def build_model(config: Config, *, runtime: Any, seed: int, precision: Any, strategy: str = "auto",
                 fsdp: Any = None, num_nodes: int = 1, compile: bool = False,
-                initial_checkpoint_dir: Optional[Path] = None) -> tuple[torch.nn.Module, Any]:
+                initial_checkpoint_dir: Optional[Path] = None, lora: Any = None,
+                quantize: Optional[str] = None) -> tuple[torch.nn.Module, Any]:
     """Build on the meta device, parallelize, then materialise only this rank's shard.
 
     A 70B model never exists whole on one rank: weights are allocated after sharding and initialised
     (or loaded from ``initial_checkpoint_dir``) shard by shard. The same seed gives the same weights
-    at any world size.
+    at any world size. With ``lora``, adapters are added before sharding and only they train.
     """
-    from llmtrain.distributed.checkpoint import load_full_weights
     from llmtrain.distributed.parallelize import materialize, parallelize
     from llmtrain.model import GPT
 
+    if quantize is not None:
+        return _build_quantized(config, runtime=runtime, seed=seed, precision=precision,
+                                initial_checkpoint_dir=initial_checkpoint_dir, lora=lora, quantize=quantize,
+                                fsdp=fsdp, compile=compile)
     with torch.device("meta"):
         model = GPT(config).to(precision.param_dtype)
+    after_init = None
+    if lora is not None:
+        from llmtrain.lora import apply_lora, mark_only_lora_trainable, reset_lora_parameters
+
+        apply_lora(model, lora)
+        mark_only_lora_trainable(model)
+        after_init = reset_lora_parameters
     model, info = parallelize(model, runtime=runtime, strategy=strategy, fsdp=fsdp, precision=precision,
                               num_nodes=num_nodes, compile=compile)
-    materialize(model, runtime.device, seed, cpu_offload=info.cpu_offload)
+    materialize(model, runtime.device, seed, cpu_offload=info.cpu_offload, after_init=after_init)
     if initial_checkpoint_dir is not None:
-        load_full_weights(model, initial_checkpoint_dir)
+        load_base_weights(model, initial_checkpoint_dir)
     return model, info
+
+
+def load_base_weights(model: torch.nn.Module, checkpoint_dir: Path) -> None:
+    """Load a model directory's full weights into a plain, LoRA, DDP or FSDP model; rank 0 reads the file.
+
+    Every weight of the model except LoRA adapters must be in the file, with the right shape.
+    """
+    from safetensors.torch import load_file
+
+    from llmtrain.distributed.checkpoint import load_full_model_state
+    from llmtrain.distributed.parallelize import unwrap
+    from llmtrain.lora import is_lora_parameter, plain_to_lora_keys
+
+    path = Path(checkpoint_dir) / layout.MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; a model directory needs {layout.MODEL_FILE}")
+    gpt = unwrap(model)
+    is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    weights: dict = {}
+    if is_main:
+        weights = plain_to_lora_keys(load_file(str(path)), gpt)
+        expected = {name: tuple(t.shape) for name, t in gpt.state_dict().items() if not is_lora_parameter(name)}
+        tied = layout._tied_names(gpt)
+        missing = [k for k in expected if k not in weights and k not in tied]
+        unexpected = [k for k in weights if k not in expected]
+        if missing or unexpected:
+            raise ValueError(f"{path} does not match the model config: missing keys {missing[:5]}, "
+                             f"unexpected keys {unexpected[:5]}")
+        for name, tensor in weights.items():
+            if tuple(tensor.shape) != expected[name]:
+                raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, the model config expects "
+                                 f"{expected[name]}")
+    load_full_model_state(model, weights, strict=False)
+
+
+def _build_quantized(config: Config, *, runtime: Any, seed: int, precision: Any,
+                     initial_checkpoint_dir: Optional[Path], lora: Any, quantize: str, fsdp: Any,
+                     compile: bool) -> tuple[torch.nn.Module, Any]:
+    """QLoRA on one device: real weights first (quantizing needs them), then 4-bit/int8 layers, then adapters."""
+    from llmtrain.distributed.parallelize import materialize, parallelize
+    from llmtrain.lora import apply_lora, mark_only_lora_trainable, reset_lora_parameters
+    from llmtrain.model import GPT
+    from llmtrain.quantize import quantize_model
+
+    with torch.device("meta"):
+        model = GPT(config)
+    materialize(model, torch.device("cpu"), seed)
+    if initial_checkpoint_dir is not None:
+        load_base_weights(model, initial_checkpoint_dir)
+    quantize_model(model, quantize, compute_dtype=precision.compute_dtype, device=runtime.device)
+    if lora is not None:
+        apply_lora(model, lora)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            reset_lora_parameters(model)
+        mark_only_lora_trainable(model)
+    return parallelize(model, runtime=runtime, strategy="auto", fsdp=fsdp, precision=precision, num_nodes=1,
+                       compile=compile)
 
 
 # ------------------------------------------------------------------------------------ optimizer
@@ -192,6 +284,19 @@ def to_yaml(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
+
+
+def hyperparameters(arguments: dict) -> dict:
+    """A recipe's arguments as YAML that ``--config`` accepts back (call with the recipe's ``locals()`` first thing)."""
+    out = {}
+    for name, value in arguments.items():
+        if name == "optimizer":
+            out[name] = optimizer_spec(value)
+        elif name == "data":
+            out[name] = data_spec(value)
+        else:
+            out[name] = to_yaml(value)
+    return out
 
 
 def data_spec(data: Any) -> Optional[dict]:

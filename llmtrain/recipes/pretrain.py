@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Literal, Optional
 
 import torch
 
-from llmtrain.args import EvalArgs, TrainArgs, batch_plan
+from llmtrain.args import EvalArgs, TrainArgs
 from llmtrain.config import Config
 from llmtrain.data.base import DataModule
 from llmtrain.distributed.parallelize import FSDPArgs
@@ -67,101 +66,25 @@ def setup(
         seed: Seed for weight init, data order and dropout.
     """
     from llmtrain.data import BuiltinStories
+    from llmtrain.recipes.run import RunSpec, run
 
     if model_name == "list":
         print_zoo()
         return
     data = data if data is not None else BuiltinStories()
-    hyperparameters = {
-        "model_name": model_name, "model_config": common.to_yaml(model_config) if model_config else None,
-        "out_dir": str(out_dir), "precision": precision,
-        "initial_checkpoint_dir": str(initial_checkpoint_dir) if initial_checkpoint_dir else None,
-        "resume": str(resume) if isinstance(resume, Path) else resume, "data": common.data_spec(data),
-        "train": common.to_yaml(train), "eval": common.to_yaml(eval), "optimizer": common.optimizer_spec(optimizer),
-        "devices": devices, "num_nodes": num_nodes, "accelerator": accelerator, "strategy": strategy,
-        "fsdp": common.to_yaml(fsdp), "compile": compile,
-        "tokenizer_dir": str(tokenizer_dir) if tokenizer_dir else None, "logger_name": logger_name, "seed": seed,
-    }
+    hyperparameters = common.hyperparameters(common.arguments_of(setup, locals()))
     # Everything cheap is checked before any process, tokenizer or model is created.
     config = common.resolve_model_config(model_name, model_config, initial_checkpoint_dir)
-    Precision(precision)
     common.check_out_dir(out_dir)
     resume_from = common.resolve_resume(resume, out_dir, initial_checkpoint_dir)
-    seq_len = train.max_seq_length or config.block_size
-    if seq_len > config.block_size:
-        raise ValueError(f"--train.max_seq_length {seq_len} exceeds the block_size {config.block_size} of "
-                         f"{config.name or 'the model'}; lower it to at most {config.block_size}")
+    seq_len = common.check_seq_len(train, config)
     data.validate()
-    from llmtrain.distributed.launch import launch
-    from llmtrain.distributed.parallelize import resolve_sharding_strategy
-
-    resolve_sharding_strategy(strategy, fsdp, devices * num_nodes, num_nodes)  # contradictions fail here
-    launch(main, kwargs=dict(
-        config=config, out_dir=Path(out_dir), precision=Precision(precision), resume_from=resume_from,
-        initial_checkpoint_dir=initial_checkpoint_dir, data=data, train=train, eval=eval, optimizer=optimizer,
-        accelerator=accelerator, strategy=strategy, fsdp=fsdp, compile=compile, num_nodes=num_nodes,
-        tokenizer_dir=tokenizer_dir, logger_name=logger_name, seed=seed, seq_len=seq_len,
-        hyperparameters=hyperparameters), devices=devices, num_nodes=num_nodes)
-
-
-def main(*, config: Config, out_dir: Path, precision: Precision, resume_from: Optional[Path],
-         initial_checkpoint_dir: Optional[Path], data: DataModule, train: TrainArgs, eval: EvalArgs,
-         optimizer, accelerator: str, strategy: str, fsdp: FSDPArgs, compile: bool, num_nodes: int,
-         tokenizer_dir: Optional[Path], logger_name: str, seed: int, seq_len: int, hyperparameters: dict) -> None:
-    """One rank's run: everything after launching. Every process of the job executes this."""
-    from llmtrain.distributed.runtime import Runtime
-    from llmtrain.flops import device_peak_flops, flops_per_token
-    from llmtrain.distributed.checkpoint import build_checkpointer, load_checkpoint
-    from llmtrain.distributed.parallelize import unwrap
-    from llmtrain.train.loggers import build_loggers
-    from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon
-
-    runtime = Runtime.from_env(accelerator)
-    common.configure_process(runtime)
-    plan = batch_plan(train, runtime.data_parallel_size)
-    say = print if runtime.is_main else (lambda *a, **k: None)
-
-    with runtime.main_process_first():
-        tokenizer = common.resolve_tokenizer(tokenizer_dir, data, resume_from, initial_checkpoint_dir)
-        common.check_vocab(tokenizer, config, str(tokenizer_dir or "the data module"))
-        data.connect(tokenizer, plan.micro_batch_size, seq_len, seed)
-        data.prepare_data()
-    data.setup(runtime.data_parallel_rank, runtime.data_parallel_size)
-    train_loader = data.train_dataloader()
-    val_loader = data.val_dataloader()
-    horizon = plan_horizon(train, plan.global_batch_size * seq_len, train_loader.samples_per_epoch)
-
-    t0 = time.perf_counter()
-    model, info = common.build_model(config, runtime=runtime, seed=seed, precision=precision, strategy=strategy,
-                                     fsdp=fsdp, num_nodes=num_nodes, compile=compile,
-                                     initial_checkpoint_dir=initial_checkpoint_dir)
-    unwrap(model).max_seq_length = seq_len
-    n_params = sum(p.numel() for p in unwrap(model).parameters())  # FSDP2 parameters report their full size
-    torch.manual_seed(seed + runtime.rank)  # dropout and sampling differ per rank, reproducibly
-    opt = common.build_optimizer(optimizer, model.parameters())
-    scaler = precision.grad_scaler(runtime.device)
-    state = TrainState()
-    checkpoint_args = dict(runtime=runtime, out_dir=out_dir, model=model, optimizer=opt, train_loader=train_loader,
-                           model_config=config, tokenizer=tokenizer, hyperparameters=hyperparameters, scaler=scaler)
-    checkpointer = build_checkpointer(fsdp.state_dict_type, **checkpoint_args)
-    if resume_from is not None:
-        # A checkpoint is read in the format it was written in, whatever this run writes.
-        load_checkpoint(checkpointer, resume_from, state)
-        say(f"resumed from {resume_from} at step {state.step} ({state.tokens:,} tokens)")
-    say(f"model {config.name or 'custom'}: {n_params / 1e6:.2f}M parameters, built in {time.perf_counter() - t0:.1f}s | "
-        f"{info.describe()} | world {runtime.world_size}, micro batch {plan.micro_batch_size}, global batch "
-        f"{plan.global_batch_size}, grad accumulation {plan.grad_accum_steps}, seq {seq_len}, "
-        f"{horizon.total_steps} steps, precision {precision.name}, device {runtime.device}")
-
-    job = Fit(runtime=runtime, model=model, optimizer=opt, train_loader=train_loader, val_loader=val_loader,
-              train=train, eval=eval, plan=plan, horizon=horizon, precision=precision,
-              save_checkpoint=checkpointer.save, save_final=checkpointer.save_final,
-              loggers=build_loggers(logger_name, out_dir, state.step if resume_from else None) if runtime.is_main else [],
-              flops_per_token=flops_per_token(config, seq_len),
-              peak_flops_per_device=device_peak_flops(runtime.device, precision.compute_dtype),
-              state=state, scaler=scaler, autocast_enabled=info.autocast_enabled)
-    fit(job)
-    say(f"done: {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.0f}s; final model in {out_dir / 'final'}")
+    spec = RunSpec(recipe="pretrain", config=config, out_dir=Path(out_dir), precision=Precision(precision), data=data,
+                   train=train, eval=eval, optimizer=optimizer, seq_len=seq_len, hyperparameters=hyperparameters,
+                   seed=seed, accelerator=accelerator, strategy=strategy, fsdp=fsdp, compile=compile,
+                   num_nodes=num_nodes, logger_name=logger_name, resume_from=resume_from,
+                   initial_checkpoint_dir=initial_checkpoint_dir, tokenizer_dir=tokenizer_dir)
+    common.launch_run(run, spec, devices=devices, num_nodes=num_nodes)
 
 
 def print_zoo() -> None:

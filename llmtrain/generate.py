@@ -1,0 +1,342 @@
+"""``llmtrain generate``: sample text from a model directory, with a KV cache.
+
+The pieces, each usable alone:
+
+- `sample`: one token from the logits (greedy, temperature, top-k, top-p).
+- `generate`: token ids in, token ids out; one prefill of the prompt, then one token per step.
+- `load_model_dir`: model, config, tokenizer and prompt style from a model directory.
+- `generate_text`: a prompt string in, the completion out (what fine-tuning prints during validation).
+- `setup`: the command line.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Optional, Sequence
+
+import torch
+
+from llmtrain import checkpoint as layout
+from llmtrain.config import Config
+
+if TYPE_CHECKING:
+    from llmtrain.model import GPT
+    from llmtrain.prompts import PromptStyle
+    from llmtrain.tokenizer import Tokenizer
+
+QuantizeChoice = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8-training"]
+PrecisionChoice = Literal["32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed"]
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def setup(
+    checkpoint_dir: Path,
+    prompt: str = "What food do llamas eat?",
+    *,
+    max_new_tokens: int = 50,
+    temperature: float = 0.8,
+    top_k: Optional[int] = 50,
+    top_p: float = 1.0,
+    num_samples: int = 1,
+    quantize: Optional[QuantizeChoice] = None,
+    precision: Optional[PrecisionChoice] = None,
+    accelerator: Literal["auto", "cpu", "cuda"] = "auto",
+    seed: int = 1234,
+    raw: bool = False,
+) -> None:
+    """Generate text from a model directory (e.g. `out/finetune/final`) and print the completion.
+
+    Args:
+        checkpoint_dir: Model directory with model.safetensors, model_config.yaml and tokenizer.json.
+        prompt: The instruction, written out in the model's prompt style unless --raw.
+        max_new_tokens: Most tokens to generate per sample (fewer if the model's block_size ends first).
+        temperature: Divides the logits before sampling; 0 picks the most likely token (greedy).
+        top_k: Sample only among the k most likely tokens. None: all tokens.
+        top_p: Sample only among the most likely tokens whose probabilities add up to top_p (nucleus).
+        num_samples: Number of completions to generate, one after the other.
+        quantize: Quantize the transformer blocks' weights with bitsandbytes (4-bit NF4/FP4, -dq for
+            double quantization, or int8) to save memory.
+        precision: 32-true, bf16-true, 16-true, bf16-mixed or 16-mixed. Default: bf16-true on a GPU
+            that supports it, else 32-true.
+        accelerator: Where to run: auto (GPU if there is one), cpu or cuda.
+        seed: Seed of the sampler.
+        raw: Give the prompt to the model as it is, without the prompt style's template.
+    """
+    from llmtrain.distributed.runtime import pick_device
+    from llmtrain.train.precision import Precision
+
+    device = pick_device(accelerator, local_rank=0)
+    precision_setting = Precision(precision or default_precision(device))
+    started = time.perf_counter()
+    model, _, tokenizer, prompt_style = load_model_dir(
+        checkpoint_dir, device=device, dtype=precision_setting.param_dtype, quantize=quantize
+    )
+    print(f"Loaded {checkpoint_dir} in {time.perf_counter() - started:.2f} s", file=sys.stderr)
+
+    text = prompt if raw else prompt_style.apply(prompt)
+    prompt_ids = torch.tensor(tokenizer.encode(text), dtype=torch.long, device=device)
+    stop_tokens = prompt_style.stop_tokens(tokenizer) if not raw else ()
+    generator = torch.Generator(device).manual_seed(seed)
+    for sample_index in range(num_samples):
+        started = time.perf_counter()
+        with precision_setting.autocast(device):
+            output = generate(
+                model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                stop_tokens=stop_tokens, eos_id=tokenizer.eos_id, generator=generator,
+            )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - started
+        new_ids = output[prompt_ids.numel():].tolist()
+        print(decode_completion(tokenizer, prompt_ids.tolist(), new_ids, stop_tokens, tokenizer.eos_id), flush=True)
+        print(f"Sample {sample_index + 1}: {len(new_ids)} tokens in {elapsed:.2f} s, "
+              f"{len(new_ids) / elapsed:.2f} tokens/s", file=sys.stderr)
+    if device.type == "cuda":
+        print(f"Memory used: {torch.cuda.max_memory_allocated(device) / 1e9:.2f} GB", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------ sampling
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Draw one token id from logits (..., V); returns a long tensor of shape (...).
+
+    temperature 0 is greedy (argmax). Otherwise the logits are divided by `temperature`, cut to the
+    `top_k` largest, then to the smallest set of tokens whose probabilities add up to at least `top_p`.
+    """
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (..., 1)
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        probs = top_p_filter(probs, top_p)
+    flat = probs.reshape(-1, probs.size(-1))  # (N, V): multinomial wants at most 2 dims
+    return torch.multinomial(flat, num_samples=1, generator=generator).view(probs.shape[:-1])
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero every probability outside the smallest set of most likely tokens whose sum is >= top_p.
+
+    The result is not renormalised (torch.multinomial does not need it).
+    """
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    # A token stays if the tokens more likely than it add up to less than top_p, so the most
+    # likely token always stays and the set stops at the first token that reaches top_p.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+
+
+def check_sampling(temperature: float, top_k: Optional[int], top_p: float) -> None:
+    if temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and top_k <= 0:
+        raise ValueError(f"--top_k must be a positive number of tokens or None (all tokens), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"--top_p must be in (0, 1] (1 keeps every token), got {top_p}")
+
+
+# ------------------------------------------------------------------------------------------ decoding
+@torch.inference_mode()
+def generate(
+    model: GPT,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+    stop_tokens: Sequence[Sequence[int]] = (),
+    eos_id: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Continue `prompt` (T,) by up to `max_new_tokens` tokens; returns prompt + new tokens (1-D).
+
+    The prompt is run through the model once (prefill), then each new token alone, reusing the
+    keys and values in a KV cache that lives only for this call. Generation ends after `eos_id` or
+    after any sequence in `stop_tokens` (both are kept in the output), or when the sequence reaches
+    the model's max_seq_length, whichever comes first.
+    """
+    model = _unwrap(model)
+    check_sampling(temperature, top_k, top_p)
+    if prompt.dim() != 1 or prompt.numel() == 0:
+        raise ValueError(f"generate takes one non-empty prompt of shape (T,), got shape {tuple(prompt.shape)}")
+    prompt_length = prompt.numel()
+    limit = model.max_seq_length
+    if prompt_length >= limit:
+        raise ValueError(
+            f"The prompt has {prompt_length} tokens, but model {model.config.name!r} holds at most {limit} "
+            f"(block_size {model.config.block_size}) including the answer; shorten the prompt"
+        )
+    max_new_tokens = min(max_new_tokens, limit - prompt_length)
+    if max_new_tokens <= 0:
+        return prompt.clone()
+    stop_sequences = [list(sequence) for sequence in stop_tokens if len(sequence)]
+    if eos_id is not None:
+        stop_sequences.append([eos_id])
+
+    device = prompt.device
+    # NOTE: the last token is returned but never fed back, so the cache needs one slot less.
+    model.set_kv_cache(batch_size=1, max_seq_length=prompt_length + max_new_tokens - 1, device=device)
+    try:
+        input_pos = torch.arange(prompt_length, device=device)
+        logits = model(prompt.view(1, -1), input_pos=input_pos)[0, -1]  # (V,)
+        new_tokens: list[torch.Tensor] = []
+        new_ids: list[int] = []
+        while True:
+            token = sample(logits, temperature, top_k, top_p, generator)  # ()
+            new_tokens.append(token)
+            new_ids.append(int(token))
+            if len(new_ids) == max_new_tokens or ends_with_stop(new_ids, stop_sequences):
+                break
+            input_pos = input_pos[-1:] + 1
+            logits = model(token.view(1, 1), input_pos=input_pos)[0, -1]
+    finally:
+        model.clear_kv_cache()
+    return torch.cat((prompt, torch.stack(new_tokens).to(prompt.dtype)))
+
+
+def ends_with_stop(ids: list[int], stop_sequences: Sequence[Sequence[int]]) -> bool:
+    """Whether `ids` ends with one of `stop_sequences`."""
+    return any(len(ids) >= len(stop) and ids[-len(stop):] == list(stop) for stop in stop_sequences)
+
+
+def strip_stop(ids: list[int], stop_tokens: Sequence[Sequence[int]], eos_id: Optional[int]) -> list[int]:
+    """`ids` without the stop sequence (or eos) it ends with, if any."""
+    stops = [list(stop) for stop in stop_tokens if len(stop)] + ([[eos_id]] if eos_id is not None else [])
+    for stop in sorted(stops, key=len, reverse=True):
+        if len(ids) >= len(stop) and ids[-len(stop):] == stop:
+            return ids[:-len(stop)]
+    return ids
+
+
+def decode_completion(tokenizer: Tokenizer, prompt_ids: list[int], new_ids: list[int],
+                      stop_tokens: Sequence[Sequence[int]] = (), eos_id: Optional[int] = None) -> str:
+    """The text of `new_ids` as it reads after the prompt, without a final stop sequence.
+
+    NOTE: decoding the new ids alone can lose a leading space (SentencePiece tokenizers drop it at
+    the start of a text), so decode prompt + completion and cut the prompt's text off the front.
+    """
+    new_ids = strip_stop(new_ids, stop_tokens, eos_id)
+    prompt_text = tokenizer.decode(prompt_ids)
+    full_text = tokenizer.decode(prompt_ids + new_ids)
+    if full_text.startswith(prompt_text):
+        return full_text[len(prompt_text):]
+    return tokenizer.decode(new_ids)
+
+
+def generate_text(
+    model: GPT,
+    tokenizer: Tokenizer,
+    prompt_style: PromptStyle,
+    prompt: str,
+    *,
+    max_new_tokens: int = 100,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> str:
+    """The model's answer to `prompt`, written out in `prompt_style` (the stop marker removed).
+
+    Greedy by default, so every rank of a sharded (FSDP) model takes the same number of steps:
+    under FSDP all ranks must call this together, with the same prompt and sampling settings.
+    The model is put in eval mode for the call and given back in the mode it came in.
+    """
+    model = _unwrap(model)
+    device = model.wte.weight.device
+    prompt_ids = tokenizer.encode(prompt_style.apply(prompt))
+    stop_tokens = prompt_style.stop_tokens(tokenizer)
+    was_training = model.training
+    model.eval()
+    try:
+        output = generate(
+            model, torch.tensor(prompt_ids, dtype=torch.long, device=device), max_new_tokens,
+            temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stop_tokens,
+            eos_id=tokenizer.eos_id, generator=generator,
+        )
+    finally:
+        model.train(was_training)
+    return decode_completion(tokenizer, prompt_ids, output[len(prompt_ids):].tolist(), stop_tokens, tokenizer.eos_id)
+
+
+def _unwrap(model: torch.nn.Module) -> GPT:
+    """The GPT inside a DDP wrapper or a torch.compile'd module (the cache lives on the GPT)."""
+    while True:
+        if hasattr(model, "_orig_mod"):  # torch.compile
+            model = model._orig_mod
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
+# ------------------------------------------------------------------------------------------ loading
+def load_model_dir(
+    checkpoint_dir: Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    quantize: Optional[QuantizeChoice] = None,
+) -> tuple[GPT, Config, Tokenizer, PromptStyle]:
+    """Model (eval mode, frozen), config, tokenizer and prompt style of a model directory.
+
+    The prompt style is the directory's prompt_style.yaml (written by fine-tuning), else the one
+    the model's family uses. With `quantize`, the weights are loaded on the CPU and quantized onto
+    `device`, so the device only ever holds the quantized model; `dtype` is then the compute dtype.
+    """
+    from llmtrain.model import GPT
+    from llmtrain.prompts import PromptStyle, has_prompt_style, load_prompt_style
+    from llmtrain.tokenizer import Tokenizer
+
+    checkpoint_dir = Path(checkpoint_dir)
+    check_model_dir(checkpoint_dir)
+    config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
+    tokenizer = Tokenizer(checkpoint_dir)
+    if has_prompt_style(checkpoint_dir):
+        prompt_style = load_prompt_style(checkpoint_dir)
+    else:
+        prompt_style = PromptStyle.from_config(config)
+
+    device = torch.device(device)
+    with torch.device("meta"):
+        # Allocated straight in the target dtype: a bf16 model never exists in fp32.
+        model = GPT(config).to(dtype)
+    model.to_empty(device="cpu" if quantize else device)
+    layout.load_model_weights(model, checkpoint_dir)
+    model.reset_rope_cache()  # to_empty left the non-persistent RoPE tables uninitialised
+    if quantize is not None:
+        from llmtrain.quantize import quantize_model
+
+        quantize_model(model, quantize, compute_dtype=dtype, device=device)
+    model.eval().requires_grad_(False)
+    return model, config, tokenizer, prompt_style
+
+
+def check_model_dir(checkpoint_dir: Path) -> None:
+    """Fail with the missing path when `checkpoint_dir` is not a complete model directory."""
+    if not checkpoint_dir.is_dir():
+        raise FileNotFoundError(f"{checkpoint_dir} is not a directory; pass a model directory such as out/pretrain/final")
+    for name in (layout.CONFIG_FILE, layout.MODEL_FILE, TOKENIZER_FILE):
+        path = checkpoint_dir / name
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} does not exist: a model directory needs {layout.CONFIG_FILE}, {layout.MODEL_FILE} and "
+                f"{TOKENIZER_FILE} (training writes all three into step-NNNNNNNN/ and final/)"
+            )
+
+
+def default_precision(device: torch.device) -> str:
+    """bf16 weights on a GPU that supports them, full precision elsewhere."""
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16-true"
+    return "32-true"
