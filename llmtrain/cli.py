@@ -15,9 +15,10 @@ POSITIONAL = {"pretrain": "--model_name"}
 
 def commands() -> dict[str, Callable]:
     """Every subcommand, in one place. Imported lazily so `--help` stays fast."""
-    from llmtrain.recipes import pretrain
+    from llmtrain.recipes import finetune, pretrain
 
-    return {"pretrain": pretrain.setup}
+    return {"pretrain": pretrain.setup, "finetune_full": finetune.setup_full, "finetune_lora": finetune.setup_lora,
+            "finetune": finetune.setup_lora, "merge_lora": finetune.merge_lora}
 
 
 def _positional_to_flag(argv: list[str]) -> list[str]:

@@ -20,14 +20,14 @@ import torch
 
 from llmtrain import checkpoint as layout
 from llmtrain.config import Config
+from llmtrain.quantize import QuantizeMode
+from llmtrain.train.precision import PrecisionName
 
 if TYPE_CHECKING:
     from llmtrain.model import GPT
     from llmtrain.prompts import PromptStyle
     from llmtrain.tokenizer import Tokenizer
 
-QuantizeChoice = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8-training"]
-PrecisionChoice = Literal["32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed"]
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -40,8 +40,8 @@ def setup(
     top_k: Optional[int] = 50,
     top_p: float = 1.0,
     num_samples: int = 1,
-    quantize: Optional[QuantizeChoice] = None,
-    precision: Optional[PrecisionChoice] = None,
+    quantize: Optional[QuantizeMode] = None,
+    precision: Optional[PrecisionName] = None,
     accelerator: Literal["auto", "cpu", "cuda"] = "auto",
     seed: int = 1234,
     raw: bool = False,
@@ -286,7 +286,7 @@ def load_model_dir(
     checkpoint_dir: Path,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
-    quantize: Optional[QuantizeChoice] = None,
+    quantize: Optional[QuantizeMode] = None,
 ) -> tuple[GPT, Config, Tokenizer, PromptStyle]:
     """Model (eval mode, frozen), config, tokenizer and prompt style of a model directory.
 

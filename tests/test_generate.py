@@ -20,6 +20,25 @@ CACHE_CASES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def seed():
+    torch.manual_seed(1234)
+
+
+class ScriptedModel(GPT):
+    """A GPT whose next token is always the next one of `script`, whatever the input."""
+
+    def __init__(self, script: list[int]) -> None:
+        super().__init__(tiny("llama-debug", n_layer=1))
+        self.script = script
+
+    def forward(self, idx, input_pos=None):
+        next_index = int(input_pos[-1]) + 1 - self.prompt_length
+        logits = torch.zeros(*idx.shape, self.config.padded_vocab_size)
+        logits[:, -1, self.script[next_index]] = 1.0
+        return logits
+
+
 def random_weights(model: torch.nn.Module, std: float = 0.1) -> torch.nn.Module:
     """Randomise every parameter, norms and biases included, so that logits are far from uniform."""
     torch.manual_seed(0)
@@ -62,7 +81,7 @@ def test_kv_cache_is_not_state_and_leaves_training_forward_alone():
     keys = set(model.state_dict())
     model.set_kv_cache(batch_size=1)
     cache = model.blocks[0].attn.kv_cache
-    assert cache.k.shape == (1, 2, 64, 32)  # (B, n_query_groups, max_seq_length, head_size)
+    assert cache.k.shape == (1, 2, 64, 64)  # (B, n_query_groups, max_seq_length, head_size)
     assert set(model.state_dict()) == keys
     torch.testing.assert_close(model(idx), before, rtol=0, atol=0)
     model.clear_kv_cache()
@@ -134,18 +153,19 @@ def test_sampling_is_reproducible_with_a_seed(model):
     assert sampled(3) != sampled(4)
 
 
-def test_generation_stops_on_eos_and_on_stop_sequences(model):
-    prompt = torch.randint(0, 128, (5,))
-    free = generate(model, prompt, 20, temperature=0.0).tolist()
-    new = free[5:]
+def test_generation_stops_on_eos_and_on_stop_sequences():
+    model = ScriptedModel([5, 6, 5, 7, 2, 8, 9, 10])
+    prompt = torch.tensor([5, 7, 11])  # a stop sequence inside the prompt does not count
+    model.prompt_length = 3
 
-    eos_id = new[3]
-    expected_end = 5 + new.index(eos_id) + 1
-    assert generate(model, prompt, 20, temperature=0.0, eos_id=eos_id).tolist() == free[:expected_end]
+    def run(**stops):
+        return generate(model, prompt, 8, temperature=0.0, **stops).tolist()[3:]
 
-    stop = new[4:6]
-    end = next(i for i in range(2, len(new) + 1) if new[i - 2:i] == stop)
-    assert generate(model, prompt, 20, temperature=0.0, stop_tokens=([999], stop)).tolist() == free[:5 + end]
+    assert run() == [5, 6, 5, 7, 2, 8, 9, 10]
+    assert run(eos_id=2) == [5, 6, 5, 7, 2]
+    # The first 5 is not followed by 7: only the second one ends the sequence.
+    assert run(stop_tokens=([99, 98], [5, 7])) == [5, 6, 5, 7]
+    assert run(stop_tokens=([8, 9],), eos_id=2) == [5, 6, 5, 7, 2]
 
 
 def test_prompt_too_long_errors_and_output_stops_at_block_size(model):
@@ -170,6 +190,7 @@ def test_greedy_generate_matches_transformers(name):
     prompt = torch.randint(0, config.vocab_size, (9,))
     expected = hf.generate(prompt[None], attention_mask=torch.ones(1, 9, dtype=torch.long), do_sample=False,
                            max_new_tokens=20, pad_token_id=0)[0]
+    assert expected.numel() == 9 + 20
     assert generate(ours, prompt, 20, temperature=0.0).tolist() == expected.tolist()
 
 
@@ -203,6 +224,16 @@ def test_setup_samples_and_quantizes(model_dir, capsys):
     assert err.count("tokens/s") == 2
     model, *_ = load_model_dir(model_dir, quantize="bnb.nf4")
     assert type(model.blocks[0].attn.q_proj).__name__ == "Linear4bit"
+
+
+def test_command_line_parses_the_flags(model_dir, capsys):
+    from jsonargparse import CLI
+
+    CLI(setup, args=[str(model_dir), "--prompt", "Hi", "--max_new_tokens", "3", "--temperature", "0",
+                     "--top_k", "null", "--accelerator", "cpu", "--precision", "32-true"])
+    out, err = capsys.readouterr()
+    model, _, tokenizer, prompt_style = load_model_dir(model_dir)
+    assert out == generate_text(model, tokenizer, prompt_style, "Hi", max_new_tokens=3) + "\n"
 
 
 def test_load_model_dir_reads_the_prompt_style_and_names_missing_files(model_dir, tmp_path):

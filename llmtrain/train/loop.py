@@ -165,8 +165,9 @@ def fit(job: Fit) -> TrainState:
     while not (reason := _stop_reason(job, state)):
         lr = schedule.set_step(state.step)
         micro_batches = [next(train_iter) for _ in range(job.plan.grad_accum_steps)]
+        local_input_tokens = sum(b["input_ids"].numel() for b in micro_batches)
         counts = torch.tensor([sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches),
-                               sum(b["input_ids"].numel() for b in micro_batches)],
+                               local_input_tokens],
                               dtype=torch.float64, device=runtime.device)
         runtime.all_reduce(counts)
         # Each rank's loss is its share of (sum over the step's tokens) / (token count of the step);
@@ -196,9 +197,12 @@ def fit(job: Fit) -> TrainState:
 
         state.step += 1
         console.advance(state.step)
-        step_tokens = int(counts[1].item()) if counts.device.type == "cpu" else None
-        if step_tokens is None:  # NOTE: avoid a device sync per step: every step feeds the same shape
-            step_tokens = job.plan.global_batch_size * micro_batches[0]["input_ids"].shape[1]
+        if counts.device.type == "cpu":
+            step_tokens = int(counts[1])
+        else:
+            # NOTE: reading the all-reduced count would sync host and device every step; this rank's own
+            # count (known on the host) times the data-parallel size is exact whenever ranks see equal shapes.
+            step_tokens = local_input_tokens * runtime.data_parallel_size
         state.tokens += step_tokens
         interval_tokens += step_tokens
         state.elapsed_s = elapsed_at_start + time.perf_counter() - run_start
