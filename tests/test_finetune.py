@@ -1,0 +1,168 @@
+"""finetune_full, finetune_lora (LoRA and QLoRA) and merge_lora end to end through the CLI."""
+
+import csv
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from llmtrain.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_MODEL = dict(name="tiny-ft", vocab_size=1100, padding_multiple=64, block_size=128, n_layer=2, n_head=2,
+                  n_embd=64, n_query_groups=1, intermediate_size=128)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ft-cache")
+
+
+@pytest.fixture(autouse=True)
+def shared_cache(cache_dir, monkeypatch):
+    monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(cache_dir))
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory, cache_dir):
+    """A tiny pretrained model directory (weights, config, tokenizer) to fine-tune."""
+    import os
+
+    os.environ["LLMTRAIN_CACHE_DIR"] = str(cache_dir)
+    root = tmp_path_factory.mktemp("base")
+    model_file = root / "tiny.yaml"
+    model_file.write_text(yaml.safe_dump(TINY_MODEL))
+    main(["pretrain", "--model_config", str(model_file), "--out_dir", str(root / "run"), "--data", "BuiltinStories",
+          "--data.num_documents", "300", "--data.num_val_documents", "20", "--train.global_batch_size", "4",
+          "--train.micro_batch_size", "2", "--train.max_seq_length", "64", "--train.max_steps", "3",
+          "--eval.max_iters", "1"])
+    return root / "run" / "final"
+
+
+def finetune_args(recipe, base_model, out_dir, *extra):
+    return [recipe, str(base_model), "--out_dir", str(out_dir), "--data", "BuiltinInstruct",
+            "--data.num_train", "200", "--data.num_val", "16", "--train.global_batch_size", "4",
+            "--train.micro_batch_size", "2", "--train.max_seq_length", "128", "--train.lr_warmup_steps", "1",
+            "--train.log_interval", "1", "--eval.interval", "100", "--eval.max_iters", "2",
+            "--optimizer", "AdamW", "--optimizer.lr", "0.01", *extra]
+
+
+def losses(out_dir):
+    with open(Path(out_dir) / "metrics.csv") as handle:
+        return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(handle) if r["loss"]}
+
+
+def simulate_crash_after(out_dir, step, target):
+    """A run that died after its step checkpoint: only that checkpoint survives in a fresh out_dir."""
+    target.mkdir()
+    name = f"step-{step:08d}"
+    shutil.copytree(out_dir / name, target / name)
+
+
+def test_lora_trains_only_adapters_and_final_is_the_merge(tmp_path, base_model):
+    out_dir = tmp_path / "lora"
+    main(finetune_args("finetune_lora", base_model, out_dir, "--train.max_steps", "4", "--lora_r", "4",
+                       "--lora_alpha", "8", "--lora_mlp", "true"))
+    step = load_file(str(out_dir / "step-00000004" / "lora.safetensors"))
+    assert step and all(k.endswith(("lora_A", "lora_B")) for k in step)  # checkpoints hold only adapters
+    assert not (out_dir / "step-00000004" / "model.safetensors").exists()
+    base = load_file(str(base_model / "model.safetensors"))
+    merged = load_file(str(out_dir / "final" / "model.safetensors"))
+    assert set(merged) == set(base)
+    changed = set()
+    for name, weight in base.items():
+        prefix = name.rsplit(".", 1)[0]
+        if f"{prefix}.lora_A" in step and name.endswith(".weight"):
+            delta = step[f"{prefix}.lora_B"] @ step[f"{prefix}.lora_A"] * (8 / 4)
+            torch.testing.assert_close(merged[name], weight + delta, rtol=1e-5, atol=1e-6)
+            changed.add(name)
+        else:  # every weight without an adapter is bit-identical to the base model's
+            assert torch.equal(merged[name], weight), name
+    assert any(".mlp." in n for n in changed) and any("q_proj" in n for n in changed)
+    # merge_lora on the same checkpoint gives the same model as final/.
+    main(["merge_lora", str(out_dir / "step-00000004"), "--out_dir", str(tmp_path / "merged")])
+    again = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    for name in merged:
+        torch.testing.assert_close(again[name], merged[name], rtol=0, atol=0)
+    assert (tmp_path / "merged" / "prompt_style.yaml").is_file()
+
+
+@pytest.mark.parametrize("recipe", ["finetune_full", "finetune_lora"])
+def test_resume_continues_the_loss_curve_exactly(tmp_path, base_model, recipe):
+    full = tmp_path / "full"
+    main(finetune_args(recipe, base_model, full, "--train.max_steps", "8", "--train.save_interval", "4"))
+    crashed = tmp_path / "crashed"
+    simulate_crash_after(full, 4, crashed)
+    main(finetune_args(recipe, base_model, crashed, "--train.max_steps", "8", "--train.save_interval", "4",
+                       "--resume", "auto"))
+    expected, resumed = losses(full), losses(crashed)
+    assert [resumed[s] for s in range(5, 9)] == [expected[s] for s in range(5, 9)]
+
+
+def test_full_finetune_on_user_json(tmp_path, base_model):
+    records = [{"instruction": f"Add {i} and {i + 1}.", "input": "", "output": str(2 * i + 1)} for i in range(40)]
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(records))
+    out_dir = tmp_path / "json"
+    main(["finetune_full", str(base_model), "--out_dir", str(out_dir), "--data", "JSON",
+          "--data.json_path", str(path), "--train.global_batch_size", "4", "--train.micro_batch_size", "2",
+          "--train.max_seq_length", "128", "--train.max_steps", "3", "--eval.max_iters", "2",
+          "--prompt_style", "chatml"])
+    style = yaml.safe_load((out_dir / "final" / "prompt_style.yaml").read_text())
+    assert "chatml" in json.dumps(style)
+    assert len(losses(out_dir)) == 3
+
+
+def test_qlora_on_one_device_and_merge_dequantizes(tmp_path, base_model):
+    out_dir = tmp_path / "qlora"
+    main(finetune_args("finetune_lora", base_model, out_dir, "--train.max_steps", "3", "--quantize", "bnb.nf4",
+                       "--precision", "bf16-true"))
+    assert all(l == l for l in losses(out_dir).values())
+    merged = load_file(str(out_dir / "final" / "model.safetensors"))
+    base = load_file(str(base_model / "model.safetensors"))
+    assert set(merged) == set(base)  # plain keys: no quantization state, no adapters
+    # A layer without adapters was quantized and dequantized: close to, but not exactly, the base weight.
+    name = "blocks.0.attn.k_proj.weight"
+    error = (merged[name].float() - base[name]).norm() / base[name].norm()
+    assert 0 < error < 0.2
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--quantize", "bnb.nf4", "--devices", "2"], "runs on one device"),
+    (["--quantize", "bnb.nf4", "--precision", "bf16-mixed"], "bf16-true"),
+    (["--fsdp.state_dict_type", "sharded"], "always full"),
+])
+def test_lora_contradictions_fail_before_work(tmp_path, base_model, extra, message):
+    with pytest.raises(ValueError, match=message):
+        main(finetune_args("finetune_lora", base_model, tmp_path / "o", "--train.max_steps", "1", *extra))
+
+
+def test_checkpoint_dir_must_be_a_model_dir(tmp_path, base_model):
+    with pytest.raises(FileNotFoundError, match="has no model_config.yaml: it is not a model directory"):
+        main(finetune_args("finetune_full", tmp_path, tmp_path / "o", "--train.max_steps", "1"))
+
+
+def test_fsdp_lora_on_two_processes_matches_one(tmp_path, base_model, dist_env, cache_dir):
+    env = dict(dist_env, LLMTRAIN_CACHE_DIR=str(cache_dir))
+
+    def run(out_dir, *extra):
+        command = [sys.executable, "-m", "llmtrain", *finetune_args("finetune_lora", base_model, out_dir,
+                                                                    "--train.max_steps", "4", *extra)]
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return result.stdout
+
+    run(tmp_path / "one", "--lora_dropout", "0")
+    stdout = run(tmp_path / "two", "--devices", "2", "--lora_dropout", "0")
+    assert "fsdp, FULL_SHARD" in stdout
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
+    one = load_file(str(tmp_path / "one" / "final" / "lora.safetensors"))
+    two = load_file(str(tmp_path / "two" / "final" / "lora.safetensors"))
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-3, atol=1e-5)
