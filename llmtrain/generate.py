@@ -325,7 +325,9 @@ def load_model_dir(
 def check_model_dir(checkpoint_dir: Path) -> None:
     """Fail with the missing path when `checkpoint_dir` is not a complete model directory."""
     if not checkpoint_dir.is_dir():
-        raise FileNotFoundError(f"{checkpoint_dir} is not a directory; pass a model directory such as out/pretrain/final")
+        raise FileNotFoundError(
+            f"{checkpoint_dir} is not a directory; pass a model directory such as out/pretrain/final"
+        )
     for name in (layout.CONFIG_FILE, layout.MODEL_FILE, TOKENIZER_FILE):
         path = checkpoint_dir / name
         if not path.is_file():

@@ -125,7 +125,9 @@ class GPT(nn.Module):
         if cache is None:
             raise ValueError("forward(idx, input_pos) decodes with the KV cache: call model.set_kv_cache(...) first")
         if input_pos.shape != (seq_len,):
-            raise ValueError(f"input_pos must have shape ({seq_len},) for {seq_len} tokens, got {tuple(input_pos.shape)}")
+            raise ValueError(
+                f"input_pos must have shape ({seq_len},) for {seq_len} tokens, got {tuple(input_pos.shape)}"
+            )
         if batch_size > cache.batch_size:
             raise ValueError(f"Batch of {batch_size} sequences, but the KV cache holds {cache.batch_size}; "
                              "call model.set_kv_cache with a larger batch_size")

@@ -51,6 +51,7 @@ class InstructDataModule(DataModule):
     resolved_prompt_style = None  # PromptStyle: set by connect()
     _samples = None  # dict split -> PaddedSamples, set by prepare_data()
     _truncation_note = ""
+    _val_prompts = ()
     _dp_rank = 0
     _dp_size = 1
 
@@ -79,6 +80,9 @@ class InstructDataModule(DataModule):
     def prepare_data(self) -> None:
         tokenizer = self._require_connected()
         train, val, name = self.load_conversations()
+        # The prompts of the validation conversations (everything before the final answer), for examples.
+        self._val_prompts = [conversation[:-1] for conversation in (val or [])
+                             if conversation and conversation[-1].get("role") == "assistant"]
         if not train:
             raise ValueError(f"{name} has no training records")
         self._samples = {}
@@ -110,6 +114,10 @@ class InstructDataModule(DataModule):
         if self._truncation_note and dp_rank == 0:  # said once per run, not per rank or batch
             warnings.warn(self._truncation_note, stacklevel=2)
             self._truncation_note = ""
+
+    def validation_prompts(self) -> list[Conversation]:
+        """The validation conversations without their answers (empty before prepare_data or without a val split)."""
+        return list(self._val_prompts)
 
     def train_dataloader(self) -> TrainLoader:
         samples = self._split("train")

@@ -112,7 +112,8 @@ def run(spec: RunSpec) -> None:
               if runtime.is_main else [],
               flops_per_token=flops_per_token(spec.config, spec.seq_len),
               peak_flops_per_device=device_peak_flops(runtime.device, spec.precision.compute_dtype),
-              state=state, scaler=scaler, autocast_enabled=info.autocast_enabled)
+              state=state, scaler=scaler, autocast_enabled=info.autocast_enabled,
+              after_validation=_example_generator(spec, model, tokenizer, prompt_style, val_loader))
     fit(job)
     say(f"done: {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.0f}s; "
         f"final model in {spec.out_dir / 'final'}")
@@ -158,6 +159,25 @@ def _extras_writer(spec: RunSpec, prompt_style: Any) -> Optional[Callable[[Path]
 
 
 LORA_SETTINGS_FILE = "lora.yaml"
+
+
+def _example_generator(spec: RunSpec, model: Any, tokenizer: Any, prompt_style: Any,
+                       val_loader: Any) -> Optional[Callable[[], str]]:
+    """Fine-tuning prints one greedy answer to the first validation prompt after each validation.
+
+    Greedy decoding keeps every rank's step count equal, which a sharded model's forward needs.
+    """
+    if prompt_style is None or not getattr(spec.data, "validation_prompts", None):
+        return None
+    from llmtrain.generate import generate_text
+
+    prompt = spec.data.validation_prompts()[0]
+
+    def example() -> str:
+        answer = generate_text(model, tokenizer, prompt_style, prompt, max_new_tokens=min(64, spec.seq_len // 2))
+        return f"example | {prompt[-1]['content']!r} -> {answer!r}"
+
+    return example
 
 
 def _build_checkpointer(spec: RunSpec, **arguments: Any) -> Any:

@@ -135,6 +135,8 @@ class Fit:
     grad_sync_only_last: bool = True
     """Skip gradient sync on all but the last micro-batch of a step."""
     console: Optional[Console] = None
+    after_validation: Optional[Callable[[], Optional[str]]] = None
+    """Called on every rank after each validation (e.g. to generate an example); rank 0 prints what it returns."""
 
 
 def fit(job: Fit) -> TrainState:
@@ -145,7 +147,7 @@ def fit(job: Fit) -> TrainState:
                                    total_steps=horizon.total_steps, min_lr=job.train.min_lr,
                                    decay=job.train.lr_decay)
     scaler = job.scaler
-    console = job.console or Console(horizon.total_steps, state.step, enabled=runtime.is_main)
+    console = job.console = job.console or Console(horizon.total_steps, state.step, enabled=runtime.is_main)
     params = [p for p in model.parameters() if p.requires_grad]
     train_iter = iter(job.train_loader)
 
@@ -258,8 +260,18 @@ def _stop_reason(job: Fit, state: TrainState) -> str:
     return ""
 
 
-@torch.no_grad()
 def validate(job: Fit) -> float:
+    """The validation loss, then the ``after_validation`` hook (all ranks: a sharded forward is a collective)."""
+    loss = _validation_loss(job)
+    if job.after_validation is not None:
+        text = job.after_validation()
+        if text and job.console is not None:
+            job.console.print(text)  # a no-op on ranks other than 0
+    return loss
+
+
+@torch.no_grad()
+def _validation_loss(job: Fit) -> float:
     """Token-weighted mean loss over ``eval.max_iters`` validation batches of every rank."""
     job.model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=job.runtime.device)
