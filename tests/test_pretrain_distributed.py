@@ -117,3 +117,12 @@ def test_two_nodes_as_two_torchrun_commands_use_hybrid_shard(tmp_path, run_cli, 
     assert "world 4" in outputs[0]
     assert losses(out_dir) == pytest.approx(losses(reference), rel=1e-4)
     assert (out_dir / "final" / "model.safetensors").is_file()
+
+
+def test_gradient_sync_on_every_micro_batch_gives_the_same_losses(tmp_path, run_cli):
+    """Skipping the sync on all but the last micro-batch (the default) and syncing every one agree."""
+    skip = tmp_path / "skip"
+    run_cli(skip, "--devices", "2", "--train.max_steps", "3")
+    every = tmp_path / "every"
+    run_cli(every, "--devices", "2", "--train.max_steps", "3", "--fsdp.skip_gradient_sync", "false")
+    assert losses(every) == pytest.approx(losses(skip), rel=1e-5)

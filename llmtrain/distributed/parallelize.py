@@ -54,6 +54,9 @@ class FSDPArgs:
     """Keep sharded parameters, gradients and optimizer state in CPU memory."""
     state_dict_type: Literal["full", "sharded"] = "full"
     """Checkpoint format: `full` (rank 0 writes model.safetensors) or `sharded` (every rank writes its shard)."""
+    skip_gradient_sync: bool = True
+    """Reduce gradients only after the last micro-batch of a step: less communication, but under FSDP each
+    rank holds unsharded gradients during accumulation. Applies to DDP too."""
 
     def __post_init__(self) -> None:
         if self.sharding_strategy is not None and self.sharding_strategy not in SHARDING_STRATEGIES:

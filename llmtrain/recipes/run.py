@@ -113,6 +113,7 @@ def run(spec: RunSpec) -> None:
               flops_per_token=flops_per_token(spec.config, spec.seq_len),
               peak_flops_per_device=device_peak_flops(runtime.device, spec.precision.compute_dtype),
               state=state, scaler=scaler, autocast_enabled=info.autocast_enabled,
+              grad_sync_only_last=spec.fsdp.skip_gradient_sync,
               after_validation=_example_generator(spec, model, tokenizer, prompt_style, val_loader))
     fit(job)
     say(f"done: {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.0f}s; "
