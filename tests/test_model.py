@@ -1,9 +1,8 @@
-import re
-
 import pytest
 import torch
 
 from llmtrain.config import Config
+from llmtrain.convert import state_dict_from_hf
 from llmtrain.flops import num_parameters
 from llmtrain.model import GPT, build_rope_cache
 
@@ -247,61 +246,6 @@ def test_parameter_count_matches_published_size(name, published):
 
 
 # ---- logits against transformers -----------------------------------------------------------------
-
-# (transformers name pattern, our name); `{q,k,v}` in the transformers name marks a fused QKV tensor.
-LLAMA_NAMES = [
-    (r"model\.embed_tokens\.(\w+)", r"wte.\1"),
-    (r"model\.layers\.(\d+)\.input_layernorm\.(\w+)", r"blocks.\1.attn_norm.\2"),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.(\w+)", r"blocks.\1.mlp_norm.\2"),
-    (r"model\.layers\.(\d+)\.self_attn\.(\w)_proj\.(\w+)", r"blocks.\1.attn.\2_proj.\3"),
-    (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.(\w+)", r"blocks.\1.mlp.\2_proj.\3"),
-    (r"model\.norm\.(\w+)", r"norm_f.\1"),
-    (r"lm_head\.(\w+)", r"lm_head.\1"),
-]
-PHI_NAMES = [
-    (r"model\.embed_tokens\.(\w+)", r"wte.\1"),
-    (r"model\.layers\.(\d+)\.input_layernorm\.(\w+)", r"blocks.\1.attn_norm.\2"),
-    (r"model\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.(\w+)", r"blocks.\1.attn.\2_proj.\3"),
-    (r"model\.layers\.(\d+)\.self_attn\.dense\.(\w+)", r"blocks.\1.attn.o_proj.\2"),
-    (r"model\.layers\.(\d+)\.mlp\.fc1\.(\w+)", r"blocks.\1.mlp.fc.\2"),
-    (r"model\.layers\.(\d+)\.mlp\.fc2\.(\w+)", r"blocks.\1.mlp.proj.\2"),
-    (r"model\.final_layernorm\.(\w+)", r"norm_f.\1"),
-    (r"lm_head\.(\w+)", r"lm_head.\1"),
-]
-GPT_NEOX_NAMES = [
-    (r"gpt_neox\.embed_in\.(\w+)", r"wte.\1"),
-    (r"gpt_neox\.layers\.(\d+)\.input_layernorm\.(\w+)", r"blocks.\1.attn_norm.\2"),
-    (r"gpt_neox\.layers\.(\d+)\.post_attention_layernorm\.(\w+)", r"blocks.\1.mlp_norm.\2"),
-    (r"gpt_neox\.layers\.(\d+)\.attention\.query_key_value\.(\w+)", r"blocks.\1.attn.{qkv}_proj.\2"),
-    (r"gpt_neox\.layers\.(\d+)\.attention\.dense\.(\w+)", r"blocks.\1.attn.o_proj.\2"),
-    (r"gpt_neox\.layers\.(\d+)\.mlp\.dense_h_to_4h\.(\w+)", r"blocks.\1.mlp.fc.\2"),
-    (r"gpt_neox\.layers\.(\d+)\.mlp\.dense_4h_to_h\.(\w+)", r"blocks.\1.mlp.proj.\2"),
-    (r"gpt_neox\.final_layer_norm\.(\w+)", r"norm_f.\1"),
-    (r"lm_head\.(\w+)", r"lm_head.\1"),
-]
-HF_NAMES = {"llama": LLAMA_NAMES, "mistral": LLAMA_NAMES, "qwen2": LLAMA_NAMES, "gemma": LLAMA_NAMES,
-            "phi": PHI_NAMES, "gpt_neox": GPT_NEOX_NAMES}
-
-
-def state_dict_from_hf(hf_state_dict: dict, config: Config) -> dict:
-    """Rename a transformers state dict to llmtrain names (the seed of the later converters)."""
-    ours = {}
-    for hf_name, tensor in hf_state_dict.items():
-        for pattern, replacement in HF_NAMES[hf_family(config)]:
-            if re.fullmatch(pattern, hf_name):
-                name = re.sub(pattern, replacement, hf_name)
-                break
-        else:
-            raise KeyError(f"No llmtrain name for {hf_name}")
-        if "{qkv}" in name:
-            # GPT-NeoX fuses q, k, v per head: rows are laid out as (n_head, 3, head_size).
-            per_head = tensor.reshape(config.n_head, 3, config.head_size, *tensor.shape[1:])
-            for i, part in enumerate("qkv"):
-                ours[name.replace("{qkv}", part)] = per_head[:, i].reshape(-1, *tensor.shape[1:])
-        else:
-            ours[name] = tensor
-    return ours
-
 
 LOGIT_CASES = {
     "llama": tiny("llama-debug"),

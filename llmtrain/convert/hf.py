@@ -1,0 +1,501 @@
+"""Convert between llmtrain model directories and Hugging Face transformers folders.
+
+    to_hf(checkpoint_dir, output_dir)    a llmtrain checkpoint (full, sharded or LoRA) -> a transformers folder
+    from_hf(hf_dir, output_dir)          a transformers folder -> a llmtrain model directory
+    ensure_model_dir(path)               either kind of folder -> a llmtrain model directory (converted once, cached)
+
+A transformers folder holds config.json, generation_config.json, the tokenizer files and the weights
+(`model.safetensors`, or `model-0000N-of-0000M.safetensors` shards listed in
+`model.safetensors.index.json`; reading also takes `pytorch_model.bin` files). Both directions read
+one tensor at a time, so a conversion needs about the model's size in memory (to_hf: one shard).
+Outputs are written under a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator, Literal, Optional, Union
+
+from llmtrain import checkpoint as layout
+from llmtrain.config import Config
+from llmtrain.convert.adapters import (
+    IGNORED_HF_TENSORS,
+    Adapter,
+    adapter_for_config,
+    config_from_hf,
+    named_config,
+    zoo_config,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+DTypeName = Literal["float32", "bfloat16", "float16"]
+HF_CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+HF_WEIGHT_LAYOUTS = ((SAFETENSORS_INDEX, SAFETENSORS_FILE), ("pytorch_model.bin.index.json", "pytorch_model.bin"))
+"""(index, single file) of each weights layout transformers writes, the preferred first."""
+EXTRA_FILES = (GENERATION_CONFIG_FILE, "chat_template.jinja", "tokenizer.model")
+"""Files copied unchanged in both directions, besides the tokenizer files that `Tokenizer.save` copies."""
+
+
+# ------------------------------------------------------------------------------------ transformers -> llmtrain
+def from_hf(hf_dir: Path, output_dir: Path, model_name: Optional[str] = None,
+            dtype: Optional[DTypeName] = None) -> Path:
+    """Write the transformers model in `hf_dir` as a llmtrain model directory `output_dir`.
+
+    The architecture comes from config.json, exactly; when a zoo entry has the same architecture
+    its name is used (`model_name` picks one explicitly and must agree with config.json).
+    `dtype` casts floating-point weights; None keeps the stored precision.
+    """
+    hf_dir, output_dir = Path(hf_dir), Path(output_dir)
+    _check_output_dir(output_dir)
+    adapter, config = read_hf_config(hf_dir)
+    if model_name is not None:
+        config = named_config(config, model_name, hf_dir / HF_CONFIG_FILE)
+    else:
+        config = zoo_config(config, hints=[config.hf_config.get("name", ""), hf_dir.name])
+    state_dict = _read_hf_weights(hf_dir, adapter, config, _torch_dtype(dtype))
+    tokenizer = _tokenizer_or_none(hf_dir)
+
+    def extras(directory: Path) -> None:
+        _copy_files(hf_dir, directory, EXTRA_FILES)
+
+    return layout.write_model_dir(output_dir, state_dict=state_dict, model_config=config, hyperparameters=None,
+                                  tokenizer=tokenizer, write_extras=extras,
+                                  marker={"kind": "model", "converted_from": str(hf_dir.resolve())})
+
+
+def read_hf_config(hf_dir: Path) -> tuple[Adapter, Config]:
+    """The adapter and the exact llmtrain Config of the transformers folder `hf_dir`."""
+    hf_dir = Path(hf_dir)
+    path = hf_dir / HF_CONFIG_FILE
+    if not hf_dir.is_dir():
+        raise FileNotFoundError(f"{hf_dir} does not exist")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: {hf_dir} is not a transformers model folder "
+                                "(its config.json describes the architecture)")
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
+    return config_from_hf(values, path)
+
+
+def _read_hf_weights(hf_dir: Path, adapter: Adapter, config: Config,
+                     dtype: Optional["torch.dtype"]) -> dict[str, "torch.Tensor"]:
+    """llmtrain weights from the transformers files, checked tensor by tensor against config.json."""
+    expected = _hf_shapes(adapter, config, _model_shapes(config))
+    tied_head = adapter.hf_name("lm_head.weight") if config.tie_embeddings else None
+    state_dict: dict[str, "torch.Tensor"] = {}
+    found = set()
+    for file, hf_name, tensor in _iter_hf_tensors(hf_dir):
+        if IGNORED_HF_TENSORS.search(hf_name):
+            continue
+        hf_name = adapter.canonical_hf_name(hf_name)
+        if hf_name == tied_head:
+            continue  # the embedding is the output layer; some files store it twice
+        if hf_name not in expected:
+            raise ValueError(f"{file}: tensor {hf_name!r} is not part of the {adapter.architecture} that "
+                             f"{hf_dir / HF_CONFIG_FILE} describes")
+        if tuple(tensor.shape) != expected[hf_name]:
+            raise ValueError(f"{file}: {hf_name!r} has shape {tuple(tensor.shape)}, but {hf_dir / HF_CONFIG_FILE} "
+                             f"implies {expected[hf_name]}")
+        for name, part in adapter.tensors_from_hf(config, hf_name, tensor):
+            state_dict[name] = _cast(part, dtype)
+        found.add(hf_name)
+    missing = [name for name in expected if name not in found]
+    if missing:
+        raise ValueError(f"{hf_dir}: the weights lack {len(missing)} tensors that {HF_CONFIG_FILE} implies, "
+                         f"e.g. {missing[:3]}")
+    return state_dict
+
+
+def hf_weight_files(hf_dir: Path) -> list[Path]:
+    """The weights files of a transformers folder: the shards its index lists, or the single file."""
+    for index_name, single_name in HF_WEIGHT_LAYOUTS:
+        index = hf_dir / index_name
+        if index.is_file():
+            files = [hf_dir / name for name in dict.fromkeys(json.loads(index.read_text())["weight_map"].values())]
+            missing = [file.name for file in files if not file.is_file()]
+            if missing:
+                raise FileNotFoundError(f"{index} lists shards that do not exist: {missing}")
+            return files
+        if (hf_dir / single_name).is_file():
+            return [hf_dir / single_name]
+    raise FileNotFoundError(f"{hf_dir} holds no transformers weights: expected {SAFETENSORS_FILE}, "
+                            f"{SAFETENSORS_INDEX} or pytorch_model.bin(.index.json)")
+
+
+def _iter_hf_tensors(hf_dir: Path) -> Iterator[tuple[Path, str, "torch.Tensor"]]:
+    """(file, name, tensor) for every tensor of the folder, one at a time, shard by shard."""
+    import torch
+    from safetensors import safe_open
+
+    for file in hf_weight_files(hf_dir):
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    yield file, name, handle.get_tensor(name)
+            continue
+        try:  # memory-mapped, so the whole file is never in memory next to the converted copy
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (pre-zip) torch.save format cannot be mapped
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        for name in list(state):
+            yield file, name, state.pop(name)
+
+
+# ------------------------------------------------------------------------------------ llmtrain -> transformers
+def to_hf(checkpoint_dir: Path, output_dir: Path, dtype: Optional[DTypeName] = None,
+          max_shard_size: Union[str, int] = "5GB") -> Path:
+    """Write the llmtrain checkpoint `checkpoint_dir` as a transformers folder `output_dir`.
+
+    `checkpoint_dir` is a model directory (`final/`), a full or sharded `step-*/` checkpoint, or a
+    LoRA step checkpoint (its adapters are merged into the base model recorded in lora.yaml).
+    Weights go to `model.safetensors`, or to shards of at most `max_shard_size` with an index.
+    """
+    checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
+    _check_output_dir(output_dir)
+    config_path = checkpoint_dir / layout.CONFIG_FILE
+    if not config_path.is_file():
+        hint = " (it is a transformers folder: use from_hf)" if (checkpoint_dir / HF_CONFIG_FILE).is_file() else ""
+        raise FileNotFoundError(f"{config_path} does not exist: {checkpoint_dir} is not a llmtrain checkpoint{hint}")
+    config = Config.from_file(config_path)
+    adapter = adapter_for_config(config)
+    hf_config = adapter.hf_config(config)
+    weights = _open_checkpoint_weights(checkpoint_dir, config)
+    tokenizer = _tokenizer_or_none(checkpoint_dir)
+    target_dtype = _torch_dtype(dtype)
+    token_ids = {} if tokenizer is None else {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    token_ids = {key: value for key, value in token_ids.items() if value is not None}
+    saved_dtype = target_dtype or weights.dtypes["wte.weight"]
+
+    tmp = output_dir.parent / f".{output_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _write_hf_weights(tmp, adapter, config, weights, target_dtype, parse_size(max_shard_size))
+        hf_config.update(token_ids, torch_dtype=str(saved_dtype).removeprefix("torch."))
+        _write_json(tmp / HF_CONFIG_FILE, hf_config)
+        if not (checkpoint_dir / GENERATION_CONFIG_FILE).is_file():
+            _write_json(tmp / GENERATION_CONFIG_FILE, {"_from_model_config": True, **token_ids})
+        _copy_files(checkpoint_dir, tmp, EXTRA_FILES)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        _publish(tmp, output_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return output_dir
+
+
+@dataclass
+class _Weights:
+    """The tensors of a checkpoint: shapes and dtypes up front, each tensor loaded when asked for."""
+
+    where: Path
+    """The file or folder they come from, for messages."""
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, "torch.dtype"]
+    load: Callable[[str], "torch.Tensor"]
+
+    @classmethod
+    def from_state_dict(cls, where: Path, state_dict: dict[str, "torch.Tensor"]) -> "_Weights":
+        # pop: every tensor is read once, so memory drops as the shards are written.
+        return cls(where, {k: tuple(v.shape) for k, v in state_dict.items()},
+                   {k: v.dtype for k, v in state_dict.items()}, state_dict.pop)
+
+    @classmethod
+    def from_safetensors(cls, path: Path) -> "_Weights":
+        from safetensors import safe_open
+
+        handle = safe_open(str(path), framework="pt")
+        slices = {name: handle.get_slice(name) for name in handle.keys()}
+        return cls(path, {k: tuple(s.get_shape()) for k, s in slices.items()},
+                   {k: _safetensors_dtype(s.get_dtype()) for k, s in slices.items()}, handle.get_tensor)
+
+
+def _open_checkpoint_weights(checkpoint_dir: Path, config: Config) -> _Weights:
+    """The full weights of a model directory, a sharded checkpoint or a LoRA step checkpoint (merged)."""
+    from llmtrain.distributed.checkpoint import DCP_DIR, checkpoint_format
+    from llmtrain.train.checkpointer import LORA_FILE
+
+    if (checkpoint_dir / layout.MODEL_FILE).is_file():
+        weights = _Weights.from_safetensors(checkpoint_dir / layout.MODEL_FILE)
+    elif (checkpoint_dir / DCP_DIR).is_dir() and checkpoint_format(checkpoint_dir) == "sharded":
+        weights = _Weights.from_state_dict(checkpoint_dir / DCP_DIR, _read_sharded(checkpoint_dir / DCP_DIR))
+    elif (checkpoint_dir / LORA_FILE).is_file():
+        weights = _Weights.from_state_dict(checkpoint_dir / LORA_FILE, _merge_lora(checkpoint_dir, config))
+    else:
+        raise FileNotFoundError(f"{checkpoint_dir} holds no weights: expected {layout.MODEL_FILE}, a sharded "
+                                f"checkpoint's dcp/ folder or LoRA adapters ({LORA_FILE})")
+    _check_checkpoint_weights(weights, config, checkpoint_dir / layout.CONFIG_FILE)
+    return weights
+
+
+def _check_checkpoint_weights(weights: _Weights, config: Config, config_path: Path) -> None:
+    expected = _model_shapes(config)
+    if config.tie_embeddings and "lm_head.weight" in weights.shapes:
+        del weights.shapes["lm_head.weight"]  # the embedding, stored a second time (e.g. by DCP)
+    for name, shape in weights.shapes.items():
+        if name not in expected:
+            raise ValueError(f"{weights.where}: tensor {name!r} is not part of the model that {config_path} describes")
+        if shape != expected[name]:
+            raise ValueError(f"{weights.where}: {name!r} has shape {shape}, but {config_path} implies {expected[name]}")
+    missing = [name for name in expected if name not in weights.shapes]
+    if missing:
+        raise ValueError(f"{weights.where} lacks {len(missing)} tensors that {config_path} implies, e.g. {missing[:3]}")
+
+
+def _read_sharded(dcp_dir: Path) -> dict[str, "torch.Tensor"]:
+    """The model's full state dict from the DCP shards of a sharded checkpoint, in this one process."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(dcp_dir))
+    # The saved state is {"model": ..., "optimizer": ...}; allocate and read the model's tensors only.
+    model_state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+                   for key, meta in reader.read_metadata().state_dict_metadata.items()
+                   if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load({"model": model_state}, storage_reader=reader, no_dist=True)
+    return model_state
+
+
+def _merge_lora(checkpoint_dir: Path, config: Config) -> dict[str, "torch.Tensor"]:
+    """A LoRA step checkpoint's adapters merged into the base model that lora.yaml names: W + B @ A * scale."""
+    import tempfile
+
+    import torch
+    import yaml
+    from safetensors.torch import load_file
+
+    from llmtrain.lora import LoRAArgs, apply_lora, is_lora_parameter, merged_state_dict, plain_to_lora_keys
+    from llmtrain.model import GPT
+    from llmtrain.recipes.run import LORA_SETTINGS_FILE
+    from llmtrain.train.checkpointer import LORA_FILE
+
+    settings_path = checkpoint_dir / LORA_SETTINGS_FILE
+    if not settings_path.is_file():
+        raise FileNotFoundError(f"{settings_path} does not exist: the adapters in {checkpoint_dir} cannot be "
+                                "merged without the LoRA settings and the base model they name")
+    settings = yaml.safe_load(settings_path.read_text())
+    base_dir = Path(settings.pop("base_checkpoint_dir"))
+    if settings.pop("quantize", None):
+        # NOTE: QLoRA adapters were trained against the quantized base; merge_lora merges into exactly
+        # that (dequantized), which needs the quantization kernels.
+        from llmtrain.recipes.finetune import merge_lora
+
+        with tempfile.TemporaryDirectory() as scratch:
+            merge_lora(checkpoint_dir, Path(scratch) / "merged")
+            return load_file(str(Path(scratch) / "merged" / layout.MODEL_FILE))
+    base_dir = ensure_model_dir(base_dir)
+    with torch.device("meta"):
+        model = GPT(config)
+    apply_lora(model, LoRAArgs(**settings))
+    adapters = load_file(str(checkpoint_dir / LORA_FILE))
+    wanted = {name for name, _ in model.named_parameters() if is_lora_parameter(name)}
+    if set(adapters) != wanted:
+        raise ValueError(f"{checkpoint_dir / LORA_FILE} does not hold the adapters that {settings_path} describes: "
+                         f"missing {sorted(wanted - set(adapters))[:4]}, unexpected {sorted(set(adapters) - wanted)[:4]}")
+    base = plain_to_lora_keys(load_file(str(base_dir / layout.MODEL_FILE)), model)
+    return merged_state_dict({**base, **adapters}, model)
+
+
+def _write_hf_weights(directory: Path, adapter: Adapter, config: Config, weights: _Weights,
+                      dtype: Optional["torch.dtype"], max_shard_bytes: int) -> None:
+    """The weights as transformers tensors, in shards of at most max_shard_bytes (plus an index) or one file."""
+    from safetensors.torch import save_file
+
+    hf_layout = adapter.hf_layout(list(weights.shapes))
+    sizes = {hf_name: sum(_numel(weights.shapes[part]) for part in parts) * (dtype or weights.dtypes[parts[0]]).itemsize
+             for hf_name, parts in hf_layout.items()}
+    shards: list[list[str]] = [[]]
+    shard_bytes = 0
+    for hf_name, size in sizes.items():
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(hf_name)
+        shard_bytes += size
+    if len(shards) == 1:
+        file_names = [SAFETENSORS_FILE]
+    else:
+        file_names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for file_name, shard in zip(file_names, shards):
+        tensors = {hf_name: _cast(adapter.fuse(config, [weights.load(part) for part in hf_layout[hf_name]]),
+                                  dtype).contiguous()
+                   for hf_name in shard}
+        save_file(tensors, str(directory / file_name), metadata={"format": "pt"})
+        del tensors
+    if len(shards) > 1:
+        weight_map = {hf_name: file_name for file_name, shard in zip(file_names, shards) for hf_name in shard}
+        _write_json(directory / SAFETENSORS_INDEX, {"metadata": {"total_size": sum(sizes.values())},
+                                                    "weight_map": dict(sorted(weight_map.items()))})
+
+
+# ------------------------------------------------------------------------------------ either -> llmtrain
+def ensure_model_dir(path: Path, cache_dir: Optional[Path] = None) -> Path:
+    """A llmtrain model directory for `path`: `path` itself, or its conversion if it is a transformers folder.
+
+    The conversion happens once: it is cached under `cache_dir` (default `$LLMTRAIN_CACHE_DIR/from_hf`,
+    else `~/.cache/llmtrain/from_hf`), keyed by the folder's path and its files' sizes and mtimes.
+    Processes that call this together convert once (a file lock), the others wait and reuse it.
+    """
+    from llmtrain.data.tokens import cache_dir as default_cache_dir
+    from llmtrain.data.tokens import cache_key, exclusive_lock
+
+    path = Path(path)
+    if (path / layout.CONFIG_FILE).is_file():
+        return path
+    if not (path / HF_CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{path} is neither a llmtrain model directory (it has no {layout.CONFIG_FILE}) "
+                                f"nor a transformers folder (it has no {HF_CONFIG_FILE})")
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "from_hf"
+    stamps = [(file.name, file.stat().st_size, file.stat().st_mtime_ns) for file in sorted(path.iterdir())
+              if file.is_file()]
+    target = root / f"{path.name}-{cache_key('from_hf', str(path.resolve()), stamps)}"
+    with exclusive_lock(root / f".{target.name}.lock"):
+        if not layout.is_complete(target):
+            shutil.rmtree(target, ignore_errors=True)
+            print(f"converting transformers folder {path} to a llmtrain model directory in {target}",
+                  file=sys.stderr, flush=True)
+            from_hf(path, target)
+    return target
+
+
+# ------------------------------------------------------------------------------------ command line
+def convert_to_hf(checkpoint_dir: Path, output_dir: Path, dtype: Optional[DTypeName] = None,
+                  max_shard_size: str = "5GB") -> None:
+    """Convert a llmtrain checkpoint into a folder that transformers' `from_pretrained` opens.
+
+    Args:
+        checkpoint_dir: A llmtrain `final/`, a full or sharded `step-*/` checkpoint, or a LoRA `step-*/` (merged first).
+        output_dir: Where the transformers folder goes; it must not exist or be empty.
+        dtype: Precision of the saved weights: float32, bfloat16 or float16. Default: as stored in the checkpoint.
+        max_shard_size: Largest weights file, e.g. 5GB or 500MB; bigger models are split into shards with an index.
+    """
+    to_hf(checkpoint_dir, output_dir, dtype=dtype, max_shard_size=max_shard_size)
+    print(f"wrote transformers model to {output_dir}")
+
+
+def convert_from_hf(hf_dir: Path, output_dir: Path, model_name: Optional[str] = None,
+                    dtype: Optional[DTypeName] = None) -> None:
+    """Convert a transformers model folder (e.g. a Hugging Face Hub download) into a llmtrain model directory.
+
+    Args:
+        hf_dir: The transformers folder: config.json, safetensors or .bin weights (sharded or not), tokenizer files.
+        output_dir: Where the llmtrain model directory goes; it must not exist or be empty.
+        model_name: The zoo architecture to record (e.g. Llama-3.2-1B); it must agree with config.json. Default: found.
+        dtype: Precision of the saved weights: float32, bfloat16 or float16. Default: as stored in the folder.
+    """
+    path = from_hf(hf_dir, output_dir, model_name=model_name, dtype=dtype)
+    config = Config.from_file(path / layout.CONFIG_FILE)
+    print(f"wrote llmtrain model directory {path} (model {config.name or 'custom: ' + config.hf_config.get('name', '')})")
+
+
+# ------------------------------------------------------------------------------------ helpers
+def parse_size(size: Union[str, int]) -> int:
+    """Bytes in "5GB" (powers of 1000), "4GiB" (powers of 1024) or a plain number."""
+    if isinstance(size, int):
+        return size
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(size))
+    if match is None or match.group(2).upper() not in units:
+        raise ValueError(f"--max_shard_size {size!r} is not a size; write e.g. 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * units[match.group(2).upper()])
+
+
+def _torch_dtype(name: Optional[str]) -> Optional["torch.dtype"]:
+    import torch
+
+    choices = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name is not None and name not in choices:
+        raise ValueError(f"--dtype {name!r} must be one of {list(choices)}")
+    return None if name is None else choices[name]
+
+
+def _safetensors_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+            "BOOL": torch.bool}[name]
+
+
+def _cast(tensor: "torch.Tensor", dtype: Optional["torch.dtype"]) -> "torch.Tensor":
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _model_shapes(config: Config) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor a checkpoint of `config` stores (a tied output layer is the embedding)."""
+    import torch
+
+    from llmtrain.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(config)
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    if config.tie_embeddings:
+        del shapes["lm_head.weight"]
+    return shapes
+
+
+def _hf_shapes(adapter: Adapter, config: Config, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Shape of every transformers tensor (a fused QKV stacks the rows of its parts)."""
+    out = {}
+    for hf_name, parts in adapter.hf_layout(list(shapes)).items():
+        first = shapes[parts[0]]
+        out[hf_name] = (sum(shapes[part][0] for part in parts), *first[1:])
+    return out
+
+
+def _tokenizer_or_none(directory: Path):
+    from llmtrain.tokenizer import Tokenizer
+
+    if not (directory / "tokenizer.json").is_file():
+        print(f"warning: {directory} has no tokenizer.json; the converted model has no tokenizer", file=sys.stderr)
+        return None
+    return Tokenizer(directory)
+
+
+def _check_output_dir(output_dir: Path) -> None:
+    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
+        raise FileExistsError(f"{output_dir} already exists and is not empty; remove it or choose another output directory")
+
+
+def _copy_files(source: Path, target: Path, names: tuple[str, ...]) -> None:
+    for name in names:
+        if (source / name).is_file():
+            shutil.copy2(source / name, target / name)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Move a finished folder into place (over an empty one), so readers see all files or none."""
+    if target.is_dir():
+        target.rmdir()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, target)

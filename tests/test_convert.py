@@ -1,0 +1,408 @@
+"""Conversion to and from transformers folders: every zoo family, both directions, exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+
+from llmtrain import checkpoint as layout
+from llmtrain.config import MODEL_ZOO, Config
+from llmtrain.convert import ADAPTERS, adapter_for_config, ensure_model_dir, from_hf, read_hf_config, to_hf
+from llmtrain.convert.adapters import architecture_differences, config_from_hf, zoo_config
+from llmtrain.model import GPT
+from llmtrain.tokenizer import TOKENIZER_FILES, Tokenizer, train_bpe_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+# bos/eos: the ids of the tokenizer that `tokenizer_dir` trains (special tokens come first).
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64, bos_token_id=1, eos_token_id=0)
+
+
+def rope(theta: float = 10000.0, **fields) -> dict:
+    return {"rope_type": "default", "rope_theta": theta, **fields}
+
+
+# One small transformers model per zoo family and variant (RoPE scaling, tied embeddings, sliding window, ...).
+HF_CASES = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON, num_key_value_heads=2, rms_norm_eps=1e-5,
+                                              rope_parameters=rope()),
+    "llama-3.1-rope-scaling": lambda: transformers.LlamaConfig(
+        **COMMON, num_key_value_heads=2, rope_parameters=rope(500000.0, rope_type="llama3", factor=8.0,
+                                                              low_freq_factor=1.0, high_freq_factor=4.0,
+                                                              original_max_position_embeddings=32)),
+    "llama-3.2-rope-scaling-tied-head-dim": lambda: transformers.LlamaConfig(
+        **COMMON, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
+        rope_parameters=rope(500000.0, rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=32)),
+    "smollm2-tied": lambda: transformers.LlamaConfig(**COMMON, num_key_value_heads=2, tie_word_embeddings=True,
+                                                     rope_parameters=rope(100000.0)),
+    "llama-bias": lambda: transformers.LlamaConfig(**COMMON, num_key_value_heads=4, attention_bias=True,
+                                                   mlp_bias=True, rope_parameters=rope()),
+    "mistral-sliding-window": lambda: transformers.MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=8,
+                                                                 rope_parameters=rope()),
+    "qwen2-tied": lambda: transformers.Qwen2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=True,
+                                                   rope_parameters=rope(1000000.0)),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, num_key_value_heads=2, rope_parameters=rope(1000000.0)),
+    "gemma": lambda: transformers.GemmaConfig(**COMMON, num_key_value_heads=1, head_dim=32,
+                                              hidden_act="gelu_pytorch_tanh", rope_parameters=rope()),
+    "phi": lambda: transformers.PhiConfig(**COMMON, rope_parameters=rope(20000.0, partial_rotary_factor=0.5),
+                                          hidden_act="gelu_new"),
+    "gpt-neox-sequential-residual": lambda: transformers.GPTNeoXConfig(
+        **COMMON, rope_parameters=rope(20000.0, partial_rotary_factor=0.5), hidden_act="gelu_new",
+        use_parallel_residual=False),
+    # The sizes of the zoo's gpt-neox-debug, so that from_hf finds it in the zoo.
+    "gpt-neox": lambda: transformers.GPTNeoXConfig(
+        vocab_size=4096, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=0, rope_parameters=rope(partial_rotary_factor=0.25), hidden_act="gelu"),
+}
+
+
+def feature_family(config: Config) -> str:
+    """The first family whose features fit: what a model without a Hub organization is exported as."""
+    return next(adapter.family for adapter in ADAPTERS.values() if not adapter.mismatches(config))
+
+
+def variant(family: str, config: Config) -> tuple:
+    return (family, config.rope_scaling is not None, config.tie_embeddings, config.sliding_window is not None,
+            config.bias)
+
+
+def case_config(case: str) -> tuple[str, Config]:
+    hf_config = HF_CASES[case]()
+    hf_config.architectures = [type(hf_config).__name__.replace("Config", "ForCausalLM")]
+    adapter, config = config_from_hf(hf_config.to_dict(), Path(case) / "config.json")
+    return adapter.family, config
+
+
+# ---- fixtures -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    texts = ["The quick brown fox jumps over the lazy dog.", "A model directory holds weights and a tokenizer.",
+             "Transformers folders hold config.json and safetensors shards."] * 20
+    directory = tmp_path_factory.mktemp("tokenizer") / "tokenizer"
+    train_bpe_tokenizer(texts, vocab_size=300, out_dir=directory)
+    return directory
+
+
+def build_hf_model(case: str, seed: int = 0):
+    hf_config = HF_CASES[case]()
+    hf_config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, type(hf_config).__name__.replace("Config", "ForCausalLM"))(hf_config).eval()
+    with torch.no_grad():
+        for param in model.parameters():  # norms and biases too, so that no wiring mistake hides
+            param.normal_(0.0, 0.1)
+    return model
+
+
+def save_hf(model, directory: Path, tokenizer_dir: Path, **save_kwargs) -> Path:
+    model.save_pretrained(directory, **save_kwargs)
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_dir / name, directory / name)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def llama_dirs(tmp_path_factory, tokenizer_dir):
+    """A transformers Llama folder and its llmtrain conversion, shared by the tests that need any model."""
+    root = tmp_path_factory.mktemp("llama")
+    hf_dir = save_hf(build_hf_model("llama"), root / "hf", tokenizer_dir)
+    return hf_dir, from_hf(hf_dir, root / "llmtrain")
+
+
+def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return tensors
+
+
+def assert_same_tensors(actual: dict, expected: dict) -> None:
+    assert sorted(actual) == sorted(expected)
+    for name, tensor in expected.items():
+        assert actual[name].dtype == tensor.dtype, name
+        assert torch.equal(actual[name], tensor), name
+
+
+def load_llmtrain(directory: Path) -> GPT:
+    model = GPT(Config.from_file(directory / layout.CONFIG_FILE)).eval()
+    layout.load_model_weights(model, directory)
+    return model
+
+
+def load_transformers(directory: Path):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True,
+                                                                    attn_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.eval()
+
+
+def tokens(vocab_size: int = 300) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+# ---- every family, both directions ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", HF_CASES)
+def test_round_trip_is_exact(case, tmp_path, tokenizer_dir):
+    hf = build_hf_model(case)
+    hf_dir = save_hf(hf, tmp_path / "hf", tokenizer_dir)
+    idx = tokens()
+    with torch.no_grad():
+        expected = hf(idx).logits
+
+    ours_dir = from_hf(hf_dir, tmp_path / "llmtrain")
+    ours = load_llmtrain(ours_dir)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), expected, atol=1e-5, rtol=1e-5)
+    assert Tokenizer(ours_dir).encode("the lazy fox") == Tokenizer(tokenizer_dir).encode("the lazy fox")
+
+    back_dir = to_hf(ours_dir, tmp_path / "back")
+    assert_same_tensors(hf_tensors(back_dir), hf_tensors(hf_dir))
+    assert json.loads((back_dir / "config.json").read_text())["architectures"] == hf.config.architectures
+    reloaded = load_transformers(back_dir)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(idx).logits, expected, atol=1e-6, rtol=1e-6)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(back_dir)
+    assert hf_tokenizer("the lazy fox")["input_ids"] == Tokenizer(ours_dir).encode("the lazy fox")
+    # And back again, now from the Hub layout of config.json that to_hf writes.
+    assert not architecture_differences(read_hf_config(back_dir)[1], ours.config)
+
+
+def test_zoo_debug_size_is_found_in_the_zoo(tmp_path, tokenizer_dir):
+    hf_dir = save_hf(build_hf_model("gpt-neox"), tmp_path / "hf", tokenizer_dir)
+    assert Config.from_file(from_hf(hf_dir, tmp_path / "found") / layout.CONFIG_FILE).name == "gpt-neox-debug"
+    named = from_hf(hf_dir, tmp_path / "named", model_name="gpt-neox-debug")
+    assert Config.from_file(named / layout.CONFIG_FILE).name == "gpt-neox-debug"
+    with pytest.raises(ValueError, match=r"--model_name pythia-14m does not describe .*n_layer 6 vs 2"):
+        from_hf(hf_dir, tmp_path / "wrong", model_name="pythia-14m")
+
+
+def test_every_zoo_family_and_variant_has_a_round_trip_case():
+    """A family or feature the zoo gains without a conversion case fails here, not silently in use."""
+    cases = {variant(*case_config(case)) for case in HF_CASES}
+    zoo = {variant(feature_family(Config(**entry)), Config(**entry)) for entry in MODEL_ZOO}
+    assert not zoo - cases, f"zoo variants without a conversion test case: {sorted(zoo - cases)}"
+
+
+@pytest.mark.parametrize("name", [entry["name"] for entry in MODEL_ZOO])
+def test_every_zoo_config_survives_config_json(name):
+    config = Config.from_name(name)
+    adapter = adapter_for_config(config)
+    read_adapter, read = config_from_hf(adapter.hf_config(config), Path(name) / "config.json")
+    assert read_adapter is adapter
+    assert not architecture_differences(read, config)
+    assert zoo_config(read, hints=[config.hf_config.get("name", name)]).name == name
+
+
+def test_hub_organization_picks_the_published_architecture():
+    assert adapter_for_config(Config.from_name("Mistral-7B-v0.3")).architecture == "MistralForCausalLM"
+    assert adapter_for_config(Config.from_name("Llama-2-7b-hf")).architecture == "LlamaForCausalLM"
+    custom = Config.from_name("Mistral-7B-v0.3", hf_config={})
+    assert adapter_for_config(custom).architecture == "LlamaForCausalLM"  # the same model to transformers
+
+
+# ---- layouts: shards, .bin, sharded and LoRA checkpoints, dtype ------------------------------------
+
+
+def test_sharded_output_with_index_loads(tmp_path, llama_dirs):
+    hf_dir, ours_dir = llama_dirs
+    out = to_hf(ours_dir, tmp_path / "sharded", max_shard_size="40KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    assert set(index["weight_map"].values()) == {shard.name for shard in shards}
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in hf_tensors(out).values())
+    assert_same_tensors(hf_tensors(out), hf_tensors(hf_dir))
+    load_transformers(out)
+
+
+def test_from_sharded_and_bin_folders(tmp_path, tokenizer_dir, llama_dirs):
+    _, ours_dir = llama_dirs
+    expected = hf_tensors(ours_dir)
+    sharded = save_hf(build_hf_model("llama"), tmp_path / "sharded", tokenizer_dir, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert_same_tensors(hf_tensors(from_hf(sharded, tmp_path / "from_sharded")), expected)
+
+    bin_dir = save_hf(build_hf_model("llama"), tmp_path / "bin", tokenizer_dir)
+    torch.save(hf_tensors(bin_dir), bin_dir / "pytorch_model.bin")
+    (bin_dir / "model.safetensors").unlink()
+    assert_same_tensors(hf_tensors(from_hf(bin_dir, tmp_path / "from_bin")), expected)
+
+
+class _NoData:
+    def state_dict(self) -> dict:
+        return {}
+
+
+def _one_adamw_step(model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    model(tokens()).float().pow(2).mean().backward()
+    optimizer.step()
+    return optimizer
+
+
+def test_from_a_sharded_checkpoint(tmp_path, tokenizer_dir):
+    from llmtrain.distributed.checkpoint import ShardedCheckpointer
+    from llmtrain.distributed.runtime import Runtime
+    from llmtrain.train.loop import TrainState
+
+    hf_dir = save_hf(build_hf_model("qwen2-tied"), tmp_path / "hf", tokenizer_dir)
+    model = load_llmtrain(from_hf(hf_dir, tmp_path / "base")).train()
+    optimizer = _one_adamw_step(model)
+    step_dir = ShardedCheckpointer(runtime=Runtime(), out_dir=tmp_path / "run", model=model, optimizer=optimizer,
+                                   train_loader=_NoData(), model_config=model.config,
+                                   tokenizer=Tokenizer(tokenizer_dir), hyperparameters={}).save(TrainState(step=1))
+    assert (step_dir / "dcp").is_dir() and not (step_dir / layout.MODEL_FILE).exists()
+    full_dir = layout.write_model_dir(tmp_path / "full", state_dict=model.state_dict(), model_config=model.config,
+                                      hyperparameters=None, tokenizer=Tokenizer(tokenizer_dir))
+    assert_same_tensors(hf_tensors(to_hf(step_dir, tmp_path / "from_dcp")),
+                        hf_tensors(to_hf(full_dir, tmp_path / "from_full")))
+    load_transformers(tmp_path / "from_dcp")
+
+
+def test_from_a_lora_step_checkpoint(tmp_path, llama_dirs):
+    from llmtrain.distributed.runtime import Runtime
+    from llmtrain.lora import LoRAArgs, apply_lora, mark_only_lora_trainable
+    from llmtrain.train.checkpointer import LoRACheckpointer
+    from llmtrain.train.loop import TrainState
+
+    _, base_dir = llama_dirs
+    model = load_llmtrain(base_dir)
+    lora = LoRAArgs(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_projection=True, lora_mlp=True, lora_head=True)
+    apply_lora(model, lora)
+    mark_only_lora_trainable(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B"):
+                param.normal_(0.0, 0.1)  # B starts at zero; a merge of zeros would prove nothing
+
+    def write_lora_settings(directory: Path) -> None:  # as recipes/run.py's _extras_writer
+        settings = {**dataclasses.asdict(lora), "base_checkpoint_dir": str(base_dir.resolve()), "quantize": None}
+        (directory / "lora.yaml").write_text(yaml.safe_dump(settings))
+
+    checkpointer = LoRACheckpointer(runtime=Runtime(), out_dir=tmp_path / "run", model=model,
+                                    optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]),
+                                    train_loader=_NoData(), model_config=model.config, tokenizer=Tokenizer(base_dir),
+                                    hyperparameters={}, write_extras=write_lora_settings)
+    step_dir = checkpointer.save(TrainState(step=1))
+    assert not (step_dir / layout.MODEL_FILE).exists()
+    with torch.no_grad():
+        expected = model(tokens())
+    final_dir = checkpointer.save_final(TrainState(step=1))  # merges the model in place
+
+    from_step = to_hf(step_dir, tmp_path / "from_step")
+    assert_same_tensors(hf_tensors(from_step), hf_tensors(to_hf(final_dir, tmp_path / "from_final")))
+    with torch.no_grad():
+        torch.testing.assert_close(load_transformers(from_step)(tokens()).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_dtype(tmp_path, llama_dirs):
+    hf_dir, ours_dir = llama_dirs
+    out = to_hf(ours_dir, tmp_path / "bf16", dtype="bfloat16")
+    assert {t.dtype for t in hf_tensors(out).values()} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert load_transformers(out).dtype == torch.bfloat16
+    half = from_hf(hf_dir, tmp_path / "fp16", dtype="float16")
+    assert {t.dtype for t in hf_tensors(half).values()} == {torch.float16}
+    with pytest.raises(ValueError, match="--dtype 'fp8'"):
+        to_hf(ours_dir, tmp_path / "fp8", dtype="fp8")
+
+
+def test_token_ids_and_generation_config(tmp_path, llama_dirs):
+    hf_dir, ours_dir = llama_dirs
+    tokenizer = Tokenizer(ours_dir)
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (1, 0)
+    out = to_hf(ours_dir, tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (tokenizer.bos_id, tokenizer.eos_id)
+    # The model's own generation settings travel through both conversions unchanged ...
+    assert (out / "generation_config.json").read_text() == (hf_dir / "generation_config.json").read_text()
+    # ... and a model trained by llmtrain gets them from its tokenizer.
+    trained = Path(shutil.copytree(ours_dir, tmp_path / "trained"))
+    (trained / "generation_config.json").unlink()
+    generation = transformers.GenerationConfig.from_pretrained(to_hf(trained, tmp_path / "trained_hf"))
+    assert (generation.bos_token_id, generation.eos_token_id) == (tokenizer.bos_id, tokenizer.eos_id)
+
+
+# ---- ensure_model_dir -----------------------------------------------------------------------------
+
+
+def test_ensure_model_dir_converts_once(tmp_path, llama_dirs):
+    hf_dir, ours_dir = llama_dirs
+    assert ensure_model_dir(ours_dir) == ours_dir
+    converted = ensure_model_dir(hf_dir, cache_dir=tmp_path / "cache")
+    assert layout.is_complete(converted) and converted.parent == tmp_path / "cache"
+    assert_same_tensors(hf_tensors(converted), hf_tensors(ours_dir))
+    written = (converted / layout.MARKER_FILE).stat().st_mtime_ns
+    assert ensure_model_dir(hf_dir, cache_dir=tmp_path / "cache") == converted
+    assert (converted / layout.MARKER_FILE).stat().st_mtime_ns == written
+    with pytest.raises(FileNotFoundError, match="neither a llmtrain model directory"):
+        ensure_model_dir(tmp_path)
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+
+def _edit_json(path: Path, **changes) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def test_bad_transformers_folders(tmp_path, llama_dirs):
+    hf_dir, _ = llama_dirs
+    with pytest.raises(FileNotFoundError, match=r"no_config/config.json does not exist"):
+        (tmp_path / "no_config").mkdir()
+        from_hf(tmp_path / "no_config", tmp_path / "out")
+
+    unknown = Path(shutil.copytree(hf_dir, tmp_path / "unknown"))
+    _edit_json(unknown / "config.json", architectures=["BertForMaskedLM"], model_type="bert")
+    with pytest.raises(ValueError, match=r"unknown/config.json: architecture \['BertForMaskedLM'\] is not supported"):
+        from_hf(unknown, tmp_path / "out")
+
+    resized = Path(shutil.copytree(hf_dir, tmp_path / "resized"))
+    _edit_json(resized / "config.json", intermediate_size=128)
+    with pytest.raises(ValueError, match=r"resized/model.safetensors: 'model.layers.0.mlp.\w+_proj.weight' has shape "
+                                         r"\(\d+, \d+\), but .*resized/config.json implies"):
+        from_hf(resized, tmp_path / "out")
+
+    no_weights = Path(shutil.copytree(hf_dir, tmp_path / "no_weights"))
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="holds no transformers weights"):
+        from_hf(no_weights, tmp_path / "out")
+
+    with pytest.raises(FileExistsError, match="not empty"):
+        from_hf(hf_dir, hf_dir)
+
+
+def test_bad_llmtrain_checkpoints(tmp_path, llama_dirs):
+    hf_dir, ours_dir = llama_dirs
+    with pytest.raises(FileNotFoundError, match="is a transformers folder: use from_hf"):
+        to_hf(hf_dir, tmp_path / "out")
+
+    resized = Path(shutil.copytree(ours_dir, tmp_path / "resized"))
+    config = Config.from_file(resized / layout.CONFIG_FILE)
+    Config(**{**config.to_dict(), "intermediate_size": 128}).save(resized / layout.CONFIG_FILE)
+    with pytest.raises(ValueError, match=r"resized/model.safetensors: 'blocks.0.mlp.\w+_proj.weight' has shape "
+                                         r"\(\d+, \d+\), but .*resized/model_config.yaml implies"):
+        to_hf(resized, tmp_path / "out")
+
+    custom = Path(shutil.copytree(ours_dir, tmp_path / "custom"))
+    Config(**{**config.to_dict(), "norm_class_name": "LayerNorm"}).save(custom / layout.CONFIG_FILE)
+    with pytest.raises(ValueError, match="matches no transformers architecture .* Closest is LlamaForCausalLM, "
+                                         "which needs norm_class_name='RMSNorm'"):
+        to_hf(custom, tmp_path / "out")
+    assert not any(name.startswith(".") for name in os.listdir(tmp_path))  # no temporary folders left behind
