@@ -261,7 +261,13 @@ def test_qlora_trains_adapters_and_merges_to_a_plain_model(mode, name):
     assert all(model.get_submodule(n.rsplit(".", 1)[0]).lora_B.grad.abs().sum() > 0 for n in with_grad)
     model.zero_grad()
 
+    # The packed 4-bit / int8 base weights (and everything else outside the adapters) must not move.
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not n.endswith((".lora_A", ".lora_B"))}
+    assert any(p.dtype in (torch.uint8, torch.int8) for p in frozen.values())
     train(model, idx, steps=3)
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert torch.equal(p.detach(), frozen[n]), n
     with torch.no_grad():
         qlora_logits = model(idx)
         model.train()  # int8 on CPU: training dequantizes the weight; inference also quantizes inputs
