@@ -62,7 +62,8 @@ HF_CASES = {
     # The sizes of the zoo's gpt-neox-debug, so that from_hf finds it in the zoo.
     "gpt-neox": lambda: transformers.GPTNeoXConfig(
         vocab_size=4096, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=512, bos_token_id=1, eos_token_id=0, rope_parameters=rope(partial_rotary_factor=0.25), hidden_act="gelu"),
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=0, rope_parameters=rope(partial_rotary_factor=0.25),
+        hidden_act="gelu"),
 }
 
 

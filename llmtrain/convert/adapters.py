@@ -100,7 +100,8 @@ class Adapter:
     model_type: str
     """config.json's `model_type`."""
     modules: dict[str, str]
-    """llmtrain module -> transformers module; `{i}` stands for the layer index."""
+    """llmtrain module -> transformers module; `{i}` stands for the layer index. Several llmtrain
+    modules on one transformers module are fused: q, k, v interleaved per head, as (n_head, 3, head_size)."""
     fixed: dict[str, Any]
     """Config fields every model of this family has; the others come from config.json."""
     hf_defaults: dict[str, Any]
@@ -115,8 +116,6 @@ class Adapter:
     """config.json key of the RoPE base (GPT-NeoX: rotary_emb_base)."""
     check: Callable[[Config], list[str]] = lambda config: []
     """Problems, beyond `fixed`, that keep a Config from being exported as this family."""
-    fused_qkv: Optional[str] = None
-    """transformers module holding q, k and v, rows laid out as (n_head, 3, head_size) (GPT-NeoX)."""
     read_aliases: dict[str, str] = field(default_factory=dict)
     """Other spellings of transformers modules, accepted when reading (in-memory vs Hub names)."""
     hub_orgs: tuple[str, ...] = ()
@@ -163,7 +162,7 @@ class Adapter:
         return [(name, per_head[:, i].reshape(-1, *tensor.shape[1:])) for i, name in enumerate(names)]
 
     def hf_layout(self, names: list[str]) -> dict[str, list[str]]:
-        """transformers tensor -> the llmtrain tensors it is made of (q, k, v in that order), in the order of `names`."""
+        """transformers tensor -> the llmtrain tensors it is made of (q, k, v in that order), ordered as `names`."""
         layout: dict[str, list[str]] = {}
         for name in names:
             layout.setdefault(self.hf_name(name), []).append(name)
@@ -192,7 +191,6 @@ class Adapter:
 
     def config_fields(self, hf: HFConfig) -> dict[str, Any]:
         """Every Config field of the model that config.json describes."""
-        hf.defaults = self.hf_defaults
         n_embd, n_head = hf.require("hidden_size"), hf.require("num_attention_heads")
         rope_base, rope_scaling, rotary_percentage = hf.rope()
         vocab = hf.require("vocab_size")
@@ -424,7 +422,7 @@ ADAPTERS: dict[str, Adapter] = {adapter.family: adapter for adapter in (
                              tie_word_embeddings=False, rotary_pct=0.25, use_parallel_residual=True,
                              attention_bias=True),
             read_fields=_read_gpt_neox, write_fields=_write_gpt_neox, norm_eps_key="layer_norm_eps",
-            rope_base_key="rotary_emb_base", check=_check_gpt_neox, fused_qkv=_GPT_NEOX_QKV,
+            rope_base_key="rotary_emb_base", check=_check_gpt_neox,
             # transformers 5 names the output layer lm_head in memory and embed_out on the Hub.
             read_aliases={"lm_head": "embed_out"}, hub_orgs=("EleutherAI",)),
 )}
@@ -455,7 +453,8 @@ def adapter_for_hf(values: dict[str, Any], path: Path) -> Adapter:
     """The adapter for a config.json, by its `architectures` (or `model_type`)."""
     architectures = values.get("architectures") or []
     for adapter in ADAPTERS.values():
-        if adapter.architecture in architectures or (not architectures and values.get("model_type") == adapter.model_type):
+        by_type = not architectures and values.get("model_type") == adapter.model_type
+        if adapter.architecture in architectures or by_type:
             return adapter
     found = architectures or values.get("model_type")
     raise ValueError(f"{path}: architecture {found} is not supported; llmtrain converts "
@@ -465,7 +464,7 @@ def adapter_for_hf(values: dict[str, Any], path: Path) -> Adapter:
 def config_from_hf(values: dict[str, Any], path: Path) -> tuple[Adapter, Config]:
     """The adapter and the exact llmtrain Config of the model a config.json describes (not matched to the zoo)."""
     adapter = adapter_for_hf(values, path)
-    hf = HFConfig(values, path)
+    hf = HFConfig(values, path, adapter.hf_defaults)
     # A Hub id ("org/name") names the model; a local path says only the folder's name.
     name_or_path = str(values.get("_name_or_path") or "").rstrip("/")
     if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/")):

@@ -307,8 +307,9 @@ def _merge_lora(checkpoint_dir: Path, config: Config) -> dict[str, "torch.Tensor
     adapters = load_file(str(checkpoint_dir / LORA_FILE))
     wanted = {name for name, _ in model.named_parameters() if is_lora_parameter(name)}
     if set(adapters) != wanted:
+        missing, unexpected = sorted(wanted - set(adapters)), sorted(set(adapters) - wanted)
         raise ValueError(f"{checkpoint_dir / LORA_FILE} does not hold the adapters that {settings_path} describes: "
-                         f"missing {sorted(wanted - set(adapters))[:4]}, unexpected {sorted(set(adapters) - wanted)[:4]}")
+                         f"missing {missing[:4]}, unexpected {unexpected[:4]}")
     base = plain_to_lora_keys(load_file(str(base_dir / layout.MODEL_FILE)), model)
     return merged_state_dict({**base, **adapters}, model)
 
@@ -397,12 +398,13 @@ def convert_from_hf(hf_dir: Path, output_dir: Path, model_name: Optional[str] = 
     Args:
         hf_dir: The transformers folder: config.json, safetensors or .bin weights (sharded or not), tokenizer files.
         output_dir: Where the llmtrain model directory goes; it must not exist or be empty.
-        model_name: The zoo architecture to record (e.g. Llama-3.2-1B); it must agree with config.json. Default: found.
+        model_name: The zoo entry to record (e.g. Llama-3.2-1B); it must agree with config.json. Default: by shape.
         dtype: Precision of the saved weights: float32, bfloat16 or float16. Default: as stored in the folder.
     """
     path = from_hf(hf_dir, output_dir, model_name=model_name, dtype=dtype)
     config = Config.from_file(path / layout.CONFIG_FILE)
-    print(f"wrote llmtrain model directory {path} (model {config.name or 'custom: ' + config.hf_config.get('name', '')})")
+    described = config.name or f"custom, {config.hf_config.get('name') or 'not in the zoo'}"
+    print(f"wrote llmtrain model directory {path} (model {described})")
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -480,7 +482,7 @@ def _tokenizer_or_none(directory: Path):
 
 def _check_output_dir(output_dir: Path) -> None:
     if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
-        raise FileExistsError(f"{output_dir} already exists and is not empty; remove it or choose another output directory")
+        raise FileExistsError(f"{output_dir} already exists and is not empty; remove it or choose another one")
 
 
 def _copy_files(source: Path, target: Path, names: tuple[str, ...]) -> None:
