@@ -46,7 +46,8 @@ def setup_full(
     """Fine-tune every weight of a model directory on instruction data.
 
     Args:
-        checkpoint_dir: The model directory to start from (a llmtrain `final/` or `step-*` directory).
+        checkpoint_dir: The model to start from: a llmtrain model directory (`final/`, `step-*/`) or a
+            transformers folder (config.json + safetensors), which is converted on the fly.
         out_dir: Where checkpoints (`step-NNNNNNNN/`, `final/`) and metrics.csv go.
         precision: 32-true, bf16-mixed, bf16-true, 16-mixed or 16-true.
         resume: Continue this run: `auto` (the newest complete checkpoint in out_dir, if any), `true` or a path.
@@ -101,7 +102,8 @@ def setup_lora(
     """Fine-tune low-rank adapters on a frozen model directory (LoRA; QLoRA with --quantize).
 
     Args:
-        checkpoint_dir: The model directory to start from (a llmtrain `final/` or `step-*` directory).
+        checkpoint_dir: The model to start from: a llmtrain model directory (`final/`, `step-*/`) or a
+            transformers folder (config.json + safetensors), which is converted on the fly.
         out_dir: Where adapter checkpoints, `final/` (the merged model and the adapters) and metrics.csv go.
         precision: 32-true, bf16-mixed, bf16-true, 16-mixed or 16-true. With --quantize: a `-true` one.
         quantize: QLoRA: keep the frozen base weights in bitsandbytes layers (bnb.nf4, bnb.nf4-dq, bnb.fp4,
@@ -160,7 +162,10 @@ def _finetune(recipe: str, arguments: dict, lora, quantize: Optional[str]) -> No
     if arguments["data"] is None:
         arguments["data"] = BuiltinInstruct()
     hyperparameters = common.hyperparameters(arguments)
-    checkpoint_dir = check_model_dir(arguments["checkpoint_dir"])
+    from llmtrain.convert.hf import ensure_model_dir
+
+    # A transformers folder (config.json + weights) is converted once, on the fly, and cached.
+    checkpoint_dir = check_model_dir(ensure_model_dir(Path(arguments["checkpoint_dir"])))
     config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
     common.check_out_dir(arguments["out_dir"])
     resume_from = common.resolve_resume(arguments["resume"], arguments["out_dir"], None)

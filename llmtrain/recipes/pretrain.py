@@ -45,7 +45,8 @@ def setup(
             `--model_config.FIELD value` flags.
         out_dir: Where checkpoints (`step-NNNNNNNN/`, `final/`) and metrics.csv go.
         precision: 32-true, bf16-mixed, bf16-true, 16-mixed or 16-true.
-        initial_checkpoint_dir: Start a new run from the weights of this model directory.
+        initial_checkpoint_dir: Start a new run from the weights of this model directory (or transformers
+            folder, converted on the fly).
         resume: Continue this run: `auto` (the newest complete checkpoint in out_dir, if any), `true`
             (it must exist) or a checkpoint path.
         data: The data module, e.g. `--data TextFiles --data.train_data_path DIR`. Default: the
@@ -73,6 +74,10 @@ def setup(
         return
     data = data if data is not None else BuiltinStories()
     hyperparameters = common.hyperparameters(common.arguments_of(setup, locals()))
+    if initial_checkpoint_dir is not None:
+        from llmtrain.convert.hf import ensure_model_dir
+
+        initial_checkpoint_dir = ensure_model_dir(Path(initial_checkpoint_dir))  # a transformers folder works too
     # Everything cheap is checked before any process, tokenizer or model is created.
     config = common.resolve_model_config(model_name, model_config, initial_checkpoint_dir)
     common.check_out_dir(out_dir)
