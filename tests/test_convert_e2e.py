@@ -56,6 +56,17 @@ def test_debug_run_converts_and_transformers_generates_the_same_tokens(tmp_path)
           "--data.num_train", "40", "--data.num_val", "4", "--train.max_steps", "1", "--train.global_batch_size", "2",
           "--train.micro_batch_size", "2", "--train.max_seq_length", "128", "--eval.max_iters", "1"])
     assert (tmp_path / "lora" / "final" / "model.safetensors").is_file()
+    main(["pretrain", "--initial_checkpoint_dir", str(hf_dir), "--out_dir", str(tmp_path / "continued"),
+          "--train.max_steps", "1", "--train.max_seq_length", "64", "--train.global_batch_size", "8",
+          "--train.micro_batch_size", "8", "--eval.max_iters", "1", "--train.lr_warmup_steps", "0"])
+    # It started from the converted weights: its first validation equals the original run's last.
+    import csv
+
+    def val_losses(run):
+        with open(run / "metrics.csv") as handle:
+            return [float(r["val_loss"]) for r in csv.DictReader(handle) if r["val_loss"]]
+
+    assert val_losses(tmp_path / "continued")[0] == pytest.approx(val_losses(out_dir)[-1], rel=1e-5)
 
 
 def test_sharded_checkpoint_converts_without_its_world_size(tmp_path, dist_env, tmp_path_factory):
