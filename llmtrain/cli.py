@@ -44,7 +44,27 @@ def _qualify_optimizer(argv: list[str]) -> list[str]:
     return out
 
 
+# Errors that mean "this input is wrong": shown as one message, without a traceback, unless --debug.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, FileExistsError)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    """The console script. From the command line (``argv`` None), input errors print one paragraph and exit
+    with status 2; ``--debug`` shows the traceback instead. Called with ``argv``, errors propagate."""
+    from_command_line = argv is None
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
+    try:
+        run_cli(args)
+    except USER_ERRORS as error:
+        if debug or not from_command_line:
+            raise
+        print(f"error: {error}\n(run with --debug for the traceback)", file=sys.stderr)
+        sys.exit(2)
+
+
+def run_cli(args: list[str]) -> None:
     from jsonargparse import CLI, set_parsing_settings
 
     import llmtrain.data  # noqa: F401  (registers the data modules so `--data NAME` resolves)
@@ -55,7 +75,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     configure_process()
     # Field docstrings of the argument dataclasses become the flags' help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    args = _qualify_optimizer(_positional_to_flag(list(sys.argv[1:] if argv is None else argv)))
+    args = _qualify_optimizer(_positional_to_flag(args))
     try:
         CLI(commands(), args=args, description="Pretrain and fine-tune GPT-style language models.")
     except WorkerFailedError as error:  # the workers' tracebacks were printed already

@@ -167,7 +167,7 @@ class Config:
             hint = ", ".join(dict.fromkeys(entries[c]["name"] for c in close)) or "none"
             raise ValueError(
                 f"Unknown model name {name!r}. Closest matches: {hint}. "
-                "See `Config.names()` for every name in the zoo."
+                "`llmtrain pretrain list` prints every name in the zoo."
             )
         return cls(**{**entries[key], **overrides})
 
