@@ -45,7 +45,7 @@ def _qualify_optimizer(argv: list[str]) -> list[str]:
 
 
 # Errors that mean "this input is wrong": shown as one message, without a traceback, unless --debug.
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, FileExistsError)
+USER_ERRORS = (ValueError, OSError)  # OSError covers missing files, permissions and disk space
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

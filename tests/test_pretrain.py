@@ -249,3 +249,15 @@ def test_command_line_errors_are_one_message_without_traceback(tmp_path):
     debug = subprocess.run([*command, "--debug"], capture_output=True, text=True, timeout=60)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
     assert not (tmp_path / "o").exists()  # nothing was written
+
+
+def test_too_little_disk_for_one_checkpoint(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * 2**30, 10 * 2**30 - 2**30, 2**30))
+    with pytest.raises(OSError, match=r"--out_dir .*1\.0 GiB free.*needs about .* GiB") as error:
+        main(["pretrain", "tiny-llama-1.1b", "--out_dir", str(tmp_path / "o"), "--train.max_steps", "1"])
+    assert "tiny-llama-1.1b" in str(error.value)
+    assert not (tmp_path / "o").exists()

@@ -71,6 +71,29 @@ def check_out_dir(out_dir: Path) -> None:
             raise PermissionError(f"--out_dir {out_dir} is not writable ({error})") from error
 
 
+def check_disk_space(out_dir: Path, config: Config, precision: Any, trainable_fraction: float = 1.0) -> None:
+    """Refuse to start when --out_dir's disk cannot hold one checkpoint (weights + AdamW's two moments).
+
+    Estimated from the model size, so the message comes before hours of training, not at the first save.
+    """
+    import shutil
+
+    from llmtrain.flops import num_parameters
+
+    parent = Path(out_dir)
+    while not parent.exists():
+        parent = parent.parent
+    params = num_parameters(config)
+    weight_bytes = params * torch.finfo(precision.param_dtype).bits // 8
+    optimizer_bytes = 2 * 4 * params * trainable_fraction  # fp32 first and second moments
+    needed = int((weight_bytes + optimizer_bytes) * 1.05)
+    free = shutil.disk_usage(parent).free
+    if free < needed:
+        raise OSError(f"--out_dir {out_dir}: {free / 2**30:.1f} GiB free on its disk, but one checkpoint of "
+                      f"{config.name or 'this model'} ({params / 1e6:.0f}M parameters) needs about "
+                      f"{needed / 2**30:.1f} GiB; free space or choose an --out_dir on a larger disk")
+
+
 def resolve_resume(resume: ResumeArg, out_dir: Path, initial_checkpoint_dir: Optional[Path]) -> Optional[Path]:
     """Which checkpoint to continue from, or None for a fresh run."""
     if resume not in (False, None) and initial_checkpoint_dir is not None:

@@ -168,6 +168,8 @@ def _finetune(recipe: str, arguments: dict, lora, quantize: Optional[str]) -> No
     checkpoint_dir = check_model_dir(ensure_model_dir(Path(arguments["checkpoint_dir"])))
     config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
     common.check_out_dir(arguments["out_dir"])
+    common.check_disk_space(arguments["out_dir"], config, Precision(arguments["precision"]),
+                            trainable_fraction=0.0 if lora is not None else 1.0)
     resume_from = common.resolve_resume(arguments["resume"], arguments["out_dir"], None)
     train = arguments["train"]
     seq_len = common.check_seq_len(train, config)

@@ -81,6 +81,7 @@ def setup(
     # Everything cheap is checked before any process, tokenizer or model is created.
     config = common.resolve_model_config(model_name, model_config, initial_checkpoint_dir)
     common.check_out_dir(out_dir)
+    common.check_disk_space(out_dir, config, Precision(precision))
     resume_from = common.resolve_resume(resume, out_dir, initial_checkpoint_dir)
     seq_len = common.check_seq_len(train, config)
     data.validate()
