@@ -144,7 +144,7 @@ def test_lora_contradictions_fail_before_work(tmp_path, base_model, extra, messa
 
 
 def test_checkpoint_dir_must_be_a_model_dir(tmp_path, base_model):
-    with pytest.raises(FileNotFoundError, match="has no model_config.yaml: it is not a model directory"):
+    with pytest.raises(FileNotFoundError, match="is neither a llmtrain model directory .*nor a transformers folder"):
         main(finetune_args("finetune_full", tmp_path, tmp_path / "o", "--train.max_steps", "1"))
 
 

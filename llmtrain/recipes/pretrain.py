@@ -74,15 +74,15 @@ def setup(
         return
     data = data if data is not None else BuiltinStories()
     hyperparameters = common.hyperparameters(common.arguments_of(setup, locals()))
+    # Everything cheap is checked before any process, tokenizer or model is created.
+    common.check_out_dir(out_dir)
+    resume_from = common.resolve_resume(resume, out_dir, initial_checkpoint_dir)
     if initial_checkpoint_dir is not None:
         from llmtrain.convert.hf import ensure_model_dir
 
         initial_checkpoint_dir = ensure_model_dir(Path(initial_checkpoint_dir))  # a transformers folder works too
-    # Everything cheap is checked before any process, tokenizer or model is created.
     config = common.resolve_model_config(model_name, model_config, initial_checkpoint_dir)
-    common.check_out_dir(out_dir)
     common.check_disk_space(out_dir, config, Precision(precision))
-    resume_from = common.resolve_resume(resume, out_dir, initial_checkpoint_dir)
     seq_len = common.check_seq_len(train, config)
     data.validate()
     spec = RunSpec(recipe="pretrain", config=config, out_dir=Path(out_dir), precision=Precision(precision), data=data,
