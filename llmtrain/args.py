@@ -43,13 +43,19 @@ class TrainArgs:
     """Learning rate at the end of the cosine decay."""
     lr_decay: str = "cosine"
     """Schedule after warmup: cosine | linear | constant."""
+    keep_last: Optional[int] = None
+    """Keep only the newest this many step checkpoints; an older one is deleted once a newer one is complete.
+    None: keep all."""
+    max_nonfinite_steps: int = 5
+    """A step whose gradient norm is NaN or inf is skipped (no update); stop the run (non-zero exit) after
+    this many such steps in a row."""
 
     def __post_init__(self) -> None:
-        positive = ("log_interval", "global_batch_size", "micro_batch_size")
+        positive = ("log_interval", "global_batch_size", "micro_batch_size", "max_nonfinite_steps")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--train.{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("save_interval", "max_steps", "max_tokens"):
+        for name in ("save_interval", "max_steps", "max_tokens", "keep_last", "max_seq_length"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--train.{name} must be at least 1 or null, got {value}")

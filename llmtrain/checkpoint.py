@@ -11,8 +11,14 @@ A *model directory* (``out_dir/final/``, or any ``step-NNNNNNNN/``) holds::
 A *training checkpoint* (``step-NNNNNNNN/``) adds ``training_state.pt``: optimizer, step counters,
 data position and RNG state, so ``--resume`` continues exactly.
 
-Every directory is written under a temporary name and renamed into place, so a crash leaves
-either a complete checkpoint or none.
+Every directory is written under a temporary name (``.step-NNNNNNNN.tmp*``), fsynced and renamed
+into place, so a crash leaves either a complete checkpoint or none. Resume looks only at complete
+``step-*`` directories; the next save deletes what a killed save left behind. Weights that hold NaN
+or inf are never written (:func:`check_finite_weights`), and ``--train.keep_last N`` deletes older
+step checkpoints only once a newer one is complete (:func:`prune_checkpoints`).
+
+Test hook: ``LLMTRAIN_TEST_SLOW_SAVE=SECONDS`` makes every save sleep after its weights are written
+and before its marker, so that a test can kill the run in the middle of a save.
 """
 
 from __future__ import annotations
@@ -37,6 +43,13 @@ HPARAMS_FILE = "hyperparameters.yaml"
 STATE_FILE = "training_state.pt"
 MARKER_FILE = "checkpoint.json"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
+# What an interrupted save leaves: its temporary directory, or the old copy it was about to delete.
+LEFTOVER_DIR = re.compile(r"^\.(step-\d{8}|final)\.(tmp|old)")
+SLOW_SAVE_ENV = "LLMTRAIN_TEST_SLOW_SAVE"
+
+
+class NonFiniteWeightsError(RuntimeError):
+    """The weights hold NaN or inf; no checkpoint was written."""
 
 
 def step_dir_name(step: int) -> str:
@@ -66,8 +79,72 @@ def latest_checkpoint(out_dir: Path) -> Optional[Path]:
     return checkpoints[-1][1] if checkpoints else None
 
 
+# ----------------------------------------------------------------------------------- housekeeping
+def remove_leftovers(out_dir: Path) -> list[Path]:
+    """Delete the temporary directories of saves that were killed (never a complete checkpoint).
+
+    Call on one rank, before a save starts, while no other save writes into ``out_dir``.
+    """
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    removed = [child for child in out_dir.iterdir() if LEFTOVER_DIR.match(child.name) and child.is_dir()]
+    for child in removed:
+        shutil.rmtree(child, ignore_errors=True)
+    return removed
+
+
+def prune_checkpoints(out_dir: Path, keep_last: Optional[int], keep: Optional[Path] = None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete step checkpoints (never ``keep``, the one just written).
+
+    Each goes in two moves: a rename to a leftover name (atomic), then the deletion, so a crash in
+    between never leaves a half-deleted directory that still looks complete.
+    """
+    if keep_last is None:
+        return []
+    checkpoints = [path for _, path in list_checkpoints(out_dir)]
+    doomed = [path for path in checkpoints[:-keep_last] if keep is None or path.resolve() != Path(keep).resolve()]
+    for path in doomed:
+        trash = path.parent / f".{path.name}.old-{os.getpid()}"
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return doomed
+
+
+def check_finite_weights(model: torch.nn.Module, runtime: Any, target: Path) -> None:
+    """Refuse to write ``target`` when any weight holds NaN or inf. Every rank calls it (a collective).
+
+    Each rank checks its own shards; one all-reduce of the count makes the verdict the same everywhere,
+    so all ranks raise together instead of leaving the others waiting in the save.
+    """
+    from torch.distributed.tensor import DTensor
+
+    named = [(name, param.to_local() if isinstance(param, DTensor) else param)
+             for name, param in model.named_parameters()]
+    if not named:
+        return
+    finite = torch.stack([torch.isfinite(tensor.detach()).all().to(runtime.device) for _, tensor in named])
+    bad_count = (~finite).sum().double().reshape(1)
+    if runtime.all_reduce(bad_count).item() == 0:
+        return
+    local_bad = [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
+    names = sorted({name for names in runtime.all_gather_object(local_bad) for name in names})
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    raise NonFiniteWeightsError(
+        f"refusing to write {target}: {len(names)} weight tensor(s) hold NaN or inf ({shown}). The run has "
+        "diverged; resume from an earlier checkpoint (--resume PATH) with a lower learning rate, a longer "
+        "warmup or stronger clipping (--train.max_norm)")
+
+
+def pause_during_save() -> None:
+    """Test hook: sleep ``$LLMTRAIN_TEST_SLOW_SAVE`` seconds in the middle of a save (see the module doc)."""
+    seconds = os.environ.get(SLOW_SAVE_ENV)
+    if seconds:
+        time.sleep(float(seconds))
+
+
 # --------------------------------------------------------------------------------------- writing
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -75,12 +152,32 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(path: Path) -> None:
-    for file in path.iterdir():
+def fsync_tree(path: Path) -> None:
+    """Flush every file and directory under ``path`` to disk (before the rename that publishes it)."""
+    for file in sorted(path.rglob("*")):
         if file.is_file():
             with open(file, "rb") as handle:
                 os.fsync(handle.fileno())
-    _fsync_dir(path)
+        elif file.is_dir():
+            fsync_dir(file)
+    fsync_dir(path)
+
+
+def install_dir(tmp: Path, target: Path) -> None:
+    """Rename the complete, fsynced directory ``tmp`` to ``target``, replacing an older ``target``.
+
+    NOTE: a directory cannot replace a non-empty one in one rename. The old copy first moves to a
+    leftover name and is deleted only once the new one is in place; a crash in between leaves no
+    ``target`` and a leftover that the next save deletes (the step checkpoints are still there).
+    """
+    if target.exists():
+        trash = target.parent / f".{target.name}.old-{os.getpid()}"
+        os.replace(target, trash)
+        os.replace(tmp, target)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+    fsync_dir(target.parent)
 
 
 def model_weights_for_saving(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -113,6 +210,7 @@ def write_model_dir(target: Path, *, state_dict: dict[str, torch.Tensor], model_
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     save_file(model_weights_for_saving(state_dict), str(tmp / weights_file), metadata={"format": "pt"})
+    pause_during_save()
     model_config.save(tmp / CONFIG_FILE)
     if hyperparameters is not None:
         (tmp / HPARAMS_FILE).write_text(yaml.safe_dump(hyperparameters, sort_keys=False))
@@ -125,17 +223,8 @@ def write_model_dir(target: Path, *, state_dict: dict[str, torch.Tensor], model_
     meta = {"format_version": FORMAT_VERSION, "written_at": time.time(),
             "files": sorted(p.name for p in tmp.iterdir()), **(marker or {})}
     (tmp / MARKER_FILE).write_text(json.dumps(meta, indent=2))
-    _fsync_tree(tmp)
-    if target.exists():
-        # NOTE: only reached when a run rewrites the same step (e.g. final/ after a resume);
-        # the old copy goes away only once the new one is complete on disk.
-        trash = target.parent / f".{target.name}.old-{os.getpid()}"
-        os.replace(target, trash)
-        os.replace(tmp, target)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, target)
-    _fsync_dir(target.parent)
+    fsync_tree(tmp)
+    install_dir(tmp, target)
     return target
 
 
@@ -158,11 +247,8 @@ def link_model_dir(source: Path, target: Path) -> Path:
     meta["source"] = source.name
     meta["kind"] = "model"
     (tmp / MARKER_FILE).write_text(json.dumps(meta, indent=2))
-    _fsync_tree(tmp)
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
-    _fsync_dir(target.parent)
+    fsync_tree(tmp)
+    install_dir(tmp, target)
     return target
 
 

@@ -8,8 +8,10 @@ checkout) on the CPU over gloo on the loopback interface.
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -212,3 +214,49 @@ def test_pretrain_sbatch_writes_final_model(cluster, tmp_path, tasks_per_node):
     final = out_dir / "final"
     assert (final / "model.safetensors").is_file()
     assert (final / "model_config.yaml").is_file()
+
+
+def read_losses(out_dir):
+    with open(Path(out_dir) / "metrics.csv") as handle:
+        return {int(row["step"]): row["loss"] for row in csv.DictReader(handle) if row["loss"]}
+
+
+def test_pretrain_sbatch_preempted_by_usr1_checkpoints_requeues_and_resumes(cluster, tmp_path):
+    """The real time-limit path: USR1 to the batch script (what `--signal=B:USR1@120` sends) reaches the
+    ranks through srun and the launchers; they checkpoint and exit 75, the script requeues the job, the
+    next run continues through --resume auto, and every loss equals an uninterrupted job's."""
+    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {"LLMTRAIN": f"{sys.executable} -m llmtrain", "PYTHONPATH": python_path,
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "LLMTRAIN_CACHE_DIR": str(tmp_path / "cache"), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    options = [*CPU_OPTIONS, "--ntasks-per-node=1", "--cpus-per-task=2", f"--chdir={tmp_path}"]
+
+    def arguments(out_dir):
+        return ["--config", str(ROOT / "config_hub/pretrain/debug.yaml"), "--out_dir", str(out_dir),
+                "--train.max_steps", "12", "--train.save_interval", "4", "--train.log_interval", "1",
+                "--train.global_batch_size", "8", "--train.micro_batch_size", "2", "--train.max_seq_length", "64",
+                "--train.lr_warmup_steps", "1", "--eval.max_iters", "2", "--accelerator", "cpu", "--devices", "2",
+                "--num_nodes", "2"]
+
+    uninterrupted = tmp_path / "uninterrupted"
+    run_job(cluster, PRETRAIN_SBATCH, arguments(uninterrupted), env, options)
+
+    preempted = tmp_path / "preempted"
+    job_id = cluster.submit(PRETRAIN_SBATCH, arguments(preempted), env, options)
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while "\nstep 2 |" not in cluster.output(job_id):
+        assert time.monotonic() < deadline, cluster.output(job_id)
+        time.sleep(0.2)
+    cluster.run("scancel", "--signal=USR1", "--batch", str(job_id))
+    state = cluster.wait(job_id, JOB_TIMEOUT_S)
+    output = cluster.output(job_id)
+    assert state == "COMPLETED" and cluster.job(job_id)["Restarts"] == "1", output
+    assert "world 4," in output  # each node's launcher spawned 2 workers and passed USR1 on to them
+    stopped = re.search(r"stopping after step (\d+): got SIGUSR1", output)
+    assert stopped and "llmtrain ended with status 75; requeueing job" in output, output
+    step = int(stopped.group(1))
+    assert 2 < step < 12
+    assert f"resumed from {preempted / f'step-{step:08d}'} at step {step}" in output
+    assert (preempted / "final" / "model.safetensors").is_file()
+    assert read_losses(preempted) == read_losses(uninterrupted)
+    assert sorted(read_losses(preempted)) == list(range(1, 13))

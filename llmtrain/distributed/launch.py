@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Mapping, NoReturn, Optional
 
 from llmtrain.distributed.runtime import RDZV_TIMEOUT_ENV
+from llmtrain.train.signals import PREEMPTED_EXIT_CODE
 
 LaunchMode = Literal["single", "env", "slurm_task_per_device", "slurm_task_per_node", "local_spawn"]
 
@@ -57,6 +58,10 @@ _WORKER_BOOT = ("import json, sys; sys.path[:0] = json.load(open(sys.argv[1])); 
                 "from llmtrain.distributed.launch import _worker_main; _worker_main(sys.argv[2])")
 
 _in_worker = False  # True inside run_as_worker: a nested launch() just calls its entrypoint
+
+# NOTE: elastic turns these signals into "stop the workers" (killing them after 30 s). SIGTERM is left
+# out: _forward_signals_to_workers passes it on, so the workers can checkpoint and exit with 75.
+_ELASTIC_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 
 
 class WorkerFailedError(RuntimeError):
@@ -338,7 +343,10 @@ def spawn_workers(plan: LaunchPlan, entrypoint: Callable[..., None], args: tuple
             rdzv_endpoint=where, rdzv_configs={"rank": plan.node_rank, "timeout": max(1, math.ceil(rdzv_timeout_s))},
             max_restarts=0, logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")),
             local_addr=plan.master_addr if plan.num_nodes == 1 else None)
-        worker_env = {RDZV_TIMEOUT_ENV: str(rdzv_timeout_s), _SPAWNED_ENV: "1"}
+        if hasattr(config, "signals_to_handle"):  # torch >= 2.7 sets the variable from this field
+            config.signals_to_handle = _ELASTIC_SIGNALS
+        worker_env = {RDZV_TIMEOUT_ENV: str(rdzv_timeout_s), _SPAWNED_ENV: "1",
+                      "TORCHELASTIC_SIGNALS_TO_HANDLE": _ELASTIC_SIGNALS}
         if "OMP_NUM_THREADS" not in os.environ:
             # NOTE: each worker would otherwise start one OpenMP thread per core of the machine, and
             # `devices` workers would fight over the cores; torchrun sets 1, a fair share is better on CPU.
@@ -350,6 +358,11 @@ def spawn_workers(plan: LaunchPlan, entrypoint: Callable[..., None], args: tuple
             if all(failure.exitcode == 130 for failure in err.failures.values()):  # Ctrl-C reached them first
                 print("llmtrain: interrupted; the workers stopped", file=sys.stderr, flush=True)
                 raise SystemExit(130) from None
+            if all(failure.exitcode == PREEMPTED_EXIT_CODE for failure in err.failures.values()):
+                _ignore_late_stop_signals()
+                print("llmtrain: the workers stopped on a signal after writing a checkpoint; resume with "
+                      "--resume auto", file=sys.stderr, flush=True)
+                raise SystemExit(PREEMPTED_EXIT_CODE) from None
             raise WorkerFailedError(_report_failures(err, plan.world_size)) from None
         except SignalException as err:
             print(f"llmtrain: got {err.sigval.name}; stopped the workers", file=sys.stderr, flush=True)
@@ -367,11 +380,13 @@ def spawn_workers(plan: LaunchPlan, entrypoint: Callable[..., None], args: tuple
 
 @contextlib.contextmanager
 def _forward_signals_to_workers() -> Iterator[None]:
-    """Pass USR1 and USR2 on to the workers while they run.
+    """Pass TERM, USR1 and USR2 on to the workers while they run, and keep waiting for them.
 
-    NOTE: srun hands USR1 (the time limit is near: checkpoint and stop) to every task. With one task
-    per node that task is this launcher, and USR1's default action would kill it and orphan the
-    workers. Elastic already passes TERM, INT, HUP and QUIT on (as it stops the workers).
+    NOTE: srun hands USR1 (the time limit is near: checkpoint and stop) to every task, and SLURM or a
+    user sends TERM on preemption. With one task per node that task is this launcher: USR1's default
+    action would kill it and orphan the workers, and elastic's TERM handling would stop the workers
+    and end with 143. Forwarded, TERM and USR1 make the workers checkpoint and exit with 75, which
+    this launcher then exits with too. Elastic still passes INT, HUP and QUIT on as it stops the workers.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -382,7 +397,8 @@ def _forward_signals_to_workers() -> Iterator[None]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signum)
 
-    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGUSR1, signal.SIGUSR2)}
+    forwarded = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    previous = {signum: signal.signal(signum, forward) for signum in forwarded}
     try:
         yield
     finally:
@@ -511,7 +527,8 @@ def run_as_worker(entrypoint: Callable[..., None], args: tuple = (), kwargs: Opt
     NOTE: with gloo, an interpreter that shuts down normally after training can abort
     ("terminate called without an active exception") while tearing the process group down; an
     orderly teardown followed by ``os._exit`` avoids it. Exit status: 0 on success, 1 on an exception
-    (recorded in TORCHELASTIC_ERROR_FILE for the launcher), 130 on Ctrl-C.
+    (recorded in TORCHELASTIC_ERROR_FILE for the launcher), 130 on Ctrl-C, 75 when training stopped
+    on SIGTERM or SIGUSR1 after writing a checkpoint (llmtrain.train.signals).
     """
     global _in_worker
     _in_worker = True
@@ -534,11 +551,24 @@ def run_as_worker(entrypoint: Callable[..., None], args: tuple = (), kwargs: Opt
         if isinstance(exc.code, str):
             print(f"[rank {rank}] {exc.code}", file=sys.stderr)
         status = _exit_status(exc)
+        if status == PREEMPTED_EXIT_CODE:
+            _ignore_late_stop_signals()
     except BaseException as exc:  # noqa: BLE001  (every failure must reach the launcher)
         _record_failure(exc, rank)
         status = 1
     _flush_std()
     os._exit(status)
+
+
+def _ignore_late_stop_signals() -> None:
+    """After a clean stop on a signal only the exit remains; a late TERM must not turn 75 into 143.
+
+    NOTE: the ranks leave at almost the same moment, and srun's --kill-on-bad-exit (75 is not 0) or
+    the elastic agent then sends TERM to the ones still on their way out.
+    """
+    with contextlib.suppress(ValueError):  # outside the main thread, handlers cannot change
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def _worker_main(call_file: str) -> NoReturn:

@@ -132,6 +132,12 @@ def start_process_group(device: torch.device, rank: int, world_size: int, timeou
             f"{rdzv_timeout_s:g}s ({str(err).strip()}). Check that every node and task was started and "
             "that this address is reachable from all of them") from None
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt:
+        # NOTE: torchrun's static rendezvous keeps one store across restarts (--max-restarts); without a
+        # prefix per attempt, restarted ranks can read the addresses the failed attempt left there and
+        # fail to connect (pytorch/pytorch#135712).
+        store = dist.PrefixStore(f"llmtrain/attempt_{attempt}", store)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s),

@@ -55,15 +55,27 @@ class RunSpec:
 
 
 def run(spec: RunSpec) -> None:
-    """One rank's training run. Every process of the job executes this."""
+    """One rank's training run. Every process of the job executes this.
+
+    SIGTERM and SIGUSR1 are caught once the ranks have met, so one that arrives while the model is
+    built still stops the run cleanly after its first step (exit code 75, see llmtrain.train.signals);
+    before that, nothing is lost when they end the process.
+    """
+    from llmtrain.distributed.runtime import Runtime
+    from llmtrain.train.signals import catch_stop_signals
+
+    runtime = Runtime.from_env(spec.accelerator)
+    with catch_stop_signals():
+        _run(spec, runtime)
+
+
+def _run(spec: RunSpec, runtime: Any) -> None:
     from llmtrain.distributed.checkpoint import build_checkpointer, load_checkpoint
     from llmtrain.distributed.parallelize import unwrap
-    from llmtrain.distributed.runtime import Runtime
     from llmtrain.flops import device_peak_flops, flops_per_token
     from llmtrain.train.loggers import build_loggers
     from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon
 
-    runtime = Runtime.from_env(spec.accelerator)
     common.configure_process(runtime)
     plan = batch_plan(spec.train, runtime.data_parallel_size)
     say = print if runtime.is_main else (lambda *a, **k: None)
@@ -185,7 +197,8 @@ def _build_checkpointer(spec: RunSpec, **arguments: Any) -> Any:
     from llmtrain.distributed.checkpoint import build_checkpointer
     from llmtrain.train.checkpointer import LoRACheckpointer
 
-    arguments.update(out_dir=spec.out_dir, model_config=spec.config, hyperparameters=spec.hyperparameters)
+    arguments.update(out_dir=spec.out_dir, model_config=spec.config, hyperparameters=spec.hyperparameters,
+                     keep_last=spec.train.keep_last)
     if spec.lora is not None:
         return LoRACheckpointer(**arguments)
     return build_checkpointer(spec.fsdp.state_dict_type, **arguments)

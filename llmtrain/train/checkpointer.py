@@ -31,9 +31,10 @@ class FullCheckpointer:
     def __init__(self, *, runtime: Runtime, out_dir: Path, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, train_loader: Any, model_config: Any, tokenizer: Any,
                  hyperparameters: dict, scaler: Optional[torch.amp.GradScaler] = None,
-                 write_extras: Optional[Callable[[Path], None]] = None) -> None:
+                 write_extras: Optional[Callable[[Path], None]] = None, keep_last: Optional[int] = None) -> None:
         self.runtime = runtime
         self.write_extras = write_extras
+        self.keep_last = keep_last
         self.out_dir = Path(out_dir)
         self.model = model
         self.optimizer = optimizer
@@ -56,10 +57,12 @@ class FullCheckpointer:
         return model_state, optimizer_state
 
     def save(self, state: TrainState) -> Path:
+        target = self.out_dir / layout.step_dir_name(state.step)
+        layout.check_finite_weights(self.model, self.runtime, target)
         model_state, optimizer_state = self._gather()
         rng_states = self.runtime.all_gather_object(layout.capture_rng_state())
-        target = self.out_dir / layout.step_dir_name(state.step)
         if self.runtime.is_main:
+            layout.remove_leftovers(self.out_dir)
             training_state = {
                 "train_state": state.state_dict(),
                 "optimizer": optimizer_state,
@@ -76,6 +79,8 @@ class FullCheckpointer:
                                    weights_file=self.weights_file, write_extras=self.write_extras)
         self.runtime.barrier()
         self.last_saved = target
+        if self.runtime.is_main:
+            layout.prune_checkpoints(self.out_dir, self.keep_last, keep=target)
         return target
 
     def save_final(self, state: TrainState) -> Path:
@@ -84,6 +89,7 @@ class FullCheckpointer:
         if self.last_saved != self.out_dir / layout.step_dir_name(state.step):
             self.save(state)
         if self.runtime.is_main:
+            layout.remove_leftovers(self.out_dir)
             layout.link_model_dir(self.last_saved, target)
         self.runtime.barrier()
         return target
@@ -129,6 +135,7 @@ class LoRACheckpointer(FullCheckpointer):
         if self.last_saved != self.out_dir / layout.step_dir_name(state.step):
             self.save(state)
         target = self.out_dir / "final"
+        layout.check_finite_weights(self.model, self.runtime, target)
         gpt = unwrap(self.model)
         if self.runtime.is_distributed:
             # Merge on rank 0 from the gathered full weights: no rank ever holds a second model.
@@ -138,6 +145,7 @@ class LoRACheckpointer(FullCheckpointer):
             # NOTE: in place (training is over); it also dequantizes QLoRA's 4-bit and int8 weights.
             merged = {k: v.detach().cpu() for k, v in merge_lora(gpt).state_dict().items()}
         if self.runtime.is_main:
+            layout.remove_leftovers(self.out_dir)
             adapters = self.last_saved / LORA_FILE
 
             def extras(directory: Path) -> None:

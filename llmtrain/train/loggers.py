@@ -14,7 +14,8 @@ LoggerName = Literal["csv", "tensorboard"]
 
 # The columns of metrics.csv, in order. TensorBoard uses the same names as tags.
 METRICS = ("step", "tokens", "epoch", "loss", "lr", "grad_norm", "tokens_per_sec",
-           "tokens_per_sec_per_device", "mfu", "peak_memory_gb", "val_loss", "val_ppl", "elapsed_s")
+           "tokens_per_sec_per_device", "mfu", "peak_memory_gb", "val_loss", "val_ppl", "elapsed_s",
+           "skipped")
 
 
 class CSVLogger:

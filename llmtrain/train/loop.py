@@ -2,14 +2,31 @@
 
 A step gathers ``grad_accum_steps`` micro-batches, counts their target tokens over every
 data-parallel rank, and scales each micro-batch's summed loss by that count, so padding,
-accumulation and the number of ranks never change the gradient. Host-device synchronisation
-happens only at log, eval and checkpoint intervals.
+accumulation and the number of ranks never change the gradient.
+
+Faults. The token-count all-reduce at the start of each step also carries every rank's stop vote
+(SIGTERM or SIGUSR1 received, see :mod:`llmtrain.train.signals`), so the ranks agree to stop after
+the same step without a collective of their own; they checkpoint and raise ``Preempted`` (exit 75).
+A step whose global gradient norm is NaN or inf (a NaN loss makes NaN gradients) changes nothing:
+no optimizer step, gradients zeroed, the fp16 loss scale backed off; it is logged, and
+``--train.max_nonfinite_steps`` of them in a row stop the run. The norm is already reduced over all
+ranks (the DDP gradients are, the FSDP norm is all-reduced by clipping), so every rank decides alike.
+
+Host-device synchronisation: once per step, after clipping, the host reads three numbers (whether
+the norm is finite, the step's token count, the stop votes) to decide whether to call the
+optimizer. That read replaces the blocking copy of the counts to the device that the loop made
+before (it waited for the previous step to finish); the counts now travel asynchronously from pinned
+memory, so a step still holds one synchronisation, plus more at log, eval and checkpoint intervals.
+(A device-side skip without any read exists only for fused optimizers, through their ``found_inf``
+argument; a generic optimizer must be told on the host whether to step.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -23,6 +40,7 @@ from llmtrain.distributed.runtime import Runtime
 from llmtrain.train.loggers import Console
 from llmtrain.train.precision import Precision
 from llmtrain.train.schedule import WarmupDecaySchedule
+from llmtrain.train.signals import PREEMPTED_EXIT_CODE, Preempted, StopRequest, catch_stop_signals
 
 IGNORE_INDEX = -100
 
@@ -140,7 +158,23 @@ class Fit:
 
 
 def fit(job: Fit) -> TrainState:
-    """Train until the first stop condition, validating, logging and checkpointing on the way."""
+    """Train until the first stop condition, validating, logging and checkpointing on the way.
+
+    Raises :class:`~llmtrain.train.signals.Preempted` (exit code 75) after writing a checkpoint when
+    SIGTERM or SIGUSR1 reached any rank, and :class:`NonFiniteError` after
+    ``--train.max_nonfinite_steps`` skipped steps in a row.
+    """
+    with catch_stop_signals() as stop_request:
+        try:
+            return _train(job, stop_request)
+        finally:
+            if job.console is not None:
+                job.console.close()
+            for logger in job.loggers:
+                logger.close()
+
+
+def _train(job: Fit, stop_request: StopRequest) -> TrainState:
     runtime, state, horizon = job.runtime, job.state, job.horizon
     model, optimizer = job.model, job.optimizer
     schedule = WarmupDecaySchedule(optimizer, warmup_steps=horizon.warmup_steps,
@@ -150,6 +184,7 @@ def fit(job: Fit) -> TrainState:
     console = job.console = job.console or Console(horizon.total_steps, state.step, enabled=runtime.is_main)
     params = [p for p in model.parameters() if p.requires_grad]
     train_iter = iter(job.train_loader)
+    faults = InjectedFaults.from_env()
 
     if job.eval.initial_validation and job.val_loader is not None and state.step == 0:
         val_loss = validate(job)
@@ -157,24 +192,28 @@ def fit(job: Fit) -> TrainState:
              console, line=f"step 0 | val_loss {val_loss:.4f}")
 
     model.train()
-    loss_sum = torch.zeros((), device=runtime.device)  # summed token losses since the last log
+    loss_sum = torch.zeros((), device=runtime.device)  # summed token losses of the updates since the last log
     target_sum = torch.zeros((), device=runtime.device)
-    interval_start, interval_tokens, run_start = time.perf_counter(), 0, time.perf_counter()
-    elapsed_at_start = state.elapsed_s
+    interval_start, interval_tokens, interval_updates = time.perf_counter(), 0, 0
+    run_start, elapsed_at_start = time.perf_counter(), state.elapsed_s
     last_saved_step = state.step if state.step else None
     max_norm = job.train.max_norm if job.train.max_norm is not None else float("inf")
+    skipped_in_a_row = 0
+    stop_signal = ""  # why some rank asked to stop, once the ranks have agreed on it
 
-    while not (reason := _stop_reason(job, state)):
+    while not (reason := _stop_reason(job, state) or stop_signal):
+        faults.crash_before(state.step + 1, runtime)
         lr = schedule.set_step(state.step)
         micro_batches = [next(train_iter) for _ in range(job.plan.grad_accum_steps)]
         local_input_tokens = sum(b["input_ids"].numel() for b in micro_batches)
-        counts = torch.tensor([sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches),
-                               local_input_tokens],
-                              dtype=torch.float64, device=runtime.device)
+        # The step's one all-reduce before the forward: target tokens, input tokens, and stop votes.
+        counts = _to_device([sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches),
+                             local_input_tokens, float(stop_request.requested)], runtime.device)
         runtime.all_reduce(counts)
         # Each rank's loss is its share of (sum over the step's tokens) / (token count of the step);
         # DDP and FSDP average gradients over ranks, hence the factor data_parallel_size.
         loss_scale = runtime.data_parallel_size / counts[0].clamp(min=1).float()
+        step_loss = torch.zeros((), device=runtime.device)
         for index, batch in enumerate(micro_batches):
             input_ids = batch["input_ids"].to(runtime.device, non_blocking=True)
             labels = batch["labels"].to(runtime.device, non_blocking=True)
@@ -184,40 +223,51 @@ def fit(job: Fit) -> TrainState:
                     logits = model(input_ids)
                 token_loss_sum = summed_cross_entropy(logits, labels)
                 loss = token_loss_sum * loss_scale
+                if last and faults.poisons(state.step + 1, runtime):
+                    loss = loss * float("nan")
                 (scaler.scale(loss) if scaler else loss).backward()
-            loss_sum += token_loss_sum.detach()
-        target_sum += counts[0].float()
+            step_loss += token_loss_sum.detach()
         if scaler:
             scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
+        grad_norm = _replicated(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        # NOTE: the step's one host-device synchronisation (module docstring). The norm is already
+        # reduced over all ranks, so every rank takes the same decision without another collective.
+        finite, step_tokens, stop_votes = torch.cat(
+            [torch.isfinite(grad_norm).reshape(1).to(counts), counts[1:]]).tolist()
+        if finite:
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            loss_sum += step_loss
+            target_sum += counts[0].float()
+            interval_updates += 1
+            skipped_in_a_row = 0
         else:
-            optimizer.step()
+            skipped_in_a_row += _skip_update(scaler)
         optimizer.zero_grad(set_to_none=True)
 
         state.step += 1
         console.advance(state.step)
-        if counts.device.type == "cpu":
-            step_tokens = int(counts[1])
-        else:
-            # NOTE: reading the all-reduced count would sync host and device every step; this rank's own
-            # count (known on the host) times the data-parallel size is exact whenever ranks see equal shapes.
-            step_tokens = local_input_tokens * runtime.data_parallel_size
-        state.tokens += step_tokens
-        interval_tokens += step_tokens
+        state.tokens += int(step_tokens)
+        interval_tokens += int(step_tokens)
         state.elapsed_s = elapsed_at_start + time.perf_counter() - run_start
+        if stop_votes > 0:
+            stop_signal = f"got {stop_request.name}" if stop_request.requested else "another rank got a stop signal"
+        if not finite:
+            _report_skipped(job, state, float(grad_norm), skipped_in_a_row, console)
 
         if state.step % job.train.log_interval == 0:
             runtime.all_reduce(loss_sum)
-            loss_value = (loss_sum / target_sum.clamp(min=1)).item()
-            seconds = time.perf_counter() - interval_start
-            metrics = _step_metrics(job, state, loss_value, lr, float(grad_norm), interval_tokens / seconds)
-            _log(job, metrics, console)
+            if interval_updates:  # the same on every rank: the skip decision is
+                loss_value = (loss_sum / target_sum.clamp(min=1)).item()
+                seconds = time.perf_counter() - interval_start
+                metrics = _step_metrics(job, state, loss_value, lr, float(grad_norm), interval_tokens / seconds)
+                _log(job, metrics, console)
             loss_sum.zero_()
             target_sum.zero_()
-            interval_start, interval_tokens = time.perf_counter(), 0
+            interval_start, interval_tokens, interval_updates = time.perf_counter(), 0, 0
         if job.val_loader is not None and state.step % job.eval.interval == 0:
             val_loss = validate(job)
             _log(job, {"step": state.step, "tokens": state.tokens, "val_loss": val_loss,
@@ -230,6 +280,12 @@ def fit(job: Fit) -> TrainState:
 
     state.stop_reason = reason
     console.print(f"stopping after step {state.step}: {reason}")
+    if reason == stop_signal:
+        if last_saved_step != state.step:
+            job.save_checkpoint(state)
+        console.print(f"checkpoint of step {state.step} written; exit code {PREEMPTED_EXIT_CODE}: run the same "
+                      "command with --resume auto to continue")
+        raise Preempted(state.step, stop_request.name)
     if job.eval.final_validation and job.val_loader is not None and state.step % job.eval.interval != 0:
         val_loss = validate(job)
         _log(job, {"step": state.step, "tokens": state.tokens, "val_loss": val_loss,
@@ -237,10 +293,89 @@ def fit(job: Fit) -> TrainState:
     if last_saved_step != state.step:
         job.save_checkpoint(state)
     job.save_final(state)
-    console.close()
-    for logger in job.loggers:
-        logger.close()
     return state
+
+
+def _to_device(values: list[float], device: torch.device) -> torch.Tensor:
+    """A small float64 tensor on ``device``, copied without waiting for the device to finish its queue."""
+    host = torch.tensor(values, dtype=torch.float64)
+    if device.type == "cuda":
+        # NOTE: a copy from pageable memory blocks until the GPU has drained its queue (a host-device sync).
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _replicated(grad_norm: torch.Tensor) -> torch.Tensor:
+    """The global gradient norm as a plain tensor (FSDP2 returns it as a replicated DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+
+
+def _skip_update(scaler: Optional[torch.amp.GradScaler]) -> int:
+    """Leave weights and optimizer state alone (the caller zeroes the gradients); back the fp16 loss scale off.
+
+    Returns 1 when the step counts toward --train.max_nonfinite_steps. NOTE: with fp16 an overflow is
+    how the scaler finds its scale, so it counts only once the scale is below 1 and can no longer be
+    blamed. The scale is set here, the same on every rank, rather than from each rank's own inf check.
+    """
+    if scaler is None:
+        return 1
+    scale = scaler.get_scale()
+    scaler.update(scale * scaler.get_backoff_factor())
+    return int(scale < 1.0)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a NaN or inf gradient norm."""
+
+
+def _report_skipped(job: Fit, state: TrainState, grad_norm: float, in_a_row: int, console: Console) -> None:
+    """Log a skipped step (a console line, a metrics row with ``skipped`` 1); stop after too many in a row."""
+    limit = job.train.max_nonfinite_steps
+    _log(job, {"step": state.step, "tokens": state.tokens, "epoch": job.train_loader.epoch, "grad_norm": grad_norm,
+               "skipped": 1, "elapsed_s": state.elapsed_s}, console,
+         line=f"step {state.step} | skipped: the gradient norm is {grad_norm}, no update "
+              f"({in_a_row} in a row; --train.max_nonfinite_steps {limit})")
+    if in_a_row >= limit:
+        raise NonFiniteError(
+            f"the gradient norm was NaN or inf in {limit} optimizer steps in a row (steps "
+            f"{state.step - limit + 1}-{state.step}; --train.max_nonfinite_steps {limit}), so training stopped. "
+            "Those steps changed no weights and every checkpoint holds finite ones. Lower the learning rate or "
+            "lengthen the warmup, look at the data of these steps, then continue with --resume auto")
+
+
+NAN_STEPS_ENV = "LLMTRAIN_TEST_INJECT_NAN_STEPS"
+CRASH_STEP_ENV = "LLMTRAIN_TEST_CRASH_AT_STEP"
+
+
+@dataclass(frozen=True)
+class InjectedFaults:
+    """Test hooks, read once per ``fit()``; both act on the last rank only, so the others must follow.
+
+    ``LLMTRAIN_TEST_INJECT_NAN_STEPS="3,4"``: the loss of those steps is multiplied by NaN before the
+    backward pass. ``LLMTRAIN_TEST_CRASH_AT_STEP=k``: the process ends with ``os._exit(1)`` before
+    step k, on the first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0).
+    """
+
+    nan_steps: frozenset = frozenset()
+    crash_step: Optional[int] = None
+
+    @classmethod
+    def from_env(cls) -> "InjectedFaults":
+        nan_steps = os.environ.get(NAN_STEPS_ENV, "")
+        crash_step = os.environ.get(CRASH_STEP_ENV)
+        return cls(nan_steps=frozenset(int(step) for step in nan_steps.split(",") if step.strip()),
+                   crash_step=int(crash_step) if crash_step else None)
+
+    def poisons(self, step: int, runtime: Runtime) -> bool:
+        return step in self.nan_steps and runtime.rank == runtime.world_size - 1
+
+    def crash_before(self, step: int, runtime: Runtime) -> None:
+        if (step == self.crash_step and runtime.rank == runtime.world_size - 1
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+            print(f"[rank {runtime.rank}] {CRASH_STEP_ENV}: crashing before step {step}", file=sys.stderr, flush=True)
+            os._exit(1)
 
 
 def _stop_reason(job: Fit, state: TrainState) -> str:
