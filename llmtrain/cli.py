@@ -6,6 +6,7 @@ docstring, so a new flag is a new typed argument with one line of documentation.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -44,6 +45,58 @@ def _qualify_optimizer(argv: list[str]) -> list[str]:
     return out
 
 
+class CommandLineError(ValueError):
+    """A flag or value the parser rejected; the message names it, the hint says how to list the flags."""
+
+    def __init__(self, message: str, command: str) -> None:
+        super().__init__(message)
+        self.hint = f"`{command} --help` lists every flag"
+
+
+def _suggest(message: str, options: Sequence[str]) -> str:
+    """Add the closest known flags to an "Unrecognized arguments" message."""
+    import difflib
+    import re
+
+    hints = []
+    for flag in re.findall(r"(--[\w.\-]+)", message):
+        name = flag.split("=", 1)[0]
+        if name not in options:
+            close = difflib.get_close_matches(name, options, n=3, cutoff=0.6)
+            if close:
+                hints.append(f"instead of {name}, did you mean {' or '.join(close)}?")
+    return message + ("; " + "; ".join(hints) if hints else "")
+
+
+def _plain(message: str) -> str:
+    """jsonargparse's wording in flag terms: 'Parser key "precision": Expected a typing.Literal['a', 'b'].
+    Got value: x' becomes '--precision: expected one of 'a', 'b'. Got value: x'."""
+    import re
+
+    message = re.sub(r'^Parser key "([\w.]+)":\s*', lambda m: f"--{m.group(1)}: ", message)
+    message = re.sub(r"Expected a typing\.Literal\[(.*?)\]", r"expected one of \1", message)
+    return message
+
+
+def _parser_class():
+    """jsonargparse's parser, but a rejected command line raises :class:`CommandLineError` (one paragraph)
+    instead of printing the whole usage and exiting."""
+    from jsonargparse import ArgumentParser
+
+    class Parser(ArgumentParser):
+        def error(self, message: str, ex: Optional[Exception] = None):
+            if not self.exit_on_error:  # jsonargparse trying alternatives internally
+                return super().error(message, ex)
+            parser = getattr(ex, "subcommand_parser", None) or self
+            command = parser.prog.replace(" [options]", "").replace("__main__.py", "llmtrain")
+            command = "llmtrain" + command.split("llmtrain", 1)[-1] if "llmtrain" in command else command
+            text = " ".join(line.strip() for line in str(message).splitlines() if line.strip())
+            text = _plain(text)
+            raise CommandLineError(_suggest(text, list(parser._option_string_actions)), command) from ex
+
+    return Parser
+
+
 # Errors that mean "this input is wrong": shown as one message, without a traceback, unless --debug.
 USER_ERRORS = (ValueError, OSError)  # OSError covers missing files, permissions and disk space
 
@@ -55,13 +108,42 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
+    from llmtrain.train.loop import NonFiniteError
+
     try:
         run_cli(args)
+    except NonFiniteError as error:  # the run stopped itself with a reason; its checkpoints are sound
+        if debug or not from_command_line:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
     except USER_ERRORS as error:
         if debug or not from_command_line:
             raise
-        print(f"error: {error}\n(run with --debug for the traceback)", file=sys.stderr)
+        hint = getattr(error, "hint", "run with --debug for the traceback")
+        print(f"error: {error}\n({hint})", file=sys.stderr)
         sys.exit(2)
+
+
+def _check_config_files(argv: list[str]) -> None:
+    """A recipe YAML that does not parse is named with its line, before jsonargparse reports it without the
+    file's name."""
+    import yaml
+
+    for index, arg in enumerate(argv):
+        path = argv[index + 1] if arg == "--config" and index + 1 < len(argv) else None
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        if path is None or not os.path.isfile(path):
+            continue  # a missing file is the parser's error, which names it
+        try:
+            with open(path) as handle:
+                yaml.safe_load(handle)
+        except yaml.YAMLError as error:
+            where = getattr(error, "problem_mark", None)
+            line = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+            raise ValueError(f"--config {path} is not valid YAML{line}: {problem}; fix the file") from error
 
 
 def run_cli(args: list[str]) -> None:
@@ -76,8 +158,10 @@ def run_cli(args: list[str]) -> None:
     # Field docstrings of the argument dataclasses become the flags' help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     args = _qualify_optimizer(_positional_to_flag(args))
+    _check_config_files(args)
     try:
-        CLI(commands(), args=args, description="Pretrain and fine-tune GPT-style language models.")
+        CLI(commands(), args=args, description="Pretrain and fine-tune GPT-style language models.",
+            parser_class=_parser_class())
     except WorkerFailedError as error:  # the workers' tracebacks were printed already
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)

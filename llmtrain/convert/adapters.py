@@ -457,6 +457,10 @@ def adapter_for_hf(values: dict[str, Any], path: Path) -> Adapter:
         if adapter.architecture in architectures or by_type:
             return adapter
     found = architectures or values.get("model_type")
+    if values.get("auto_map"):
+        raise ValueError(f"{path}: architecture {found} is defined by remote code (auto_map in config.json), which "
+                         "llmtrain never runs (no trust_remote_code); convert only models whose architecture "
+                         f"transformers ships: {', '.join(a.architecture for a in ADAPTERS.values())}")
     raise ValueError(f"{path}: architecture {found} is not supported; llmtrain converts "
                      f"{', '.join(a.architecture for a in ADAPTERS.values())}")
 

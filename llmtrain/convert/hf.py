@@ -262,6 +262,9 @@ def _read_sharded(dcp_dir: Path) -> dict[str, "torch.Tensor"]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from llmtrain.distributed.checkpoint import check_dcp_metadata
+
+    check_dcp_metadata(dcp_dir)
     reader = dcp.FileSystemReader(str(dcp_dir))
     # The saved state is {"model": ..., "optimizer": ...}; allocate and read the model's tensors only.
     model_state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import time
 import warnings
 from pathlib import Path
@@ -62,6 +61,42 @@ def _single_process_quietly():
         if not _is_distributed():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
+
+
+# What a DCP ``.metadata`` pickle may name. torch's FileSystemReader unpickles that file with plain
+# ``pickle.load``, so a sharded checkpoint from elsewhere could run code; we read it first with an unpickler
+# that knows only these names and refuse anything else.
+_DCP_METADATA_GLOBALS = {
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
+}
+_DCP_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+
+
+def check_dcp_metadata(dcp_dir: Path) -> None:
+    """Refuse a DCP folder whose ``.metadata`` pickle names anything a distributed checkpoint never holds."""
+    import io
+    import pickle
+
+    class _Allowlist(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            allowed = (module, name) in _DCP_METADATA_GLOBALS or module in _DCP_METADATA_MODULES or (
+                module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                                torch.memory_format)))
+            if not allowed:
+                raise pickle.UnpicklingError(f"{module}.{name}")
+            return super().find_class(module, name)
+
+    path = Path(dcp_dir) / ".metadata"
+    if not path.is_file():
+        raise FileNotFoundError(f"{dcp_dir} has no .metadata file, so it is not a complete distributed checkpoint")
+    try:
+        _Allowlist(io.BytesIO(path.read_bytes())).load()
+    except Exception as error:  # any failure means we will not hand the file to pickle.load
+        raise ValueError(f"{path} names {error}, which a distributed checkpoint never holds; llmtrain will not "
+                         "unpickle it, as it could run code. Use a checkpoint written by llmtrain or "
+                         "torch.distributed.checkpoint") from error
 
 
 def gather_full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -126,9 +161,10 @@ class ShardedCheckpointer:
     def __init__(self, *, runtime: Runtime, out_dir: Path, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, train_loader: Any, model_config: Any, tokenizer: Any,
                  hyperparameters: dict, scaler: Optional[torch.amp.GradScaler] = None,
-                 write_extras: Optional[Callable[[Path], None]] = None) -> None:
+                 write_extras: Optional[Callable[[Path], None]] = None, keep_last: Optional[int] = None) -> None:
         self.runtime = runtime
         self.write_extras = write_extras
+        self.keep_last = keep_last
         self.out_dir = Path(out_dir)
         self.model = model
         self.optimizer = optimizer
@@ -142,11 +178,11 @@ class ShardedCheckpointer:
     def save(self, state: TrainState) -> Path:
         """Write ``out_dir/step-NNNNNNNN/`` atomically: all ranks fill one temporary directory, rank 0 renames it."""
         target = self.out_dir / layout.step_dir_name(state.step)
+        layout.check_finite_weights(self.model, self.runtime, target)
         # Same name on every rank: the shards of all ranks meet in one directory.
         tmp = self.out_dir / f".{target.name}.tmp"
         if self.runtime.is_main:
-            if tmp.exists():
-                shutil.rmtree(tmp)  # left by a crash during an earlier save of this step
+            layout.remove_leftovers(self.out_dir)  # of saves that were killed, this step's included
             tmp.mkdir(parents=True)
         self.runtime.barrier()
 
@@ -156,6 +192,7 @@ class ShardedCheckpointer:
                      no_dist=not _is_distributed())
         rng_states = self.runtime.all_gather_object(layout.capture_rng_state())
         if self.runtime.is_main:
+            layout.pause_during_save()
             training_state = {
                 "train_state": state.state_dict(),
                 "data": self.train_loader.state_dict(),
@@ -168,16 +205,20 @@ class ShardedCheckpointer:
             self._write_metadata_files(tmp)
             _write_marker(tmp, {"kind": "training", "format": "sharded", "step": state.step, "tokens": state.tokens,
                                 "world_size": self.runtime.world_size})
-            _replace_dir(tmp, target)
+            layout.install_dir(tmp, target)
         self.runtime.barrier()
         self.last_saved = target
+        if self.runtime.is_main:
+            layout.prune_checkpoints(self.out_dir, self.keep_last, keep=target)
         return target
 
     def save_final(self, state: TrainState) -> Path:
         """``final/`` is a full model directory (model.safetensors), gathered from the shards on rank 0."""
         target = self.out_dir / "final"
+        layout.check_finite_weights(self.model, self.runtime, target)
         model_state = gather_full_model_state(self.model)
         if self.runtime.is_main:
+            layout.remove_leftovers(self.out_dir)
             layout.write_model_dir(target, state_dict=model_state, model_config=self.model_config,
                                    hyperparameters=self.hyperparameters, tokenizer=self.tokenizer,
                                    marker={"kind": "final", "format": "full", "step": state.step,
@@ -202,6 +243,7 @@ class ShardedCheckpointer:
         # it reshards the saved shards to whatever this world's layout is.
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         states = {"model": model_state, "optimizer": optimizer_state}
+        check_dcp_metadata(checkpoint_dir / DCP_DIR)
         with _single_process_quietly():
             dcp.load(states, checkpoint_id=str(checkpoint_dir / DCP_DIR), no_dist=not _is_distributed())
         set_state_dict(self.model, self.optimizer, model_state_dict=states["model"],
@@ -213,7 +255,8 @@ class ShardedCheckpointer:
     def _arguments(self) -> dict:
         return dict(runtime=self.runtime, out_dir=self.out_dir, model=self.model, optimizer=self.optimizer,
                     train_loader=self.train_loader, model_config=self.model_config, tokenizer=self.tokenizer,
-                    hyperparameters=self.hyperparameters, scaler=self.scaler, write_extras=self.write_extras)
+                    hyperparameters=self.hyperparameters, scaler=self.scaler, write_extras=self.write_extras,
+                    keep_last=self.keep_last)
 
     def _write_metadata_files(self, directory: Path) -> None:
         self.model_config.save(directory / layout.CONFIG_FILE)
@@ -297,7 +340,7 @@ def load_checkpoint(checkpointer: Any, checkpoint_dir: Path, state: TrainState) 
 # ------------------------------------------------------------------------------------- writing
 def _write_marker(directory: Path, fields: dict) -> None:
     """The marker goes last; everything before it is fsynced first, so the marker means complete."""
-    _fsync_tree(directory)
+    layout.fsync_tree(directory)
     meta = {"format_version": layout.FORMAT_VERSION, "written_at": time.time(),
             "files": sorted(p.name for p in directory.iterdir()), **fields}
     marker = directory / layout.MARKER_FILE
@@ -305,34 +348,4 @@ def _write_marker(directory: Path, fields: dict) -> None:
         handle.write(json.dumps(meta, indent=2))
         handle.flush()
         os.fsync(handle.fileno())
-    _fsync_dir(directory)
-
-
-def _replace_dir(tmp: Path, target: Path) -> None:
-    if target.exists():
-        # NOTE: only when a run rewrites a step it already saved; the old copy goes once the new one is in place.
-        trash = target.parent / f".{target.name}.old-{os.getpid()}"
-        os.replace(target, trash)
-        os.replace(tmp, target)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, target)
-    _fsync_dir(target.parent)
-
-
-def _fsync_tree(directory: Path) -> None:
-    for path in sorted(directory.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-        elif path.is_dir():
-            _fsync_dir(path)
-    _fsync_dir(directory)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    layout.fsync_dir(directory)

@@ -164,7 +164,8 @@ def check_vocab(tokenizer: Any, config: Config, tokenizer_source: str) -> None:
         raise ValueError(
             f"the tokenizer from {tokenizer_source} has {tokenizer.vocab_size} tokens but model {config.name!r} has "
             f"only {config.padded_vocab_size} embedding rows; use a model with vocab_size >= {tokenizer.vocab_size} "
-            "(a --model_config file with that vocab_size instead of a zoo name) or the model's own tokenizer")
+            "(a --model_config file with that vocab_size instead of a zoo name) or pass the model's own tokenizer "
+            "with --tokenizer_dir")
 
 
 # ---------------------------------------------------------------------------------------- model
