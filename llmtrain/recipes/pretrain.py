@@ -25,7 +25,7 @@ def setup(
     data: Optional[DataModule] = None,
     train: TrainArgs = TrainArgs(),
     eval: EvalArgs = EvalArgs(),
-    optimizer: common.OptimizerArg = "AdamW",
+    optimizer: common.OptimizerArg = "torch.optim.AdamW",
     devices: int = 1,
     num_nodes: int = 1,
     accelerator: Literal["auto", "cpu", "cuda"] = "auto",
