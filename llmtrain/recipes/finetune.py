@@ -14,6 +14,7 @@ from llmtrain.args import EvalArgs, TrainArgs
 from llmtrain.config import Config
 from llmtrain.data.base import DataModule
 from llmtrain.distributed.parallelize import FSDPArgs
+from llmtrain.plan import DryRunArgs
 from llmtrain.recipes import common
 from llmtrain.train.precision import Precision, PrecisionName
 
@@ -42,6 +43,7 @@ def setup_full(
     prompt_style: Optional[str] = None,
     logger_name: Literal["csv", "tensorboard"] = "csv",
     seed: int = 1337,
+    dry_run: DryRunArgs = DryRunArgs(),
 ) -> None:
     """Fine-tune every weight of a model directory on instruction data.
 
@@ -65,6 +67,8 @@ def setup_full(
             prompt_style.yaml, else the model family's.
         logger_name: Metrics go to out_dir/metrics.csv always; `tensorboard` adds TensorBoard logs.
         seed: Seed for data order and dropout.
+        dry_run: `--dry_run` prints the plan (layout, batches, memory per device, checkpoint size, time with
+            `--dry_run.tokens_per_sec N` or `--dry_run.gpu H100`) and exits without training.
     """
     arguments = common.arguments_of(setup_full, locals())
     _finetune("finetune_full", arguments, lora=None, quantize=None)
@@ -98,6 +102,7 @@ def setup_lora(
     prompt_style: Optional[str] = None,
     logger_name: Literal["csv", "tensorboard"] = "csv",
     seed: int = 1337,
+    dry_run: DryRunArgs = DryRunArgs(),
 ) -> None:
     """Fine-tune low-rank adapters on a frozen model directory (LoRA; QLoRA with --quantize).
 
@@ -133,6 +138,8 @@ def setup_lora(
             prompt_style.yaml, else the model family's.
         logger_name: Metrics go to out_dir/metrics.csv always; `tensorboard` adds TensorBoard logs.
         seed: Seed for adapter init, data order and dropout.
+        dry_run: `--dry_run` prints the plan (layout, batches, memory per device, checkpoint size, time with
+            `--dry_run.tokens_per_sec N` or `--dry_run.gpu H100`) and exits without training.
     """
     from llmtrain.lora import LoRAArgs
 
@@ -168,6 +175,16 @@ def _finetune(recipe: str, arguments: dict, lora, quantize: Optional[str]) -> No
     checkpoint_dir = check_model_dir(ensure_model_dir(Path(arguments["checkpoint_dir"])))
     config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
     common.check_out_dir(arguments["out_dir"])
+    dry = arguments["dry_run"]
+    if dry.requested:
+        from llmtrain.plan import dry_run, lora_trainable_parameters
+
+        common.check_seq_len(arguments["train"], config)
+        dry_run(recipe=recipe, config=config, precision=Precision(arguments["precision"]), train=arguments["train"],
+                devices=arguments["devices"], num_nodes=arguments["num_nodes"], strategy=arguments["strategy"],
+                fsdp=arguments["fsdp"], dry=dry, out_dir=arguments["out_dir"], quantize=quantize,
+                trainable_parameters=None if lora is None else lora_trainable_parameters(config, lora))
+        return
     common.check_disk_space(arguments["out_dir"], config, Precision(arguments["precision"]),
                             trainable_fraction=0.0 if lora is not None else 1.0)
     resume_from = common.resolve_resume(arguments["resume"], arguments["out_dir"], None)

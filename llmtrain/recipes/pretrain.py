@@ -11,6 +11,8 @@ from llmtrain.args import EvalArgs, TrainArgs
 from llmtrain.config import Config
 from llmtrain.data.base import DataModule
 from llmtrain.distributed.parallelize import FSDPArgs
+from llmtrain.plan import DryRunArgs
+from llmtrain.plan import dry_run as dry_run_plan
 from llmtrain.recipes import common
 from llmtrain.train.precision import Precision, PrecisionName
 
@@ -35,6 +37,7 @@ def setup(
     tokenizer_dir: Optional[Path] = None,
     logger_name: Literal["csv", "tensorboard"] = "csv",
     seed: int = 42,
+    dry_run: DryRunArgs = DryRunArgs(),
 ) -> None:
     """Pretrain a model from the zoo (or a custom architecture) on a data module.
 
@@ -65,6 +68,8 @@ def setup(
         tokenizer_dir: Folder with tokenizer.json and tokenizer_config.json. Built-in data brings its own.
         logger_name: Metrics go to out_dir/metrics.csv always; `tensorboard` adds TensorBoard logs.
         seed: Seed for weight init, data order and dropout.
+        dry_run: `--dry_run` prints the plan (model, layout, batches, memory per device, checkpoint size, time
+            with `--dry_run.tokens_per_sec N` or `--dry_run.gpu H100`) for the devices named, and exits.
     """
     from llmtrain.data import BuiltinStories
     from llmtrain.recipes.run import RunSpec, run
@@ -82,6 +87,11 @@ def setup(
 
         initial_checkpoint_dir = ensure_model_dir(Path(initial_checkpoint_dir))  # a transformers folder works too
     config = common.resolve_model_config(model_name, model_config, initial_checkpoint_dir)
+    if dry_run.requested:
+        common.check_seq_len(train, config)
+        dry_run_plan(recipe="pretrain", config=config, precision=Precision(precision), train=train, devices=devices,
+                     num_nodes=num_nodes, strategy=strategy, fsdp=fsdp, dry=dry_run, out_dir=out_dir)
+        return
     common.check_disk_space(out_dir, config, Precision(precision))
     seq_len = common.check_seq_len(train, config)
     data.validate()

@@ -116,6 +116,7 @@ def _run(spec: RunSpec, runtime: Any) -> None:
         f"world {runtime.world_size}, micro batch {plan.micro_batch_size}, global batch {plan.global_batch_size}, "
         f"grad accumulation {plan.grad_accum_steps}, seq {spec.seq_len}, {horizon.total_steps} steps, "
         f"precision {spec.precision.name}, device {runtime.device}")
+    say(f"memory per device (estimate): {_memory_estimate(spec, runtime, plan, n_trainable).describe()}")
 
     job = Fit(runtime=runtime, model=model, optimizer=optimizer, train_loader=train_loader, val_loader=val_loader,
               train=spec.train, eval=spec.eval, plan=plan, horizon=horizon, precision=spec.precision,
@@ -130,6 +131,19 @@ def _run(spec: RunSpec, runtime: Any) -> None:
     fit(job)
     say(f"done: {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.0f}s; "
         f"final model in {spec.out_dir / 'final'}")
+
+
+def _memory_estimate(spec: RunSpec, runtime: Any, plan: Any, n_trainable: int) -> Any:
+    from llmtrain.distributed.parallelize import resolve_sharding_strategy
+    from llmtrain.plan import estimate_memory
+
+    sharding = resolve_sharding_strategy(spec.strategy, spec.fsdp, runtime.world_size, spec.num_nodes)
+    shard_size = runtime.world_size // spec.num_nodes if sharding == "HYBRID_SHARD" else runtime.world_size
+    return estimate_memory(spec.config, precision=spec.precision, micro_batch_size=plan.micro_batch_size,
+                           seq_len=spec.seq_len, sharding=sharding, shard_size=shard_size,
+                           activation_checkpointing=spec.fsdp.activation_checkpointing,
+                           cpu_offload=spec.fsdp.cpu_offload, trainable_parameters=n_trainable,
+                           quantize=spec.quantize, grad_accum_steps=plan.grad_accum_steps)
 
 
 def _connect_data(spec: RunSpec, tokenizer: Any, micro_batch_size: int) -> Any:

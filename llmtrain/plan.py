@@ -1,0 +1,275 @@
+"""What a run will need before it runs: memory per device, checkpoint size, time; and ``--dry_run``.
+
+Everything here is arithmetic on a :class:`Config` and the run's flags. Nothing builds a model,
+spawns a process or touches the data, so a plan for 8 GPUs × 4 nodes prints on a laptop.
+
+Activation memory counts what autograd keeps for the backward pass, per token and layer, for the
+layers llmtrain's model uses (measured with saved-tensor hooks on the real blocks, see
+tests/test_plan.py, which also checks the total against a measured peak):
+
+- RMSNorm keeps its input and the normalised tensor in fp32 (2 · d · 4 bytes); LayerNorm keeps its input.
+- Attention keeps 2 · q + 4 · kv elements (q = n_head · head_size, kv = n_query_groups · head_size):
+  projections, RoPE inputs and the SDPA inputs and output. SDPA's flash kernels keep no T × T matrix.
+- A gated MLP (SwiGLU, GeGLU) keeps 4 · f + d elements; a plain GELU MLP 2 · f + d.
+- With activation checkpointing a block keeps only its input (d elements); one block's full set comes
+  back at a time during backward, after the head's are freed.
+- The head and the loss keep the logits, their fp32 copy and log-softmax, and the backward pass adds
+  the logits' gradient: about (a + 12) · V bytes per token (a: compute dtype bytes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from llmtrain.config import Config
+
+GiB = 2**30
+
+
+@dataclass
+class DryRunArgs:
+    """``--dry_run`` prints the plan (model, parallel layout, batches, memory, checkpoint size, time) and exits."""
+
+    enabled: bool = False
+    """Print the plan and exit without training (bare `--dry_run` sets this)."""
+    tokens_per_sec: Optional[float] = None
+    """Measured tokens/s per device for the time estimate (e.g. from `llmtrain benchmark` or an earlier run)."""
+    gpu: Optional[str] = None
+    """Estimate time from this GPU's peak FLOP/s (e.g. H100, A100) at `mfu` instead of a measured tokens/s."""
+    mfu: float = 0.4
+    """Model FLOPs utilization assumed with `gpu`."""
+
+    @property
+    def requested(self) -> bool:
+        return self.enabled or self.tokens_per_sec is not None or self.gpu is not None
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_sec is not None and self.tokens_per_sec <= 0:
+            raise ValueError(f"--dry_run.tokens_per_sec must be positive, got {self.tokens_per_sec}")
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"--dry_run.mfu must be in (0, 1], got {self.mfu}")
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per device at the peak of a training step (forward end / loss)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+    def describe(self) -> str:
+        parts = [("parameters", self.parameters), ("gradients", self.gradients), ("optimizer", self.optimizer),
+                 ("activations", self.activations), ("total", self.total)]
+        return " | ".join(f"{name} {_size(value)}" for name, value in parts)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB / 10 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, checkpointing: bool) -> dict[str, float]:
+    """Bytes autograd keeps per token: per layer, for the whole stack, and for the head and loss."""
+    a = _bytes(compute_dtype)
+    d, f = config.n_embd, config.intermediate_size
+    q, kv = config.n_head * config.head_size, config.n_query_groups * config.head_size
+    norm = 2 * d * 4 if config.norm_class_name == "RMSNorm" else d * a
+    norms = 1 if config.shared_attention_norm else 2
+    gated = config.mlp_class_name in ("LLaMAMLP", "GemmaMLP")
+    layer = norms * norm + (2 * q + 4 * kv) * a + ((4 if gated else 2) * f + d) * a
+    head = norm + d * a + (a + 12) * config.padded_vocab_size
+    if checkpointing:
+        # A block keeps only its input. Its full activations return one block at a time during
+        # backward, after the head's are freed, so the peak holds the larger of the two.
+        return {"layer": layer, "stack": config.n_layer * d * a, "head": max(head, layer)}
+    return {"layer": layer, "stack": config.n_layer * layer, "head": head}
+
+
+def _block_parameters(config: Config) -> int:
+    from llmtrain.flops import num_parameters
+
+    embeddings = config.padded_vocab_size * config.n_embd * (1 if config.tie_embeddings else 2)
+    return (num_parameters(config) - embeddings) // config.n_layer
+
+
+def estimate_memory(config: Config, *, precision: Any, micro_batch_size: int, seq_len: int,
+                    sharding: Optional[str] = None, shard_size: int = 1, activation_checkpointing: bool = False,
+                    cpu_offload: bool = False, trainable_parameters: Optional[int] = None,
+                    quantize: Optional[str] = None, grad_accum_steps: int = 1) -> MemoryEstimate:
+    """Peak bytes per device of one training step.
+
+    ``sharding`` is None for one process, else FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD;
+    ``shard_size`` is the number of ranks a parameter is split over (devices per node for HYBRID_SHARD).
+    ``trainable_parameters`` below the total means LoRA: only the adapters have gradients and optimizer
+    state. ``quantize`` stores the frozen linear weights in 4 bits (bnb.nf4, bnb.fp4) or 8 (bnb.int8).
+    """
+    from llmtrain.flops import num_parameters
+
+    total = num_parameters(config)
+    trainable = total if trainable_parameters is None else trainable_parameters
+    stored, compute = _bytes(precision.param_dtype), _bytes(precision.compute_dtype)
+    shard = shard_size if sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD") else 1
+    block = _block_parameters(config)
+
+    frozen = total - trainable
+    if quantize is not None:
+        linear = block * config.n_layer  # the blocks' weights are what bitsandbytes quantizes
+        per_weight = 1.0 if quantize == "bnb.int8" else 0.5 + 4 / 64  # 4-bit codes plus one fp32 absmax per 64
+        params = (total - linear) * stored + linear * per_weight + trainable * stored
+    else:
+        params = (frozen + trainable) * stored
+    params /= shard
+    if sharding in ("FULL_SHARD", "HYBRID_SHARD"):
+        params += 2 * block * compute  # the gathered block, and the next one prefetched
+    elif sharding == "SHARD_GRAD_OP":
+        params += total * compute  # gathered weights stay until backward
+    elif sharding is None and precision.is_mixed:
+        params += total * compute  # autocast keeps low-precision weight copies for backward
+    grad_bytes = 4 if sharding is not None and precision.is_mixed else stored  # FSDP reduces in fp32
+    gradients = trainable * grad_bytes / shard
+    if sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD") and trainable == total:
+        gradients += block * compute  # one block's unsharded gradients before the reduce-scatter
+    optimizer = 2 * trainable * stored / shard  # AdamW's two moments, in the weights' dtype
+    if cpu_offload:
+        params, gradients, optimizer = 2 * block * compute, block * compute, 0
+    tokens = micro_batch_size * seq_len
+    per_token = activation_bytes_per_token(config, precision.compute_dtype, activation_checkpointing)
+    activations = tokens * (per_token["stack"] + per_token["head"])
+    return MemoryEstimate(int(params), int(gradients), int(optimizer), int(activations))
+
+
+def lora_trainable_parameters(config: Config, lora: Any) -> int:
+    """Adapter parameters for these LoRA flags, counted on a model built on the meta device (no memory)."""
+    from llmtrain.lora import apply_lora, mark_only_lora_trainable
+    from llmtrain.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(config)
+    apply_lora(model, lora)
+    mark_only_lora_trainable(model)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def checkpoint_bytes(config: Config, precision: Any, trainable_parameters: Optional[int] = None) -> dict[str, int]:
+    """Bytes on disk: the model weights, and a resumable step checkpoint (weights + AdamW moments)."""
+    from llmtrain.flops import num_parameters
+
+    total = num_parameters(config)
+    trainable = total if trainable_parameters is None else trainable_parameters
+    stored = _bytes(precision.param_dtype)
+    weights = total * stored
+    if trainable < total:  # LoRA step checkpoints hold only the adapters and their moments
+        return {"weights": weights, "step": 3 * trainable * stored}
+    return {"weights": weights, "step": weights + 2 * trainable * stored}
+
+
+def dry_run(*, recipe: str, config: Config, precision: Any, train: Any, devices: int, num_nodes: int,
+            strategy: str, fsdp: Any, dry: DryRunArgs, out_dir: Path, trainable_parameters: Optional[int] = None,
+            quantize: Optional[str] = None, data: Any = None) -> None:
+    """Print the plan of a run with these flags, for the devices it names (not the ones this machine has)."""
+    import shutil
+
+    from llmtrain.args import batch_plan
+    from llmtrain.distributed.parallelize import resolve_sharding_strategy
+    from llmtrain.flops import flops_per_token, lookup_peak_flops, num_parameters
+
+    world = devices * num_nodes
+    sharding = resolve_sharding_strategy(strategy, fsdp, world, num_nodes)
+    if sharding == "HYBRID_SHARD" and world % num_nodes:
+        raise ValueError(f"--devices {devices} × --num_nodes {num_nodes}: every node needs the same device count")
+    shard_size = devices if sharding == "HYBRID_SHARD" else world
+    plan = batch_plan(train, world)
+    seq_len = train.max_seq_length or config.block_size
+    tokens_per_step = plan.global_batch_size * seq_len
+    total = num_parameters(config)
+    trainable = total if trainable_parameters is None else trainable_parameters
+    memory = estimate_memory(config, precision=precision, micro_batch_size=plan.micro_batch_size, seq_len=seq_len,
+                             sharding=sharding, shard_size=shard_size,
+                             activation_checkpointing=fsdp.activation_checkpointing, cpu_offload=fsdp.cpu_offload,
+                             trainable_parameters=trainable_parameters, quantize=quantize,
+                             grad_accum_steps=plan.grad_accum_steps)
+    sizes = checkpoint_bytes(config, precision, trainable_parameters)
+
+    steps = _planned_steps(train, tokens_per_step)
+    if sharding is None:
+        layout = "one process"
+    elif sharding == "HYBRID_SHARD":
+        layout = f"HYBRID_SHARD: replicate {num_nodes} × shard {devices}"
+    elif sharding == "NO_SHARD":
+        layout = f"NO_SHARD (DDP): replicate {world}"
+    else:
+        layout = f"{sharding}: shard {world}"
+    lines = [
+        f"dry run of `llmtrain {recipe}` (nothing is built or trained)",
+        f"model        {config.name or 'custom'}: {total / 1e6:,.1f}M parameters, {trainable / 1e6:,.1f}M trainable"
+        f"{f', base quantized {quantize}' if quantize else ''}",
+        f"layout       {devices} devices × {num_nodes} nodes = {world} ranks; {layout}"
+        f"{'; activation checkpointing' if fsdp.activation_checkpointing else ''}"
+        f"{'; CPU offload' if fsdp.cpu_offload else ''}",
+        f"precision    {precision.name} (weights {precision.param_dtype}, compute {precision.compute_dtype})",
+        f"batch        micro {plan.micro_batch_size} × {world} ranks × {plan.grad_accum_steps} accumulation steps "
+        f"= global {plan.global_batch_size} sequences of {seq_len} tokens",
+        f"tokens/step  {tokens_per_step:,}",
+        f"length       {_describe_length(steps, tokens_per_step, train)}",
+        f"memory       per device (estimate): {memory.describe()}",
+        f"checkpoint   weights {_size(sizes['weights'])}; each resumable step checkpoint {_size(sizes['step'])}",
+    ]
+    free = shutil.disk_usage(_existing_parent(out_dir)).free
+    if free < sizes["step"]:
+        lines.append(f"warning      --out_dir {out_dir} has {_size(free)} free here: too little for one checkpoint")
+    per_device = dry.tokens_per_sec
+    source = "--dry_run.tokens_per_sec"
+    if per_device is None and dry.gpu is not None:
+        peak = lookup_peak_flops(dry.gpu, precision.compute_dtype)
+        if peak is None:
+            raise ValueError(f"--dry_run.gpu {dry.gpu!r}: its peak FLOP/s is unknown; pass --dry_run.tokens_per_sec")
+        per_device = dry.mfu * peak / flops_per_token(config, seq_len)
+        source = f"{dry.gpu} at {dry.mfu:.0%} MFU"
+    if per_device is None:
+        lines.append("time         pass --dry_run.tokens_per_sec N or --dry_run.gpu NAME for an estimate")
+    else:
+        step_s = tokens_per_step / (per_device * world)
+        total_s = f", {_duration(step_s * steps)} for {steps:,} steps" if steps else ""
+        lines.append(f"time         {per_device:,.0f} tokens/s per device ({source}): {step_s:.2f} s per step{total_s}")
+    print("\n".join(lines))
+
+
+def _planned_steps(train: Any, tokens_per_step: int) -> Optional[int]:
+    candidates = []
+    if train.max_steps is not None:
+        candidates.append(train.max_steps)
+    if train.max_tokens is not None:
+        candidates.append(math.ceil(train.max_tokens / tokens_per_step))
+    return min(candidates) if candidates else None
+
+
+def _describe_length(steps: Optional[int], tokens_per_step: int, train: Any) -> str:
+    if steps is None:
+        return "set by --train.epochs or --train.max_time; the step count is known once the data is tokenized"
+    return f"{steps:,} steps = {steps * tokens_per_step:,} tokens"
+
+
+def _duration(seconds: float) -> str:
+    hours = seconds / 3600
+    return f"{hours / 24:.1f} days" if hours >= 48 else f"{hours:.1f} h" if hours >= 1 else f"{seconds / 60:.0f} min"
+
+
+def _existing_parent(path: Path) -> Path:
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return path

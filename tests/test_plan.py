@@ -1,0 +1,128 @@
+"""The memory estimate against measured peaks, and ``--dry_run`` for devices this machine does not have."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from llmtrain.config import Config
+from llmtrain.distributed.parallelize import FSDPArgs
+from llmtrain.plan import activation_bytes_per_token, estimate_memory
+from llmtrain.train.loop import summed_cross_entropy
+from llmtrain.train.precision import Precision
+
+
+def measured_peak(config: Config, precision: str, micro_batch: int, seq_len: int, checkpointing: bool) -> int:
+    """Peak bytes of live tensors over two training steps of the model the recipes build, as torch's
+    MemTracker counts them on the CPU (the CPU's analogue of torch.cuda.max_memory_allocated)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from llmtrain.distributed.runtime import Runtime
+    from llmtrain.recipes.common import build_model
+
+    runtime = Runtime.from_env("cpu")
+    precision = Precision(precision)
+    model, info = build_model(config, runtime=runtime, seed=0, precision=precision,
+                              fsdp=FSDPArgs(activation_checkpointing=checkpointing))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, config.vocab_size, (micro_batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    for _ in range(2):  # the second step has optimizer state, as every later one does
+        tracker.reset_mod_stats()
+        with tracker:
+            with precision.autocast(runtime.device, enabled=info.autocast_enabled):
+                logits = model(tokens[:, :-1])
+                loss = summed_cross_entropy(logits, tokens[:, 1:]) / tokens[:, 1:].numel()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            del logits, loss
+    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+
+
+SETTINGS = [
+    ("llama-debug", "32-true", 8, 256, False),
+    ("llama-debug", "bf16-true", 8, 256, False),
+    ("llama-debug", "32-true", 8, 256, True),
+    ("llama-debug", "bf16-mixed", 4, 256, False),
+    ("gpt-neox-debug", "32-true", 8, 256, False),
+]
+
+
+@pytest.mark.parametrize("name,precision,micro_batch,seq_len,checkpointing", SETTINGS)
+def test_memory_estimate_is_within_25_percent_of_the_measured_peak(name, precision, micro_batch, seq_len,
+                                                                    checkpointing):
+    config = Config.from_name(name)
+    estimate = estimate_memory(config, precision=Precision(precision), micro_batch_size=micro_batch,
+                               seq_len=seq_len, activation_checkpointing=checkpointing)
+    measured = measured_peak(config, precision, micro_batch, seq_len, checkpointing)
+    ratio = estimate.total / measured
+    print(f"{name} {precision} micro {micro_batch} seq {seq_len} checkpointing {checkpointing}: "
+          f"estimate {estimate.total / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB, ratio {ratio:.2f}")
+    assert 0.75 <= ratio <= 1.25, (estimate, measured)
+
+
+def test_estimate_follows_the_layout():
+    """Sharding divides the states, checkpointing shrinks activations, LoRA drops most optimizer state."""
+    config = Config.from_name("tiny-llama-1.1b")
+    mixed = Precision("bf16-mixed")
+    one = estimate_memory(config, precision=mixed, micro_batch_size=4, seq_len=2048)
+    sharded = estimate_memory(config, precision=mixed, micro_batch_size=4, seq_len=2048, sharding="FULL_SHARD",
+                              shard_size=8)
+    assert sharded.optimizer * 8 == one.optimizer
+    assert sharded.parameters < one.parameters / 4
+    checkpointed = estimate_memory(config, precision=mixed, micro_batch_size=4, seq_len=2048, sharding="FULL_SHARD",
+                                   shard_size=8, activation_checkpointing=True)
+    assert checkpointed.activations < sharded.activations / 2
+    lora = estimate_memory(config, precision=Precision("bf16-true"), micro_batch_size=4, seq_len=2048,
+                           trainable_parameters=2_000_000)
+    assert lora.optimizer == 2 * 2_000_000 * 2
+    per_token = activation_bytes_per_token(config, torch.bfloat16, checkpointing=False)
+    assert per_token["stack"] == config.n_layer * per_token["layer"]
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmtrain", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_dry_run_plans_32_gpus_on_this_machine_quickly(tmp_path):
+    started = time.perf_counter()
+    done = run_cli("pretrain", "tiny-llama-1.1b", "--devices", "8", "--num_nodes", "4", "--dry_run",
+                   "--train.global_batch_size", "512", "--train.micro_batch_size", "4",
+                   "--train.max_seq_length", "2048", "--train.max_tokens", "3000000000000",
+                   "--precision", "bf16-mixed", "--dry_run.gpu", "H100", "--out_dir", str(tmp_path / "out"))
+    elapsed = time.perf_counter() - started
+    assert done.returncode == 0, done.stderr
+    assert elapsed < 10, f"dry run took {elapsed:.1f}s"
+    out = done.stdout
+    assert "HYBRID_SHARD: replicate 4 × shard 8" in out
+    assert "micro 4 × 32 ranks × 4 accumulation steps = global 512" in out
+    assert "tokens/step  1,048,576" in out
+    assert "2,861,023 steps" in out
+    assert "memory       per device (estimate)" in out and "checkpoint   weights 4.10 GiB" in out
+    assert "H100 at 40% MFU" in out
+    assert not (tmp_path / "out").exists()  # nothing was written
+
+
+def test_dry_run_for_lora_counts_only_the_adapters(tmp_path):
+    from llmtrain.checkpoint import CONFIG_FILE
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    Config.from_name("llama-debug").save(model_dir / CONFIG_FILE)
+    for name in ("model.safetensors", "tokenizer.json"):
+        (model_dir / name).write_bytes(b"")  # a dry run reads only the architecture
+    done = run_cli("finetune_lora", str(model_dir), "--dry_run", "--lora_r", "8", "--out_dir", str(tmp_path / "o"))
+    assert done.returncode == 0, done.stderr
+    # q and v adapters of 4 layers: r · (in + out) each = 8 · (256 + 256) + 8 · (256 + 128)
+    assert "4.9M parameters, 0.0M trainable" in done.stdout
+    assert "each resumable step checkpoint" in done.stdout
+
+
+def test_dry_run_still_rejects_bad_input(tmp_path):
+    done = run_cli("pretrain", "tiny-llama-1.1b", "--devices", "8", "--num_nodes", "4", "--dry_run",
+                   "--train.global_batch_size", "100", "--out_dir", str(tmp_path / "o"))
+    assert done.returncode == 2 and "--train.global_batch_size 100" in done.stderr
