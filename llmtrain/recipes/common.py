@@ -71,6 +71,16 @@ def check_out_dir(out_dir: Path) -> None:
             raise PermissionError(f"--out_dir {out_dir} is not writable ({error})") from error
 
 
+def check_logger(logger_name: str) -> None:
+    """A logger whose package is missing fails now, not after the model is built."""
+    import importlib.util
+
+    package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(logger_name)
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise ValueError(f"--logger_name {logger_name} needs the {package} package: pip install {package}, "
+                         "or use --logger_name csv")
+
+
 def check_disk_space(out_dir: Path, config: Config, precision: Any, trainable_fraction: float = 1.0) -> None:
     """Refuse to start when --out_dir's disk cannot hold one checkpoint (weights + AdamW's two moments).
 

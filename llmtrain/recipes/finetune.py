@@ -41,7 +41,7 @@ def setup_full(
     fsdp: FSDPArgs = FSDPArgs(),
     compile: bool = False,
     prompt_style: Optional[str] = None,
-    logger_name: Literal["csv", "tensorboard"] = "csv",
+    logger_name: Literal["csv", "tensorboard", "wandb"] = "csv",
     seed: int = 1337,
     dry_run: DryRunArgs = DryRunArgs(),
 ) -> None:
@@ -65,7 +65,8 @@ def setup_full(
         compile: Compile every transformer block with torch.compile (before FSDP wraps it).
         prompt_style: How prompts are formatted (alpaca, chatml, llama3, ...). Default: the checkpoint's own
             prompt_style.yaml, else the model family's.
-        logger_name: Metrics go to out_dir/metrics.csv always; `tensorboard` adds TensorBoard logs.
+        logger_name: Metrics go to out_dir/metrics.csv always; `tensorboard` adds TensorBoard logs, `wandb`
+            a Weights & Biases run in out_dir/wandb (offline unless WANDB_MODE=online).
         seed: Seed for data order and dropout.
         dry_run: `--dry_run` prints the plan (layout, batches, memory per device, checkpoint size, time with
             `--dry_run.tokens_per_sec N` or `--dry_run.gpu H100`) and exits without training.
@@ -100,7 +101,7 @@ def setup_lora(
     fsdp: FSDPArgs = FSDPArgs(),
     compile: bool = False,
     prompt_style: Optional[str] = None,
-    logger_name: Literal["csv", "tensorboard"] = "csv",
+    logger_name: Literal["csv", "tensorboard", "wandb"] = "csv",
     seed: int = 1337,
     dry_run: DryRunArgs = DryRunArgs(),
 ) -> None:
@@ -136,7 +137,8 @@ def setup_lora(
         compile: Compile every transformer block with torch.compile (before FSDP wraps it).
         prompt_style: How prompts are formatted (alpaca, chatml, llama3, ...). Default: the checkpoint's own
             prompt_style.yaml, else the model family's.
-        logger_name: Metrics go to out_dir/metrics.csv always; `tensorboard` adds TensorBoard logs.
+        logger_name: Metrics go to out_dir/metrics.csv always; `tensorboard` adds TensorBoard logs, `wandb`
+            a Weights & Biases run in out_dir/wandb (offline unless WANDB_MODE=online).
         seed: Seed for adapter init, data order and dropout.
         dry_run: `--dry_run` prints the plan (layout, batches, memory per device, checkpoint size, time with
             `--dry_run.tokens_per_sec N` or `--dry_run.gpu H100`) and exits without training.
@@ -175,6 +177,7 @@ def _finetune(recipe: str, arguments: dict, lora, quantize: Optional[str]) -> No
     checkpoint_dir = check_model_dir(ensure_model_dir(Path(arguments["checkpoint_dir"])))
     config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
     common.check_out_dir(arguments["out_dir"])
+    common.check_logger(arguments["logger_name"])
     dry = arguments["dry_run"]
     if dry.requested:
         from llmtrain.plan import dry_run, lora_trainable_parameters

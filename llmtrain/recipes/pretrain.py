@@ -35,7 +35,7 @@ def setup(
     fsdp: FSDPArgs = FSDPArgs(),
     compile: bool = False,
     tokenizer_dir: Optional[Path] = None,
-    logger_name: Literal["csv", "tensorboard"] = "csv",
+    logger_name: Literal["csv", "tensorboard", "wandb"] = "csv",
     seed: int = 42,
     dry_run: DryRunArgs = DryRunArgs(),
 ) -> None:
@@ -66,7 +66,8 @@ def setup(
         fsdp: FSDP settings: sharding strategy, activation checkpointing, CPU offload, checkpoint format.
         compile: Compile every transformer block with torch.compile (before FSDP wraps it).
         tokenizer_dir: Folder with tokenizer.json and tokenizer_config.json. Built-in data brings its own.
-        logger_name: Metrics go to out_dir/metrics.csv always; `tensorboard` adds TensorBoard logs.
+        logger_name: Metrics go to out_dir/metrics.csv always; `tensorboard` adds TensorBoard logs, `wandb`
+            a Weights & Biases run in out_dir/wandb (offline unless WANDB_MODE=online).
         seed: Seed for weight init, data order and dropout.
         dry_run: `--dry_run` prints the plan (model, layout, batches, memory per device, checkpoint size, time
             with `--dry_run.tokens_per_sec N` or `--dry_run.gpu H100`) for the devices named, and exits.
@@ -81,6 +82,7 @@ def setup(
     hyperparameters = common.hyperparameters(common.arguments_of(setup, locals()))
     # Everything cheap is checked before any process, tokenizer or model is created.
     common.check_out_dir(out_dir)
+    common.check_logger(logger_name)
     resume_from = common.resolve_resume(resume, out_dir, initial_checkpoint_dir)
     if initial_checkpoint_dir is not None:
         from llmtrain.convert.hf import ensure_model_dir

@@ -121,7 +121,8 @@ def _run(spec: RunSpec, runtime: Any) -> None:
     job = Fit(runtime=runtime, model=model, optimizer=optimizer, train_loader=train_loader, val_loader=val_loader,
               train=spec.train, eval=spec.eval, plan=plan, horizon=horizon, precision=spec.precision,
               save_checkpoint=checkpointer.save, save_final=checkpointer.save_final,
-              loggers=build_loggers(spec.logger_name, spec.out_dir, state.step if spec.resume_from else None)
+              loggers=build_loggers(spec.logger_name, spec.out_dir, state.step if spec.resume_from else None,
+                                    spec.hyperparameters)
               if runtime.is_main else [],
               flops_per_token=flops_per_token(spec.config, spec.seq_len),
               peak_flops_per_device=device_peak_flops(runtime.device, spec.precision.compute_dtype),

@@ -1,4 +1,4 @@
-"""Where metrics go: a CSV file always, TensorBoard on request, and the console.
+"""Where metrics go: a CSV file always, TensorBoard or Weights & Biases on request, and the console.
 
 One vocabulary for every sink (see METRICS). Only rank 0 builds loggers.
 """
@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 from typing import Literal, Optional
 
-LoggerName = Literal["csv", "tensorboard"]
+LoggerName = Literal["csv", "tensorboard", "wandb"]
 
-# The columns of metrics.csv, in order. TensorBoard uses the same names as tags.
+# The columns of metrics.csv, in order. TensorBoard and W&B use the same names, and only these.
 METRICS = ("step", "tokens", "epoch", "loss", "lr", "grad_norm", "tokens_per_sec",
            "tokens_per_sec_per_device", "mfu", "peak_memory_gb", "val_loss", "val_ppl", "elapsed_s",
            "skipped")
@@ -60,13 +60,42 @@ class TensorBoardLogger:
 
     def log(self, metrics: dict) -> None:
         step = int(metrics["step"])
-        for key, value in metrics.items():
-            if key != "step" and isinstance(value, (int, float)):
-                self.writer.add_scalar(key, value, step)
+        for key, value in _numbers(metrics).items():
+            self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
+
+
+class WandbLogger:
+    """A Weights & Biases run in ``out_dir/wandb``, the CSV's names against the optimizer step.
+
+    Offline unless the environment says otherwise (WANDB_MODE=online), so nothing leaves the machine by
+    default; `wandb sync out_dir/wandb/offline-run-*` uploads a run later.
+    """
+
+    def __init__(self, out_dir: Path, hyperparameters: Optional[dict] = None) -> None:
+        import os
+
+        import wandb
+
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "llmtrain"), name=out_dir.name, dir=str(out_dir),
+                              config=hyperparameters or {}, mode=os.environ.get("WANDB_MODE", "offline"))
+
+    def log(self, metrics: dict) -> None:
+        self.run.log(_numbers(metrics), step=int(metrics["step"]))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _numbers(metrics: dict) -> dict:
+    """The metrics with a numeric value, under their METRICS names (the step is the x axis)."""
+    return {key: value for key, value in metrics.items()
+            if key in METRICS and key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
 def _format(value) -> str:
@@ -139,10 +168,12 @@ def format_seconds(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-def build_loggers(name: str, out_dir: Path, resume_step: Optional[int]) -> list:
+def build_loggers(name: str, out_dir: Path, resume_step: Optional[int], hyperparameters: Optional[dict] = None) -> list:
     loggers: list = [CSVLogger(out_dir, resume_step)]
     if name == "tensorboard":
         loggers.append(TensorBoardLogger(out_dir))
+    elif name == "wandb":
+        loggers.append(WandbLogger(out_dir, hyperparameters))
     elif name != "csv":
-        raise ValueError(f"--logger_name {name!r} must be csv or tensorboard")
+        raise ValueError(f"--logger_name {name!r} must be csv, tensorboard or wandb")
     return loggers

@@ -1,0 +1,156 @@
+"""Every metrics sink carries the CSV's names and values; the console is a bar on a terminal and plain
+lines in batch logs."""
+
+import csv
+import fcntl
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmtrain.cli import main
+
+TINY_MODEL = dict(name="tiny-log", vocab_size=1100, padding_multiple=64, block_size=64, n_layer=2, n_head=2,
+                  n_embd=64, n_query_groups=1, intermediate_size=128)
+
+
+@pytest.fixture(autouse=True)
+def shared_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "llmtrain-cache"))
+
+
+def tiny_run(tmp_path: Path, out_dir: Path, *extra: str) -> list[str]:
+    model_file = tmp_path / "tiny.yaml"
+    model_file.write_text(yaml.safe_dump(TINY_MODEL))
+    return ["pretrain", "--model_config", str(model_file), "--out_dir", str(out_dir), "--data", "BuiltinStories",
+            "--data.num_documents", "300", "--data.num_val_documents", "20", "--train.global_batch_size", "4",
+            "--train.micro_batch_size", "2", "--train.max_seq_length", "32", "--eval.interval", "3",
+            "--eval.max_iters", "1", *extra]
+
+
+def csv_rows(out_dir: Path) -> list[dict]:
+    with open(out_dir / "metrics.csv") as handle:
+        return list(csv.DictReader(handle))
+
+
+def csv_series(out_dir: Path) -> dict[str, dict[int, float]]:
+    series: dict[str, dict[int, float]] = {}
+    for row in csv_rows(out_dir):
+        for key, value in row.items():
+            if key != "step" and value != "":
+                series.setdefault(key, {})[int(row["step"])] = float(value)
+    return series
+
+
+def wandb_history(run_file: Path) -> dict[str, dict[int, float]]:
+    """The history records of an offline .wandb file: a 7-byte W&B header, then LevelDB-log records
+    (32 KiB blocks; 7-byte record headers: crc, length, type) holding protobuf Records."""
+    import json
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B"
+    position, pending, payloads = 7, b"", []
+    while position + 7 <= len(data):
+        room = 32768 - position % 32768
+        if room < 7:  # a block's tail too short for a header is padding
+            position += room
+            continue
+        length, kind = struct.unpack("<HB", data[position + 4:position + 7])
+        chunk = data[position + 7:position + 7 + length]
+        position += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        pending += chunk
+        if kind in (1, 4):  # FULL or LAST
+            payloads.append(pending)
+            pending = b""
+    series: dict[str, dict[int, float]] = {}
+    for payload in payloads:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        if record.WhichOneof("record_type") != "history":
+            continue
+        items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+        step = int(items.get("_step", record.history.step.num))
+        for key, value in items.items():
+            if not key.startswith("_"):
+                series.setdefault(key, {})[step] = float(value)
+    return series
+
+
+def test_wandb_offline_logs_the_csv_metrics_under_the_same_names(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # offline is llmtrain's default
+    out_dir = tmp_path / "run"
+    main(tiny_run(tmp_path, out_dir, "--train.max_steps", "4", "--train.log_interval", "1", "--logger_name", "wandb"))
+    run_files = list((out_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 1
+    logged = wandb_history(run_files[0])
+    expected = csv_series(out_dir)
+    assert set(logged) == set(expected)
+    assert {"loss", "lr", "val_loss", "tokens_per_sec"} <= set(logged)
+    for key, values in expected.items():
+        assert logged[key] == pytest.approx(values, rel=1e-5), key
+
+
+def test_tensorboard_scalars_have_the_csv_names_and_values(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out_dir = tmp_path / "run"
+    main(tiny_run(tmp_path, out_dir, "--train.max_steps", "4", "--train.log_interval", "2",
+                  "--logger_name", "tensorboard"))
+    events = EventAccumulator(str(out_dir / "tensorboard"))
+    events.Reload()
+    logged = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    expected = csv_series(out_dir)
+    assert set(logged) == set(expected)
+    for key, values in expected.items():
+        assert logged[key] == pytest.approx(values, rel=1e-5), key
+
+
+def test_batch_logs_get_one_line_per_log_interval(tmp_path):
+    out_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "llmtrain", *tiny_run(tmp_path, out_dir, "--train.max_steps", "6",
+                                                          "--train.log_interval", "2", "--eval.interval", "100")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step ") and "| loss " in line]
+    assert [line.split()[1] for line in lines] == ["2", "4", "6"]
+    assert all("tokens/s" in line and "eta" in line for line in lines)
+    assert "\r" not in done.stdout + done.stderr  # no bar redraws in a log file
+
+
+def test_a_terminal_gets_a_progress_bar_with_loss_speed_and_eta(tmp_path):
+    out_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "llmtrain", *tiny_run(tmp_path, out_dir, "--train.max_steps", "6",
+                                                          "--train.log_interval", "2", "--eval.interval", "100")]
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # 40 rows, 160 columns
+    process = subprocess.Popen(command, stdin=terminal, stdout=terminal, stderr=terminal, close_fds=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(terminal)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # the terminal closed: the process is gone
+            break
+        if not chunk:
+            break
+        output += chunk
+    assert process.wait(timeout=120) == 0
+    os.close(controller)
+    text = output.decode(errors="replace")
+    assert "\r" in text  # the bar redraws in place
+    final = text.split("\r")[-1] if "6/6" not in text else text[text.rindex("6/6"):]
+    assert "6/6" in text and "loss=" in final and "tok/s=" in final
+    assert "<" in final  # tqdm's elapsed<remaining: the ETA
+    assert not [line for line in text.splitlines() if line.startswith("step 2 | loss")]  # no plain lines
