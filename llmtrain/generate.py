@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 TOKENIZER_FILE = "tokenizer.json"
 
 
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room for an answer within the model's max_seq_length."""
+
+
 def setup(
     checkpoint_dir: Path,
     prompt: str = "What food do llamas eat?",
@@ -174,7 +178,7 @@ def generate(
     prompt_length = prompt.numel()
     limit = model.max_seq_length
     if prompt_length >= limit:
-        raise ValueError(
+        raise PromptTooLongError(
             f"The prompt has {prompt_length} tokens, but model {model.config.name!r} holds at most {limit} "
             f"(block_size {model.config.block_size}) including the answer; shorten the prompt"
         )

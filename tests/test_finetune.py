@@ -195,3 +195,11 @@ def test_lora_tuned_model_answers_more_builtin_items_than_its_base(tmp_path):
     base = builtin_instruct_accuracy(tmp_path / "base" / "final", num_items=30, tasks=tasks)
     tuned = builtin_instruct_accuracy(tmp_path / "lora" / "final", num_items=30, tasks=tasks)
     assert tuned["correct"] >= base["correct"] + 2, (base, tuned)
+
+
+def test_a_prompt_longer_than_the_sequence_skips_the_example_not_the_run(tmp_path, base_model, capsys):
+    out_dir = tmp_path / "short"
+    main(finetune_args("finetune_lora", base_model, out_dir, "--train.max_steps", "2", "--train.max_seq_length", "16",
+                       "--eval.interval", "1"))
+    assert "example | skipped: the first validation prompt is longer than --train.max_seq_length 16" in capsys.readouterr().out
+    assert (out_dir / "final" / "model.safetensors").is_file()

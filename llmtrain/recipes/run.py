@@ -197,12 +197,15 @@ def _example_generator(spec: RunSpec, model: Any, tokenizer: Any, prompt_style: 
     """
     if prompt_style is None or not getattr(spec.data, "validation_prompts", None):
         return None
-    from llmtrain.generate import generate_text
+    from llmtrain.generate import PromptTooLongError, generate_text
 
     prompt = spec.data.validation_prompts()[0]
 
     def example() -> str:
-        answer = generate_text(model, tokenizer, prompt_style, prompt, max_new_tokens=min(64, spec.seq_len // 2))
+        try:
+            answer = generate_text(model, tokenizer, prompt_style, prompt, max_new_tokens=min(64, spec.seq_len // 2))
+        except PromptTooLongError:  # an example is a courtesy; it must never stop training
+            return f"example | skipped: the first validation prompt is longer than --train.max_seq_length {spec.seq_len}"
         return f"example | {prompt[-1]['content']!r} -> {answer!r}"
 
     return example
