@@ -38,7 +38,7 @@ class DryRunArgs:
     enabled: bool = False
     """Print the plan and exit without training (bare `--dry_run` sets this)."""
     tokens_per_sec: Optional[float] = None
-    """Measured tokens/s per device for the time estimate (e.g. from `llmtrain benchmark` or an earlier run)."""
+    """Measured tokens/s per device for the time estimate (from an earlier run: the tokens_per_sec_per_device column of its metrics.csv)."""
     gpu: Optional[str] = None
     """Estimate time from this GPU's peak FLOP/s (e.g. H100, A100) at `mfu` instead of a measured tokens/s."""
     mfu: float = 0.4

@@ -68,8 +68,7 @@ def setup_full(
         logger_name: Metrics go to out_dir/metrics.csv always; `tensorboard` adds TensorBoard logs, `wandb`
             a Weights & Biases run in out_dir/wandb (offline unless WANDB_MODE=online).
         seed: Seed for data order and dropout.
-        dry_run: `--dry_run` prints the plan (layout, batches, memory per device, checkpoint size, time with
-            `--dry_run.tokens_per_sec N` or `--dry_run.gpu H100`) and exits without training.
+        dry_run: `--dry_run` prints the plan (layout, batches, memory, checkpoint size, time) and exits.
     """
     arguments = common.arguments_of(setup_full, locals())
     _finetune("finetune_full", arguments, lora=None, quantize=None)
@@ -140,8 +139,7 @@ def setup_lora(
         logger_name: Metrics go to out_dir/metrics.csv always; `tensorboard` adds TensorBoard logs, `wandb`
             a Weights & Biases run in out_dir/wandb (offline unless WANDB_MODE=online).
         seed: Seed for adapter init, data order and dropout.
-        dry_run: `--dry_run` prints the plan (layout, batches, memory per device, checkpoint size, time with
-            `--dry_run.tokens_per_sec N` or `--dry_run.gpu H100`) and exits without training.
+        dry_run: `--dry_run` prints the plan (layout, batches, memory, checkpoint size, time) and exits.
     """
     from llmtrain.lora import LoRAArgs
 

@@ -69,8 +69,7 @@ def setup(
         logger_name: Metrics go to out_dir/metrics.csv always; `tensorboard` adds TensorBoard logs, `wandb`
             a Weights & Biases run in out_dir/wandb (offline unless WANDB_MODE=online).
         seed: Seed for weight init, data order and dropout.
-        dry_run: `--dry_run` prints the plan (model, layout, batches, memory per device, checkpoint size, time
-            with `--dry_run.tokens_per_sec N` or `--dry_run.gpu H100`) for the devices named, and exits.
+        dry_run: `--dry_run` prints the plan (layout, batches, memory, checkpoint size, time) and exits.
     """
     from llmtrain.data import BuiltinStories
     from llmtrain.recipes.run import RunSpec, run

@@ -1,0 +1,60 @@
+"""`--help` documents every flag, in groups, with its default."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+ENTRY = re.compile(r"^  (-[-\w.]+)(.*)$")
+
+
+def help_entries(command: list[str]) -> dict[str, str]:
+    """Each option of `llmtrain COMMAND --help` with its help text (the lines up to the next option)."""
+    done = subprocess.run([sys.executable, "-m", "llmtrain", *command, "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    entries: dict[str, str] = {}
+    current = None
+    for line in done.stdout.splitlines():
+        match = ENTRY.match(line)
+        if match:
+            current = match[1]
+            rest = match[2]
+            # "--flag   text" or "--flag VALUE   text": the text follows two or more spaces
+            if rest.startswith("  "):
+                entries[current] = rest.strip()
+            else:
+                entries[current] = rest.strip().split("  ", 1)[1].strip() if "  " in rest.strip() else ""
+        elif current and line.startswith(" " * 6) and line.strip():
+            entries[current] += " " + line.strip()
+        elif not line.strip():
+            current = None
+    return entries
+
+
+@pytest.mark.parametrize("command", [["pretrain"], ["finetune_lora"], ["finetune_full"]])
+def test_every_flag_has_help_and_its_default(command):
+    entries = help_entries(command)
+    assert len(entries) > 40
+    undocumented = [flag for flag, text in entries.items() if not text.strip()]
+    assert not undocumented, undocumented
+    for flag in ("--train.global_batch_size", "--train.micro_batch_size", "--precision", "--devices",
+                 "--fsdp.activation_checkpointing", "--dry_run.enabled"):
+        assert flag in entries and "default:" in entries[flag], (flag, entries.get(flag))
+
+
+def test_flags_are_grouped_by_their_dataclass():
+    """The fields of --train, --eval, --fsdp and --dry_run each sit under a heading of their own."""
+    done = subprocess.run([sys.executable, "-m", "llmtrain", "pretrain", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    heading, headings = None, {}
+    for line in done.stdout.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            heading = line
+        match = ENTRY.match(line)
+        if match and "." in match[1]:
+            headings.setdefault(match[1].split(".")[0], set()).add(heading)
+    for group in ("--train", "--eval", "--fsdp", "--dry_run"):
+        assert len(headings[group]) == 1 and headings[group] != {"options:"}, (group, headings[group])
+    assert len({next(iter(headings[g])) for g in ("--train", "--eval", "--fsdp", "--dry_run")}) == 4
