@@ -63,7 +63,7 @@ CASES = [
     Case("missing --config recipe", ["pretrain", "--config", "{in}/nope.yaml"], ["nope.yaml"]),
     Case("recipe YAML that does not parse", ["pretrain", "--config", "{in}/broken.yaml"], ["broken.yaml"]),
     # flags
-    Case("misspelled flag", _pretrain("--train.max_stepz", "3"), ["max_stepz"]),
+    Case("misspelled flag", _pretrain("--train.max_stepz", "3"), ["max_stepz", "did you mean --train.max_steps"]),
     Case("unknown precision", _pretrain("--precision", "fp8"), ["precision", "fp8"]),
     Case("unknown optimizer", _pretrain("--optimizer", "Adamm"), ["optimizer", "Adamm"]),
     Case("unknown data module", _pretrain("--data", "NoSuchData"), ["NoSuchData"]),

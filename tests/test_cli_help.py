@@ -58,3 +58,11 @@ def test_flags_are_grouped_by_their_dataclass():
     for group in ("--train", "--eval", "--fsdp", "--dry_run"):
         assert len(headings[group]) == 1 and headings[group] != {"options:"}, (group, headings[group])
     assert len({next(iter(headings[g])) for g in ("--train", "--eval", "--fsdp", "--dry_run")}) == 4
+
+
+def test_pretrain_list_shows_the_zoo_with_parameter_counts():
+    done = subprocess.run([sys.executable, "-m", "llmtrain", "pretrain", "list"], capture_output=True, text=True,
+                          timeout=60)
+    sizes = dict(line.split() for line in done.stdout.splitlines())
+    assert sizes["tiny-llama-1.1b"] == "1100.0M" and sizes["pythia-160m"] == "162.3M"
+    assert sizes["Llama-3.1-8B"].startswith("8030")

@@ -52,7 +52,8 @@ def _given_records(folder: Path) -> None:
 
 
 GIVEN = {"pretrain_on_your_own_text.md": [_given_texts], "finetune_on_your_own_json.md": [_given_records],
-         "convert_to_and_from_hf.md": [_given_records], "out_of_memory.md": [], "README.md": []}
+         "convert_to_and_from_hf.md": [_given_records], "out_of_memory.md": [], "multi_gpu_and_multi_node.md": [],
+         "README.md": []}
 DOCS = {name: (ROOT / "tutorials" / name if name != "README.md" else ROOT / name) for name in GIVEN}
 
 
@@ -97,7 +98,7 @@ def test_document_runs_verbatim(name, tmp_path, tmp_path_factory):
     for give in GIVEN[name]:
         give(folder)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "OMP_NUM_THREADS": "2", "LLMTRAIN_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "docs-cache"),
+           "OMP_NUM_THREADS": "2", "GLOO_SOCKET_IFNAME": "lo", "LLMTRAIN_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "docs-cache"),
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     for number, (lang, body, save_as) in enumerate(runnable_blocks(DOCS[name].read_text()), start=1):
         if save_as:
