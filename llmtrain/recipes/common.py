@@ -273,10 +273,26 @@ def _build_quantized(config: Config, *, runtime: Any, seed: int, precision: Any,
 
 # ------------------------------------------------------------------------------------ optimizer
 def build_optimizer(spec: OptimizerArg, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """``"AdamW"`` (a torch.optim class name or dotted path, torch defaults) or a callable from the CLI."""
-    if callable(spec):
-        return spec(params)
-    return optimizer_class(spec)(params)
+    """``"AdamW"`` (a torch.optim class name or dotted path, torch defaults) or a callable from the CLI.
+
+    Adam and AdamW run their fused kernels unless ``--optimizer.foreach`` or ``--optimizer.fused`` says
+    otherwise: one kernel over all parameters instead of a loop over them (3x faster steps on CPU, see
+    BENCHMARKS.md), with the same arithmetic.
+    """
+    params = list(params)
+    optimizer = spec(params) if callable(spec) else optimizer_class(spec)(params)
+    defaults = optimizer.defaults
+    if (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and defaults.get("fused") is None
+            and defaults.get("foreach") is None and _fused_capable(params)):
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        settings = {key: value for key, value in defaults.items() if key in accepted}
+        optimizer = type(optimizer)(params, **{**settings, "fused": True, "foreach": None})
+    return optimizer
+
+
+def _fused_capable(params: list[torch.nn.Parameter]) -> bool:
+    return bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16,
+                                                                               torch.float16) for p in params)
 
 
 def optimizer_class(name: str) -> type:

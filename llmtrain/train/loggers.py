@@ -15,7 +15,7 @@ LoggerName = Literal["csv", "tensorboard", "wandb"]
 # The columns of metrics.csv, in order. TensorBoard and W&B use the same names, and only these.
 METRICS = ("step", "tokens", "epoch", "loss", "lr", "grad_norm", "tokens_per_sec",
            "tokens_per_sec_per_device", "mfu", "peak_memory_gb", "val_loss", "val_ppl", "elapsed_s",
-           "skipped")
+           "skipped", "data_wait_fraction")
 
 
 class CSVLogger:

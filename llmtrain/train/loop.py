@@ -37,12 +37,11 @@ import torch.nn.functional as F
 
 from llmtrain.args import BatchPlan, EvalArgs, TrainArgs
 from llmtrain.distributed.runtime import Runtime
+from llmtrain.model import IGNORE_INDEX
 from llmtrain.train.loggers import Console
 from llmtrain.train.precision import Precision
 from llmtrain.train.schedule import WarmupDecaySchedule
 from llmtrain.train.signals import PREEMPTED_EXIT_CODE, Preempted, StopRequest, catch_stop_signals
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -195,6 +194,7 @@ def _train(job: Fit, stop_request: StopRequest) -> TrainState:
     loss_sum = torch.zeros((), device=runtime.device)  # summed token losses of the updates since the last log
     target_sum = torch.zeros((), device=runtime.device)
     interval_start, interval_tokens, interval_updates = time.perf_counter(), 0, 0
+    interval_data_wait = 0.0  # seconds spent waiting for batches since the last log
     run_start, elapsed_at_start = time.perf_counter(), state.elapsed_s
     last_saved_step = state.step if state.step else None
     max_norm = job.train.max_norm if job.train.max_norm is not None else float("inf")
@@ -204,7 +204,9 @@ def _train(job: Fit, stop_request: StopRequest) -> TrainState:
     while not (reason := _stop_reason(job, state) or stop_signal):
         faults.crash_before(state.step + 1, runtime)
         lr = schedule.set_step(state.step)
+        fetch_start = time.perf_counter()
         micro_batches = [next(train_iter) for _ in range(job.plan.grad_accum_steps)]
+        interval_data_wait += time.perf_counter() - fetch_start
         local_input_tokens = sum(b["input_ids"].numel() for b in micro_batches)
         # The step's one all-reduce before the forward: target tokens, input tokens, and stop votes.
         counts = _to_device([sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches),
@@ -220,8 +222,7 @@ def _train(job: Fit, stop_request: StopRequest) -> TrainState:
             last = index == len(micro_batches) - 1
             with gradient_sync(model, last or not job.grad_sync_only_last):
                 with job.precision.autocast(runtime.device, job.autocast_enabled):
-                    logits = model(input_ids)
-                token_loss_sum = summed_cross_entropy(logits, labels)
+                    token_loss_sum = model(input_ids, labels=labels)  # chunked: no full fp32 logits
                 loss = token_loss_sum * loss_scale
                 if last and faults.poisons(state.step + 1, runtime):
                     loss = loss * float("nan")
@@ -264,10 +265,12 @@ def _train(job: Fit, stop_request: StopRequest) -> TrainState:
                 loss_value = (loss_sum / target_sum.clamp(min=1)).item()
                 seconds = time.perf_counter() - interval_start
                 metrics = _step_metrics(job, state, loss_value, lr, float(grad_norm), interval_tokens / seconds)
+                metrics["data_wait_fraction"] = interval_data_wait / seconds
                 _log(job, metrics, console)
             loss_sum.zero_()
             target_sum.zero_()
             interval_start, interval_tokens, interval_updates = time.perf_counter(), 0, 0
+            interval_data_wait = 0.0
         if job.val_loader is not None and state.step % job.eval.interval == 0:
             val_loss = validate(job)
             _log(job, {"step": state.step, "tokens": state.tokens, "val_loss": val_loss,
@@ -416,8 +419,7 @@ def _validation_loss(job: Fit) -> float:
         input_ids = batch["input_ids"].to(job.runtime.device)
         labels = batch["labels"].to(job.runtime.device)
         with job.precision.autocast(job.runtime.device, job.autocast_enabled):
-            logits = job.model(input_ids)
-        totals[0] += summed_cross_entropy(logits, labels).double()
+            totals[0] += job.model(input_ids, labels=labels).double()
         totals[1] += (labels != IGNORE_INDEX).sum()
     job.runtime.all_reduce(totals)
     job.model.train()
