@@ -57,11 +57,14 @@ class GPT(nn.Module):
         self._max_seq_length = value
         self.reset_rope_cache()
 
-    def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, padded_vocab_size).
 
         input_pos: None for training (positions 0..T-1, no cache). Otherwise the positions (T,) of the
         tokens in `idx`, for decoding with the cache allocated by `set_kv_cache`.
+        labels: Targets (B, T). Given, the forward returns the summed cross-entropy (fp32, IGNORE_INDEX
+        targets skipped) instead of the logits, computed in chunks (see `head_loss_sum`).
         """
         B, T = idx.shape
         if T > self.max_seq_length:
@@ -82,6 +85,8 @@ class GPT(nn.Module):
             mask = build_kv_cache_mask(input_pos, cache_length, self.config.sliding_window)  # (T, S)
         for block in self.blocks:
             x = block(x, cos, sin, mask, input_pos)
+        if labels is not None:
+            return head_loss_sum(self.lm_head, self.norm_f(x), labels)  # () fp32
         return self.lm_head(self.norm_f(x))  # (B, T, padded_vocab_size)
 
     # ---- KV cache for generation ------------------------------------------------------------------
@@ -169,6 +174,37 @@ class GPT(nn.Module):
         if self.config.tie_embeddings and self.lm_head.weight is not self.wte.weight:
             self.lm_head.weight = self.wte.weight
         return module
+
+
+IGNORE_INDEX = -100
+HEAD_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one loss chunk
+
+
+def head_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                  chunk_tokens: Optional[int] = None) -> torch.Tensor:
+    """Summed cross-entropy of ``head(hidden)`` against ``labels`` without the whole batch's logits.
+
+    Full logits cost (compute + 12) bytes per token and vocabulary entry once upcast, log-softmaxed and
+    differentiated: 8 GB for 16k tokens of a 128k vocabulary. Here the tokens go through the head in
+    chunks of about HEAD_CHUNK_BYTES of fp32 logits; each chunk's logits are recomputed in backward
+    (activation checkpointing), so only one chunk's exist at a time. When the batch fits in one chunk
+    there is nothing to save and no recomputation.
+    """
+    hidden, labels = hidden.flatten(0, 1), labels.flatten()  # (B * T, C), (B * T,)
+    vocab = head.out_features if hasattr(head, "out_features") else head.weight.size(0)
+    chunk_tokens = chunk_tokens or max(256, HEAD_CHUNK_BYTES // (4 * vocab))
+    if hidden.size(0) <= chunk_tokens:
+        return _chunk_loss_sum(head, hidden, labels)
+    from torch.utils.checkpoint import checkpoint
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for hidden_chunk, label_chunk in zip(hidden.split(chunk_tokens), labels.split(chunk_tokens)):
+        total = total + checkpoint(_chunk_loss_sum, head, hidden_chunk, label_chunk, use_reentrant=False)
+    return total
+
+
+def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 class Block(nn.Module):

@@ -13,8 +13,9 @@ tests/test_plan.py, which also checks the total against a measured peak):
 - A gated MLP (SwiGLU, GeGLU) keeps 4 · f + d elements; a plain GELU MLP 2 · f + d.
 - With activation checkpointing a block keeps only its input (d elements); one block's full set comes
   back at a time during backward, after the head's are freed.
-- The head and the loss keep the logits, their fp32 copy and log-softmax, and the backward pass adds
-  the logits' gradient: about (a + 12) · V bytes per token (a: compute dtype bytes).
+- The loss keeps the fp32 log-softmax of the logits and the backward pass adds two fp32 gradients the
+  size of the logits: about 12 · V bytes per token, but only for one
+  chunk of tokens at a time (llmtrain.model.head_loss_sum); the rest keep just their hidden state.
 """
 
 from __future__ import annotations
@@ -91,12 +92,19 @@ def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, check
     norms = 1 if config.shared_attention_norm else 2
     gated = config.mlp_class_name in ("LLaMAMLP", "GemmaMLP")
     layer = norms * norm + (2 * q + 4 * kv) * a + ((4 if gated else 2) * f + d) * a
-    head = norm + d * a + (a + 12) * config.padded_vocab_size
+    head = norm + d * a + 12 * config.padded_vocab_size
     if checkpointing:
         # A block keeps only its input. Its full activations return one block at a time during
         # backward, after the head's are freed, so the peak holds the larger of the two.
-        return {"layer": layer, "stack": config.n_layer * d * a, "head": max(head, layer)}
-    return {"layer": layer, "stack": config.n_layer * layer, "head": head}
+        return {"layer": layer, "stack": config.n_layer * d * a, "head": max(head, layer), "head_hidden": norm + d * a}
+    return {"layer": layer, "stack": config.n_layer * layer, "head": head, "head_hidden": norm + d * a}
+
+
+def head_chunk_tokens(config: Config) -> int:
+    """Tokens per loss chunk (llmtrain.model.head_loss_sum): the logits of more never exist at once."""
+    from llmtrain.model import HEAD_CHUNK_BYTES
+
+    return max(256, HEAD_CHUNK_BYTES // (4 * config.padded_vocab_size))
 
 
 def _block_parameters(config: Config) -> int:
@@ -148,7 +156,9 @@ def estimate_memory(config: Config, *, precision: Any, micro_batch_size: int, se
         params, gradients, optimizer = 2 * block * compute, block * compute, 0
     tokens = micro_batch_size * seq_len
     per_token = activation_bytes_per_token(config, precision.compute_dtype, activation_checkpointing)
-    activations = tokens * (per_token["stack"] + per_token["head"])
+    chunk = min(tokens, head_chunk_tokens(config))  # the loss's logits exist one chunk at a time
+    head = tokens * per_token["head_hidden"] + chunk * (per_token["head"] - per_token["head_hidden"])
+    activations = tokens * per_token["stack"] + head
     return MemoryEstimate(int(params), int(gradients), int(optimizer), int(activations))
 
 

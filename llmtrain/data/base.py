@@ -17,11 +17,10 @@ import numpy as np
 import torch
 
 from llmtrain.data.tokens import open_tokens
+from llmtrain.model import IGNORE_INDEX  # the label value the loss skips
 from llmtrain.tokenizer import Tokenizer
 
 Batch = dict[str, torch.Tensor]
-IGNORE_INDEX = -100
-"""Label value that the loss skips."""
 
 
 class DataModule:
