@@ -177,7 +177,7 @@ class GPT(nn.Module):
 
 
 IGNORE_INDEX = -100
-HEAD_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one loss chunk
+HEAD_CHUNK_BYTES = 2**30  # fp32 logits of one loss chunk: below this, no recomputation
 
 
 def head_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
