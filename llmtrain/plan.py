@@ -187,6 +187,17 @@ def checkpoint_bytes(config: Config, precision: Any, trainable_parameters: Optio
     return {"weights": weights, "step": weights + 2 * trainable * stored}
 
 
+def _shards(step_bytes: int, sharding: Optional[str], shard_size: int, state_dict_type: str, lora: bool) -> str:
+    """How a step checkpoint is written: one file from rank 0, or one shard per rank of a shard group (DCP writes
+    a replicated shard once, so HYBRID_SHARD's replicas add nothing on disk)."""
+    if lora or sharding in (None, "NO_SHARD") or shard_size == 1:
+        return " (one file, rank 0)"
+    if state_dict_type == "sharded":
+        return f" (sharded: {shard_size} shards of {_size(step_bytes // shard_size)})"
+    return f" (one file gathered on rank 0; --fsdp.state_dict_type sharded: {shard_size} shards of " \
+           f"{_size(step_bytes // shard_size)})"
+
+
 def dry_run(*, recipe: str, config: Config, precision: Any, train: Any, devices: int, num_nodes: int,
             strategy: str, fsdp: Any, dry: DryRunArgs, out_dir: Path, trainable_parameters: Optional[int] = None,
             quantize: Optional[str] = None, data: Any = None) -> None:
@@ -202,16 +213,20 @@ def dry_run(*, recipe: str, config: Config, precision: Any, train: Any, devices:
     if sharding == "HYBRID_SHARD" and world % num_nodes:
         raise ValueError(f"--devices {devices} × --num_nodes {num_nodes}: every node needs the same device count")
     shard_size = devices if sharding == "HYBRID_SHARD" else world
-    plan = batch_plan(train, world)
+    try:
+        plan, problem = batch_plan(train, world), None
+    except ValueError as error:  # still show the plan: the rest of it says how to choose the batch
+        plan, problem = None, str(error)
+    micro = train.micro_batch_size
     seq_len = train.max_seq_length or config.block_size
-    tokens_per_step = plan.global_batch_size * seq_len
+    tokens_per_step = train.global_batch_size * seq_len
     total = num_parameters(config)
     trainable = total if trainable_parameters is None else trainable_parameters
-    memory = estimate_memory(config, precision=precision, micro_batch_size=plan.micro_batch_size, seq_len=seq_len,
+    memory = estimate_memory(config, precision=precision, micro_batch_size=micro, seq_len=seq_len,
                              sharding=sharding, shard_size=shard_size,
                              activation_checkpointing=fsdp.activation_checkpointing, cpu_offload=fsdp.cpu_offload,
                              trainable_parameters=trainable_parameters, quantize=quantize,
-                             grad_accum_steps=plan.grad_accum_steps)
+                             grad_accum_steps=plan.grad_accum_steps if plan else 1)
     sizes = checkpoint_bytes(config, precision, trainable_parameters)
 
     steps = _planned_steps(train, tokens_per_step)
@@ -231,12 +246,15 @@ def dry_run(*, recipe: str, config: Config, precision: Any, train: Any, devices:
         f"{'; activation checkpointing' if fsdp.activation_checkpointing else ''}"
         f"{'; CPU offload' if fsdp.cpu_offload else ''}",
         f"precision    {precision.name} (weights {precision.param_dtype}, compute {precision.compute_dtype})",
-        f"batch        micro {plan.micro_batch_size} × {world} ranks × {plan.grad_accum_steps} accumulation steps "
-        f"= global {plan.global_batch_size} sequences of {seq_len} tokens",
+        f"batch        micro {micro} × {world} ranks × {plan.grad_accum_steps} accumulation steps "
+        f"= global {train.global_batch_size} sequences of {seq_len} tokens" if plan else
+        f"batch        PROBLEM: global {train.global_batch_size} is no multiple of micro {micro} × {world} ranks "
+        "(see the end)",
         f"tokens/step  {tokens_per_step:,}",
         f"length       {_describe_length(steps, tokens_per_step, train)}",
         f"memory       per device (estimate): {memory.describe()}",
-        f"checkpoint   weights {_size(sizes['weights'])}; each resumable step checkpoint {_size(sizes['step'])}",
+        f"checkpoint   weights {_size(sizes['weights'])}; each resumable step checkpoint {_size(sizes['step'])}"
+        f"{_shards(sizes['step'], sharding, shard_size, fsdp.state_dict_type, trainable < total)}",
     ]
     free = shutil.disk_usage(_existing_parent(out_dir)).free
     if free < sizes["step"]:
@@ -256,6 +274,8 @@ def dry_run(*, recipe: str, config: Config, precision: Any, train: Any, devices:
         total_s = f", {_duration(step_s * steps)} for {steps:,} steps" if steps else ""
         lines.append(f"time         {per_device:,.0f} tokens/s per device ({source}): {step_s:.2f} s per step{total_s}")
     print("\n".join(lines))
+    if problem is not None:
+        raise ValueError(f"this plan would not start: {problem}")
 
 
 def _planned_steps(train: Any, tokens_per_step: int) -> Optional[int]:

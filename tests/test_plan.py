@@ -102,6 +102,8 @@ def test_dry_run_plans_32_gpus_on_this_machine_quickly(tmp_path):
     assert "tokens/step  1,048,576" in out
     assert "2,861,023 steps" in out
     assert "memory       per device (estimate)" in out and "checkpoint   weights 4.10 GiB" in out
+    assert "step checkpoint 12.29 GiB (one file gathered on rank 0; --fsdp.state_dict_type sharded: 8 shards of " \
+           "1.54 GiB)" in out  # weights + two AdamW moments, fp32; HYBRID_SHARD's replicas write no extra copy
     assert "H100 at 40% MFU" in out
     assert not (tmp_path / "out").exists()  # nothing was written
 
@@ -125,3 +127,5 @@ def test_dry_run_still_rejects_bad_input(tmp_path):
     done = run_cli("pretrain", "tiny-llama-1.1b", "--devices", "8", "--num_nodes", "4", "--dry_run",
                    "--train.global_batch_size", "100", "--out_dir", str(tmp_path / "o"))
     assert done.returncode == 2 and "--train.global_batch_size 100" in done.stderr
+    assert "batch        PROBLEM: global 100 is no multiple of micro 4 × 32 ranks" in done.stdout  # the plan still shows
+    assert "memory       per device (estimate)" in done.stdout
