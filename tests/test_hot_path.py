@@ -1,4 +1,7 @@
-"""The training step's fast paths: chunked cross-entropy, fused AdamW."""
+"""The training step's fast paths: chunked cross-entropy, fused AdamW, no device reads between log steps,
+prefetched batches, asynchronous sharded saves."""
+
+import math
 
 import pytest
 import torch
@@ -111,3 +114,253 @@ def test_fused_adamw_matches_the_loop_implementation():
         results.append(params)
     for loop, fused in zip(*results):
         assert torch.allclose(loop, fused, rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------ host-device reads
+class Batches:
+    """Random token windows served as micro-batches, with a position like a data module's loader."""
+
+    def __init__(self, micro_batch_size, length=16):
+        self.generator = torch.Generator().manual_seed(1)
+        self.micro_batch_size, self.length, self.position = micro_batch_size, length, 0
+
+    epoch = property(lambda self: self.position / 1000)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.position += self.micro_batch_size
+        rows = torch.randint(0, 64, (self.micro_batch_size, self.length + 1), generator=self.generator)
+        return {"input_ids": rows[:, :-1], "labels": rows[:, 1:]}
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+class Rows:
+    def __init__(self):
+        self.rows = []
+
+    def log(self, metrics):
+        self.rows.append(dict(metrics))
+
+    def close(self):
+        pass
+
+
+def train_tiny(optimizer_kwargs, max_steps=8, log_interval=4):
+    from llmtrain.args import EvalArgs, TrainArgs, batch_plan
+    from llmtrain.distributed.runtime import Runtime
+    from llmtrain.train.loop import Fit, fit, plan_horizon
+    from llmtrain.train.precision import Precision
+
+    torch.manual_seed(0)
+    model = GPT(Config(**{**CONFIG, "vocab_size": 64, "padding_multiple": 64, "block_size": 16}))
+    model.init_weights()
+    train = TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=max_steps, lr_warmup_steps=0,
+                      save_interval=None, log_interval=log_interval, max_nonfinite_steps=3)
+    rows = Rows()
+    job = Fit(runtime=Runtime(), model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2,
+                                                                          **optimizer_kwargs),
+              train_loader=Batches(2), val_loader=None, train=train,
+              eval=EvalArgs(initial_validation=False, final_validation=False), plan=batch_plan(train, 1),
+              horizon=plan_horizon(train, 1, None), precision=Precision("32-true"),
+              save_checkpoint=lambda state: None, save_final=lambda state: None, loggers=[rows])
+    return job, rows
+
+
+def test_fused_adamw_steps_read_nothing_from_the_device_between_log_steps(monkeypatch):
+    """Every conversion of a tensor to Python is counted by the step it falls in; only log steps may have any.
+
+    A NaN at step 2 is skipped on the device and reported at step 4 (the next log step) with its number,
+    and the weights end where the host-decided skip of a foreach AdamW puts them.
+    """
+    from llmtrain.train import loop
+    from llmtrain.train.schedule import WarmupDecaySchedule
+
+    monkeypatch.setenv(loop.NAN_STEPS_ENV, "2")
+    reference, _ = train_tiny({"foreach": True})
+    loop.fit(reference)
+    job, rows = train_tiny({"fused": True})
+    assert loop._skips_on_device(job.optimizer, None) and not loop._skips_on_device(reference.optimizer, None)
+
+    reads = {}  # step being trained -> conversions counted
+    current = [0]
+    real_set_step = WarmupDecaySchedule.set_step
+
+    def set_step(self, step):
+        current[0] = step + 1
+        return real_set_step(self, step)
+
+    monkeypatch.setattr(WarmupDecaySchedule, "set_step", set_step)
+    for name in ("item", "cpu", "tolist", "__bool__", "__float__", "__int__", "__index__"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _real=real, **kwargs):
+            reads[current[0]] = reads.get(current[0], 0) + 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    loop.fit(job)
+    monkeypatch.undo()
+
+    assert [step for step in range(1, 9) if reads.get(step)] == [4, 8], reads
+    assert [(row["step"], math.isnan(row["grad_norm"])) for row in rows.rows if row.get("skipped")] == [(2, True)]
+    assert [row["step"] for row in rows.rows if "loss" in row] == [4, 8]
+    assert all(0 <= row["data_wait_fraction"] < 1 for row in rows.rows if "loss" in row)
+    assert job.optimizer.state[next(iter(job.model.parameters()))]["step"] == 7  # the skipped step is not counted
+    for fused, foreach in zip(job.model.parameters(), reference.model.parameters()):
+        assert torch.allclose(fused, foreach, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ asynchronous saves
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the single-process write, in its thread
+def test_an_async_save_is_no_checkpoint_until_its_write_finished(tmp_path):
+    """Killed between save() and wait(), an async save leaves only a temporary directory: resume ignores it."""
+    from llmtrain import checkpoint as layout
+    from llmtrain.distributed.checkpoint import ShardedCheckpointer
+    from llmtrain.distributed.runtime import Runtime
+    from llmtrain.train.loop import TrainState
+
+    job, _ = train_tiny({"fused": True}, max_steps=1)
+    checkpointer = ShardedCheckpointer(runtime=Runtime(), out_dir=tmp_path, model=job.model,
+                                       optimizer=job.optimizer, train_loader=job.train_loader,
+                                       model_config=job.model.config, tokenizer=None, hyperparameters=None,
+                                       async_save=True)
+    weights = {name: p.detach().clone() for name, p in job.model.named_parameters()}
+    checkpointer.save(TrainState(step=1, tokens=64))
+    with torch.no_grad():  # training goes on while the write runs: the checkpoint keeps the staged weights
+        for p in job.model.parameters():
+            p.add_(1.0)
+    assert layout.list_checkpoints(tmp_path) == [] and layout.latest_checkpoint(tmp_path) is None
+    checkpointer.wait()
+    assert [step for step, _ in layout.list_checkpoints(tmp_path)] == [1]
+    fresh, _ = train_tiny({"fused": True}, max_steps=1)
+    reader = ShardedCheckpointer(runtime=Runtime(), out_dir=tmp_path, model=fresh.model, optimizer=fresh.optimizer,
+                                 train_loader=fresh.train_loader, model_config=None, tokenizer=None,
+                                 hyperparameters=None)
+    reader.load(tmp_path / "step-00000001", TrainState())
+    for name, p in fresh.model.named_parameters():
+        assert torch.equal(p, weights[name]), name
+
+
+def test_async_flag_needs_the_sharded_format():
+    from llmtrain.distributed.parallelize import FSDPArgs
+
+    with pytest.raises(ValueError, match="--fsdp.async_save true needs --fsdp.state_dict_type sharded"):
+        FSDPArgs(async_save=True)
+    assert FSDPArgs(async_save=True, state_dict_type="sharded").async_save
+    from llmtrain.distributed.checkpoint import build_checkpointer
+
+    with pytest.raises(ValueError, match="--fsdp.async_save true needs --fsdp.state_dict_type sharded"):
+        build_checkpointer("full", async_save=True)
+
+
+def test_two_workers_async_checkpoints_equal_sync_ones_and_resume(tmp_path, dist_env):
+    """FSDP on 2 gloo workers: every async checkpoint holds exactly the sync one's state, and resumes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    model_file = tmp_path / "tiny.yaml"
+    model_file.write_text(yaml.safe_dump({**CONFIG, "vocab_size": 1100, "padding_multiple": 64}))
+    root = Path(__file__).resolve().parents[1]
+
+    def run(out_dir, *extra):
+        command = [sys.executable, "-m", "llmtrain", "pretrain", "--model_config", str(model_file), "--out_dir",
+                   str(out_dir), "--data", "BuiltinStories", "--data.num_documents", "200",
+                   "--data.num_val_documents", "20", "--train.global_batch_size", "4", "--train.micro_batch_size",
+                   "2", "--train.max_seq_length", "32", "--eval.interval", "100", "--eval.initial_validation",
+                   "false", "--eval.final_validation", "false", "--train.max_steps", "4", "--train.save_interval",
+                   "2", "--fsdp.state_dict_type", "sharded", *extra]
+        done = subprocess.run(command, env=dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path / "cache")), cwd=root,
+                              capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    run(tmp_path / "sync", "--devices", "2")
+    run(tmp_path / "async", "--devices", "2", "--fsdp.async_save", "true")
+    for step in ("step-00000002", "step-00000004"):
+        states = []
+        for kind in ("sync", "async"):
+            dcp_to_torch_save(tmp_path / kind / step / "dcp", tmp_path / f"{kind}-{step}.pt")
+            states.append(torch.load(tmp_path / f"{kind}-{step}.pt", weights_only=False))
+        flat = [dict(_flatten(state)) for state in states]
+        assert flat[0].keys() == flat[1].keys() and any("exp_avg" in key for key in flat[0])
+        for key, value in flat[0].items():
+            assert torch.equal(value, flat[1][key]) if torch.is_tensor(value) else value == flat[1][key], key
+        assert not list((tmp_path / "async").glob(".step-*"))
+
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    import shutil
+
+    shutil.copytree(tmp_path / "async" / "step-00000002", resumed / "step-00000002")
+    run(resumed, "--devices", "1", "--resume", "auto")
+    final = load_file(str(resumed / "final" / "model.safetensors"))
+    for name, tensor in load_file(str(tmp_path / "sync" / "final" / "model.safetensors")).items():
+        assert torch.allclose(final[name], tensor, atol=1e-5), name
+
+
+def _flatten(value, prefix=""):
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _flatten(item, f"{prefix}{key}.")
+    else:
+        yield prefix, value
+
+
+# ------------------------------------------------------------------------------ prefetching
+def slow_loader(prefetch, seconds=0.04):
+    import time
+
+    import numpy as np
+
+    from llmtrain.data.base import TrainLoader
+
+    def make_batch(indices):
+        time.sleep(seconds)  # reading and tokenizing
+        rows = torch.as_tensor(np.stack([np.arange(i, i + 9) for i in indices.tolist()]))
+        return {"input_ids": rows[:, :-1], "labels": rows[:, 1:]}
+
+    loader = TrainLoader(50, make_batch, micro_batch_size=2, dp_rank=1, dp_size=2, seed=3)
+    loader.prefetch = prefetch
+    return loader
+
+
+def test_prefetch_hides_batch_making_and_keeps_the_exact_position():
+    import time
+
+    eager, ahead = slow_loader(0), slow_loader(2)
+    waits = {}
+    for name, loader in (("eager", eager), ("ahead", ahead)):
+        batches, waited = [], 0.0
+        for index in range(30):
+            start = time.perf_counter()
+            batches.append(next(loader))
+            waited += time.perf_counter() - start
+            time.sleep(0.05)  # the training step
+            if index == 11:
+                state = loader.state_dict()  # a checkpoint: only the batches handed out count
+                assert state["samples_consumed"] == 12 * 4
+        waits[name] = waited
+        assert loader.samples_consumed == 30 * 4
+        if name == "ahead":
+            for mine, reference in zip(batches, eager_batches):
+                assert torch.equal(mine["input_ids"], reference["input_ids"])
+            resumed = slow_loader(2)
+            resumed.load_state_dict(state)
+            for reference in eager_batches[12:16]:
+                assert torch.equal(next(resumed)["input_ids"], reference["input_ids"])
+            ahead.load_state_dict(state)  # a loader that moved back drops what it made for later positions
+            assert torch.equal(next(ahead)["input_ids"], eager_batches[12]["input_ids"])
+        eager_batches = batches
+    print(f"waiting for 30 batches: eager {waits['eager']:.2f} s, prefetched {waits['ahead']:.2f} s")
+    assert waits["eager"] > 30 * 0.04 and waits["ahead"] < 0.3 * waits["eager"]

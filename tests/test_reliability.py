@@ -533,12 +533,11 @@ class RecordingLoader(TrainLoader):
     at chosen positions signals its own process or crashes."""
 
     def __init__(self, num_samples: int, record: list, interrupt_at: dict):
-        super().__init__(num_samples, self._make_batch, micro_batch_size=2, seed=7)
+        super().__init__(num_samples, random_batches, micro_batch_size=2, seed=7)
         self.record, self.interrupt_at = record, interrupt_at
-
-    def _make_batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
-        self.record.append((self.samples_consumed - self.micro_batch_size, indices.tolist()))
-        return random_batches(indices)
+        # Batches are made ahead in a thread; what counts is what is served, named by its contents.
+        every = random_batches(range(num_samples))["input_ids"]
+        self.sample_of = {tuple(row.tolist()): i for i, row in enumerate(every)}
 
     def __next__(self):
         action = self.interrupt_at.pop(self.samples_consumed, None)
@@ -546,7 +545,10 @@ class RecordingLoader(TrainLoader):
             raise SimulatedCrash(f"killed at sample {self.samples_consumed}")
         if action is not None:
             os.kill(os.getpid(), action)  # the real path: handler, stop vote, checkpoint, Preempted
-        return super().__next__()
+        position = self.samples_consumed
+        batch = super().__next__()
+        self.record.append((position, [self.sample_of[tuple(row.tolist())] for row in batch["input_ids"]]))
+        return batch
 
 
 def train_epochs(out_dir: Path, record: list, interrupt_at: dict) -> None:

@@ -9,6 +9,8 @@ A batch is ``{"input_ids": LongTensor (B, T), "labels": LongTensor (B, T)}``; la
 inputs shifted by one, and -100 marks positions that must not count in the loss.
 """
 
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -92,7 +94,17 @@ class TrainLoader:
     [r*B, (r+1)*B) of them. The global order is one permutation of the samples per epoch,
     seeded by (seed, epoch), and epochs follow one another without a seam. So the position
     means the same thing at any number of ranks, and a restored loader continues exactly.
+
+    A background thread makes the next ``prefetch`` micro-batches while the current ones train
+    (pinned when ``pin_memory`` is set, for an asynchronous copy to the GPU). A batch is a function of
+    its position alone and ``samples_consumed`` counts only the batches handed out, so prefetching
+    never moves the position a checkpoint saves.
     """
+
+    prefetch = 2
+    """Micro-batches made ahead (0: make each one when asked)."""
+    pin_memory = False
+    """Pin prefetched batches in page-locked memory; the training loop sets it when it trains on CUDA."""
 
     def __init__(
         self,
@@ -117,6 +129,8 @@ class TrainLoader:
         self.shuffle = shuffle
         self.samples_consumed = 0
         self._orders: dict[int, np.ndarray] = {}
+        self._ahead: deque[tuple[int, Future]] = deque()  # (position, batch being made), in order
+        self._worker: Optional[ThreadPoolExecutor] = None
 
     @property
     def epoch(self) -> float:
@@ -127,10 +141,31 @@ class TrainLoader:
         return self
 
     def __next__(self) -> Batch:
-        start = self.samples_consumed + self.dp_rank * self.micro_batch_size
-        indices = self._global_order(np.arange(start, start + self.micro_batch_size))
-        self.samples_consumed += self.dp_size * self.micro_batch_size
-        return self.make_batch(indices)
+        if not self.prefetch:
+            batch = self._batch_at(self.samples_consumed)
+            self.samples_consumed += self.dp_size * self.micro_batch_size
+            return batch
+        if self._worker is None:
+            # NOTE: one thread makes every batch, so the permutation cache needs no lock.
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmtrain-prefetch")
+        while self._ahead and self._ahead[0][0] != self.samples_consumed:  # made for a position since left
+            self._ahead.popleft()[1].cancel()
+        if not self._ahead:
+            self._ahead.append((self.samples_consumed, self._worker.submit(self._batch_at, self.samples_consumed)))
+        step = self.dp_size * self.micro_batch_size
+        while len(self._ahead) <= self.prefetch:
+            position = self._ahead[-1][0] + step
+            self._ahead.append((position, self._worker.submit(self._batch_at, position)))
+        batch = self._ahead.popleft()[1].result()
+        self.samples_consumed += step
+        return batch
+
+    def _batch_at(self, position: int) -> Batch:
+        start = position + self.dp_rank * self.micro_batch_size
+        batch = self.make_batch(self._global_order(np.arange(start, start + self.micro_batch_size)))
+        if self.pin_memory:
+            batch = {key: value.pin_memory() for key, value in batch.items()}
+        return batch
 
     def state_dict(self) -> dict:
         return {

@@ -154,14 +154,24 @@ class ShardedCheckpointer:
     """Every rank writes its own shards of model and optimizer with DCP; loads at any world size.
 
     Same interface as :class:`llmtrain.train.checkpointer.FullCheckpointer`; every rank calls
-    :meth:`save`, :meth:`save_final` and :meth:`load` together. The checkpoint directory must be on
-    a file system that every rank sees.
+    :meth:`save`, :meth:`save_final`, :meth:`load` and :meth:`wait` together. The checkpoint directory
+    must be on a file system that every rank sees.
+
+    ``async_save`` (``--fsdp.async_save``): :meth:`save` returns once the shards are copied to host
+    memory; a background thread writes them. The checkpoint becomes complete (marker, rename) only in
+    :meth:`wait`, after every rank's write finished, which the next save, ``save_final`` and a stop call
+    first; a process killed before then leaves only a temporary directory that resume never picks.
     """
 
     def __init__(self, *, runtime: Runtime, out_dir: Path, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, train_loader: Any, model_config: Any, tokenizer: Any,
                  hyperparameters: dict, scaler: Optional[torch.amp.GradScaler] = None,
-                 write_extras: Optional[Callable[[Path], None]] = None, keep_last: Optional[int] = None) -> None:
+                 write_extras: Optional[Callable[[Path], None]] = None, keep_last: Optional[int] = None,
+                 async_save: bool = False) -> None:
+        self.async_save = async_save
+        self._pending: Optional[tuple] = None  # (future, temporary dir, target, marker) of an unfinished async save
+        self._async_group: Any = None
+        self._stager: Any = None  # keeps its host copies between saves: no fresh allocation per save
         self.runtime = runtime
         self.write_extras = write_extras
         self.keep_last = keep_last
@@ -179,6 +189,7 @@ class ShardedCheckpointer:
         """Write ``out_dir/step-NNNNNNNN/`` atomically: all ranks fill one temporary directory, rank 0 renames it."""
         target = self.out_dir / layout.step_dir_name(state.step)
         layout.check_finite_weights(self.model, self.runtime, target)
+        self.wait()  # one write at a time; the previous one becomes a checkpoint first
         # Same name on every rank: the shards of all ranks meet in one directory.
         tmp = self.out_dir / f".{target.name}.tmp"
         if self.runtime.is_main:
@@ -187,12 +198,20 @@ class ShardedCheckpointer:
         self.runtime.barrier()
 
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        states = {"model": model_state, "optimizer": optimizer_state}
+        future = None
         with _single_process_quietly():
-            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp / DCP_DIR),
-                     no_dist=not _is_distributed())
+            if self.async_save:
+                # NOTE: the background write's collectives get a group of their own (gloo), so they never
+                # interleave with the training's collectives on the default group.
+                if self._async_group is None and _is_distributed():
+                    self._async_group = torch.distributed.new_group(backend="gloo")
+                future = dcp.async_save(states, checkpoint_id=str(tmp / DCP_DIR), process_group=self._async_group,
+                                        async_stager=self._host_stager(), no_dist=not _is_distributed())
+            else:
+                dcp.save(states, checkpoint_id=str(tmp / DCP_DIR), no_dist=not _is_distributed())
         rng_states = self.runtime.all_gather_object(layout.capture_rng_state())
         if self.runtime.is_main:
-            layout.pause_during_save()
             training_state = {
                 "train_state": state.state_dict(),
                 "data": self.train_loader.state_dict(),
@@ -203,17 +222,51 @@ class ShardedCheckpointer:
             }
             torch.save(training_state, tmp / layout.STATE_FILE)
             self._write_metadata_files(tmp)
-            _write_marker(tmp, {"kind": "training", "format": "sharded", "step": state.step, "tokens": state.tokens,
-                                "world_size": self.runtime.world_size})
+        marker = {"kind": "training", "format": "sharded", "step": state.step, "tokens": state.tokens,
+                  "world_size": self.runtime.world_size}
+        self._pending = (future, tmp, target, marker)
+        if future is None:
+            self.wait()
+        return target
+
+    def wait(self) -> None:
+        """Finish the pending save, if any: wait for its write on every rank, then mark it complete and install it."""
+        if self._pending is None:
+            return
+        future, tmp, target, marker = self._pending
+        self._pending = None
+        if future is not None:
+            future.result()  # this rank's shards are written (rank 0's also wrote .metadata: all ranks are)
+            self.runtime.barrier()
+        if self.runtime.is_main:
+            layout.pause_during_save()
+            _write_marker(tmp, marker)
             layout.install_dir(tmp, target)
         self.runtime.barrier()
         self.last_saved = target
         if self.runtime.is_main:
             layout.prune_checkpoints(self.out_dir, self.keep_last, keep=target)
-        return target
+
+    def _host_stager(self) -> Any:
+        """Copies the state to host memory before save() returns, into the same buffers at every save.
+
+        Pinned on CUDA for a fast copy. NOTE: the copy itself is synchronous: staging in a background
+        thread would race the next optimizer step, which updates the weights in place.
+        """
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = self.runtime.device.type == "cuda"
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+        return self._stager
 
     def save_final(self, state: TrainState) -> Path:
         """``final/`` is a full model directory (model.safetensors), gathered from the shards on rank 0."""
+        self.wait()
+        if self._stager is not None:  # training is over: give the host copies back
+            self._stager.close()
+            self._stager = None
         target = self.out_dir / "final"
         layout.check_finite_weights(self.model, self.runtime, target)
         model_state = gather_full_model_state(self.model)
@@ -301,14 +354,17 @@ def restore_training_state(training_state: dict, state: TrainState, train_loader
     layout.restore_rng_state(rng_states[rank] if rank < len(rng_states) else rng_states[0])
 
 
-def build_checkpointer(state_dict_type: CheckpointFormat, **arguments: Any):
+def build_checkpointer(state_dict_type: CheckpointFormat, async_save: bool = False, **arguments: Any):
     """The checkpointer that writes ``state_dict_type`` checkpoints (resume with :func:`load_checkpoint`).
 
     ``arguments`` are FullCheckpointer's: runtime, out_dir, model, optimizer, train_loader,
-    model_config, tokenizer, hyperparameters, scaler.
+    model_config, tokenizer, hyperparameters, scaler. ``async_save`` needs the sharded format.
     """
     if state_dict_type == "sharded":
-        return ShardedCheckpointer(**arguments)
+        return ShardedCheckpointer(**arguments, async_save=async_save)
+    if async_save:
+        raise ValueError("--fsdp.async_save true needs --fsdp.state_dict_type sharded (a full checkpoint is "
+                         "gathered and written by rank 0 alone)")
     if state_dict_type == "full":
         from llmtrain.train.checkpointer import FullCheckpointer
 

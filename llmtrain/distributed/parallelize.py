@@ -57,6 +57,10 @@ class FSDPArgs:
     skip_gradient_sync: bool = True
     """Reduce gradients only after the last micro-batch of a step: less communication, but under FSDP each
     rank holds unsharded gradients during accumulation. Applies to DDP too."""
+    async_save: bool = False
+    """Write sharded checkpoints in a background thread: training waits only while the shards are copied to
+    host memory (one more copy of model and optimizer state there). A checkpoint counts only once its
+    write has finished, so a kill during it leaves none that resume picks. Needs state_dict_type sharded."""
 
     def __post_init__(self) -> None:
         if self.sharding_strategy is not None and self.sharding_strategy not in SHARDING_STRATEGIES:
@@ -64,6 +68,9 @@ class FSDPArgs:
                              f"{', '.join(SHARDING_STRATEGIES)} (or null for the default)")
         if self.state_dict_type not in ("full", "sharded"):
             raise ValueError(f"--fsdp.state_dict_type {self.state_dict_type!r} must be `full` or `sharded`")
+        if self.async_save and self.state_dict_type != "sharded":
+            raise ValueError("--fsdp.async_save true needs --fsdp.state_dict_type sharded (a full checkpoint is "
+                             "gathered and written by rank 0 alone)")
 
 
 @dataclass

@@ -121,6 +121,7 @@ def _run(spec: RunSpec, runtime: Any) -> None:
     job = Fit(runtime=runtime, model=model, optimizer=optimizer, train_loader=train_loader, val_loader=val_loader,
               train=spec.train, eval=spec.eval, plan=plan, horizon=horizon, precision=spec.precision,
               save_checkpoint=checkpointer.save, save_final=checkpointer.save_final,
+              wait_for_checkpoint=getattr(checkpointer, "wait", None),
               loggers=build_loggers(spec.logger_name, spec.out_dir, state.step if spec.resume_from else None,
                                     spec.hyperparameters)
               if runtime.is_main else [],
@@ -218,5 +219,8 @@ def _build_checkpointer(spec: RunSpec, **arguments: Any) -> Any:
     arguments.update(out_dir=spec.out_dir, model_config=spec.config, hyperparameters=spec.hyperparameters,
                      keep_last=spec.train.keep_last)
     if spec.lora is not None:
+        if spec.fsdp.async_save:
+            raise ValueError("--fsdp.async_save is for sharded checkpoints; LoRA checkpoints hold only the "
+                             "adapters and are written by rank 0: drop --fsdp.async_save")
         return LoRACheckpointer(**arguments)
-    return build_checkpointer(spec.fsdp.state_dict_type, **arguments)
+    return build_checkpointer(spec.fsdp.state_dict_type, async_save=spec.fsdp.async_save, **arguments)

@@ -12,13 +12,18 @@ no optimizer step, gradients zeroed, the fp16 loss scale backed off; it is logge
 ``--train.max_nonfinite_steps`` of them in a row stop the run. The norm is already reduced over all
 ranks (the DDP gradients are, the FSDP norm is all-reduced by clipping), so every rank decides alike.
 
-Host-device synchronisation: once per step, after clipping, the host reads three numbers (whether
-the norm is finite, the step's token count, the stop votes) to decide whether to call the
-optimizer. That read replaces the blocking copy of the counts to the device that the loop made
-before (it waited for the previous step to finish); the counts now travel asynchronously from pinned
-memory, so a step still holds one synchronisation, plus more at log, eval and checkpoint intervals.
-(A device-side skip without any read exists only for fused optimizers, through their ``found_inf``
-argument; a generic optimizer must be told on the host whether to step.)
+Host-device synchronisation. A generic optimizer must be told on the host whether to step, so once
+per step, after clipping, the host reads three numbers (whether the norm is finite, the step's token
+count, the stop votes); the counts travel to the device asynchronously from pinned memory, so that
+read is the step's only synchronisation, plus more at log, eval and checkpoint intervals.
+Optimizers that take ``found_inf`` (fused Adam/AdamW, the default, without an fp16 loss scaler) read
+nothing from the device between those intervals: the optimizer skips a non-finite step on the device
+(its step counter too), the loss sums mask it out, and the norms of the steps since the last read are
+read together at the next log or checkpoint step, where skipped steps are logged with their step
+numbers and ``--train.max_nonfinite_steps`` is enforced (before any save, so the limit still holds
+at every checkpoint; a skipped step leaves the weights finite anyway). The input-token counts, stop
+votes and ``--train.max_time`` votes, known on the host, meet in an all-reduce over a CPU (gloo)
+group after each step, so every rank still stops after the same step without waiting for the device.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -141,6 +147,8 @@ class Fit:
     """Writes a training checkpoint for the given state (all ranks call it)."""
     save_final: Callable[["TrainState"], Any]
     """Writes the final model directory (all ranks call it)."""
+    wait_for_checkpoint: Optional[Callable[[], Any]] = None
+    """Completes an asynchronous checkpoint write still under way (all ranks call it; ``save_final`` does too)."""
     loggers: list = field(default_factory=list)
     flops_per_token: Optional[float] = None
     peak_flops_per_device: Optional[float] = None
@@ -166,6 +174,10 @@ def fit(job: Fit) -> TrainState:
     with catch_stop_signals() as stop_request:
         try:
             return _train(job, stop_request)
+        except (Preempted, NonFiniteError):  # every rank raises these alike, so every rank can still wait
+            if job.wait_for_checkpoint is not None:
+                job.wait_for_checkpoint()
+            raise
         finally:
             if job.console is not None:
                 job.console.close()
@@ -182,6 +194,8 @@ def _train(job: Fit, stop_request: StopRequest) -> TrainState:
     scaler = job.scaler
     console = job.console = job.console or Console(horizon.total_steps, state.step, enabled=runtime.is_main)
     params = [p for p in model.parameters() if p.requires_grad]
+    if runtime.device.type == "cuda" and hasattr(job.train_loader, "pin_memory"):
+        job.train_loader.pin_memory = True  # prefetched batches arrive pinned: their copies below do not block
     train_iter = iter(job.train_loader)
     faults = InjectedFaults.from_env()
 
@@ -193,15 +207,24 @@ def _train(job: Fit, stop_request: StopRequest) -> TrainState:
     model.train()
     loss_sum = torch.zeros((), device=runtime.device)  # summed token losses of the updates since the last log
     target_sum = torch.zeros((), device=runtime.device)
-    interval_start, interval_tokens, interval_updates = time.perf_counter(), 0, 0
+    interval_updates = torch.zeros((), device=runtime.device)  # optimizer steps taken since the last log
+    interval_start, interval_tokens = time.perf_counter(), 0
     interval_data_wait = 0.0  # seconds spent waiting for batches since the last log
     run_start, elapsed_at_start = time.perf_counter(), state.elapsed_s
     last_saved_step = state.step if state.step else None
     max_norm = job.train.max_norm if job.train.max_norm is not None else float("inf")
     skipped_in_a_row = 0
     stop_signal = ""  # why some rank asked to stop, once the ranks have agreed on it
+    on_device = _skips_on_device(optimizer, scaler)
+    host_group = _host_group(runtime) if on_device else None
+    unread: list[tuple] = []  # on_device: (step, tokens, epoch, grad norm) of the steps whose norm is unread
+    time_over: Optional[bool] = None  # on_device: the ranks' agreed --train.max_time vote after the last step
 
-    while not (reason := _stop_reason(job, state) or stop_signal):
+    def read_skips() -> None:
+        nonlocal skipped_in_a_row
+        skipped_in_a_row = _read_skipped(job, unread, skipped_in_a_row, console)
+
+    while not (reason := _stop_reason(job, state, time_over) or stop_signal):
         faults.crash_before(state.step + 1, runtime)
         lr = schedule.set_step(state.step)
         fetch_start = time.perf_counter()
@@ -209,8 +232,9 @@ def _train(job: Fit, stop_request: StopRequest) -> TrainState:
         interval_data_wait += time.perf_counter() - fetch_start
         local_input_tokens = sum(b["input_ids"].numel() for b in micro_batches)
         # The step's one all-reduce before the forward: target tokens, input tokens, and stop votes.
-        counts = _to_device([sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches),
-                             local_input_tokens, float(stop_request.requested)], runtime.device)
+        host_counts = torch.tensor([0.0, local_input_tokens, float(stop_request.requested)], dtype=torch.float64)
+        host_counts[0] = sum((b["labels"] != IGNORE_INDEX).sum() for b in micro_batches)  # no read: a tensor
+        counts = _to_device(host_counts, runtime.device)
         runtime.all_reduce(counts)
         # Each rank's loss is its share of (sum over the step's tokens) / (token count of the step);
         # DDP and FSDP average gradients over ranks, hence the factor data_parallel_size.
@@ -231,37 +255,58 @@ def _train(job: Fit, stop_request: StopRequest) -> TrainState:
         if scaler:
             scaler.unscale_(optimizer)
         grad_norm = _replicated(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        # NOTE: the step's one host-device synchronisation (module docstring). The norm is already
-        # reduced over all ranks, so every rank takes the same decision without another collective.
-        finite, step_tokens, stop_votes = torch.cat(
-            [torch.isfinite(grad_norm).reshape(1).to(counts), counts[1:]]).tolist()
-        if finite:
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            loss_sum += step_loss
-            target_sum += counts[0].float()
-            interval_updates += 1
-            skipped_in_a_row = 0
+        if on_device:
+            # No read (module docstring): the norm, reduced over all ranks, skips the step on the device.
+            finite = torch.isfinite(grad_norm)
+            optimizer.found_inf = (~finite).float()
+            optimizer.step()
+            loss_sum += torch.where(finite, step_loss, 0.0)
+            target_sum += torch.where(finite, counts[0].float(), 0.0)
+            interval_updates += finite
         else:
-            skipped_in_a_row += _skip_update(scaler)
+            # NOTE: the step's one host-device synchronisation (module docstring). The norm is already
+            # reduced over all ranks, so every rank takes the same decision without another collective.
+            finite, step_tokens, stop_votes = torch.cat(
+                [torch.isfinite(grad_norm).reshape(1).to(counts), counts[1:]]).tolist()
+            if finite:
+                if scaler:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+                loss_sum += step_loss
+                target_sum += counts[0].float()
+                interval_updates += 1
+                skipped_in_a_row = 0
+            else:
+                skipped_in_a_row += _skip_update(scaler)
         optimizer.zero_grad(set_to_none=True)
 
         state.step += 1
         console.advance(state.step)
+        state.elapsed_s = elapsed_at_start + time.perf_counter() - run_start
+        if on_device:
+            time_limit = horizon.max_time
+            step_tokens, stop_votes, time_votes = _host_sum(
+                [local_input_tokens, float(stop_request.requested),
+                 float(time_limit is not None and state.elapsed_s >= time_limit)], host_group)
+            time_over = time_votes > 0
         state.tokens += int(step_tokens)
         interval_tokens += int(step_tokens)
-        state.elapsed_s = elapsed_at_start + time.perf_counter() - run_start
         if stop_votes > 0:
             stop_signal = f"got {stop_request.name}" if stop_request.requested else "another rank got a stop signal"
-        if not finite:
-            _report_skipped(job, state, float(grad_norm), skipped_in_a_row, console)
+        if on_device:
+            unread.append((state.step, state.tokens, job.train_loader.epoch, grad_norm.detach()))
+        elif not finite:
+            _report_skipped(job, state.step, state.tokens, job.train_loader.epoch, float(grad_norm),
+                            skipped_in_a_row, console)
 
+        save_now = bool(job.train.save_interval and state.step % job.train.save_interval == 0)
+        if state.step % job.train.log_interval == 0 or save_now:
+            read_skips()
         if state.step % job.train.log_interval == 0:
             runtime.all_reduce(loss_sum)
-            if interval_updates:  # the same on every rank: the skip decision is
+            if interval_updates.item():  # the same on every rank: the skip decision is
                 loss_value = (loss_sum / target_sum.clamp(min=1)).item()
                 seconds = time.perf_counter() - interval_start
                 metrics = _step_metrics(job, state, loss_value, lr, float(grad_norm), interval_tokens / seconds)
@@ -269,7 +314,8 @@ def _train(job: Fit, stop_request: StopRequest) -> TrainState:
                 _log(job, metrics, console)
             loss_sum.zero_()
             target_sum.zero_()
-            interval_start, interval_tokens, interval_updates = time.perf_counter(), 0, 0
+            interval_updates.zero_()
+            interval_start, interval_tokens = time.perf_counter(), 0
             interval_data_wait = 0.0
         if job.val_loader is not None and state.step % job.eval.interval == 0:
             val_loss = validate(job)
@@ -277,10 +323,11 @@ def _train(job: Fit, stop_request: StopRequest) -> TrainState:
                        "val_ppl": math.exp(min(val_loss, 50))}, console,
                  line=f"step {state.step} | val_loss {val_loss:.4f}")
             model.train()
-        if job.train.save_interval and state.step % job.train.save_interval == 0:
+        if save_now:
             job.save_checkpoint(state)
             last_saved_step = state.step
 
+    read_skips()  # before any save below, and so that every skipped step is logged
     state.stop_reason = reason
     console.print(f"stopping after step {state.step}: {reason}")
     if reason == stop_signal:
@@ -299,13 +346,56 @@ def _train(job: Fit, stop_request: StopRequest) -> TrainState:
     return state
 
 
-def _to_device(values: list[float], device: torch.device) -> torch.Tensor:
-    """A small float64 tensor on ``device``, copied without waiting for the device to finish its queue."""
-    host = torch.tensor(values, dtype=torch.float64)
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device``, copied without waiting for the device to finish its queue."""
     if device.type == "cuda":
         # NOTE: a copy from pageable memory blocks until the GPU has drained its queue (a host-device sync).
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def _skips_on_device(optimizer: torch.optim.Optimizer, scaler: Optional[torch.amp.GradScaler]) -> bool:
+    """Whether the optimizer skips a step itself given ``found_inf`` (as for GradScaler: fused Adam, AdamW, SGD).
+
+    With an fp16 scaler the loop keeps the host decision: the scale is backed off on every rank alike.
+    """
+    return scaler is None and bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def _host_group(runtime: Runtime) -> Any:
+    """A process group over CPU (gloo) for numbers the host knows; None in a single process."""
+    if not runtime.is_distributed:
+        return None
+    import torch.distributed as dist
+
+    # NOTE: every rank calls this at the same point of fit(): creating a group is a collective.
+    return dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
+def _host_sum(values: list[float], group: Any) -> list[float]:
+    """Sum host numbers over the ranks of ``group`` without touching the device queue."""
+    buffer = np.array(values, dtype=np.float64)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(torch.from_numpy(buffer), group=group)  # in place: the tensor shares the array
+    return buffer.tolist()
+
+
+def _read_skipped(job: Fit, unread: list[tuple], in_a_row: int, console: Console) -> int:
+    """Read the norms of the steps in ``unread`` at once, report the skipped ones; returns the run of skips."""
+    if not unread:
+        return in_a_row
+    norms = torch.stack([record[3] for record in unread]).tolist()
+    records = [(*record[:3], norm) for record, norm in zip(unread, norms)]
+    unread.clear()
+    for step, tokens, epoch, norm in records:
+        if math.isfinite(norm):
+            in_a_row = 0
+            continue
+        in_a_row += 1
+        _report_skipped(job, step, tokens, epoch, norm, in_a_row, console)
+    return in_a_row
 
 
 def _replicated(grad_norm: torch.Tensor) -> torch.Tensor:
@@ -333,17 +423,18 @@ class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had a NaN or inf gradient norm."""
 
 
-def _report_skipped(job: Fit, state: TrainState, grad_norm: float, in_a_row: int, console: Console) -> None:
+def _report_skipped(job: Fit, step: int, tokens: int, epoch: float, grad_norm: float, in_a_row: int,
+                    console: Console) -> None:
     """Log a skipped step (a console line, a metrics row with ``skipped`` 1); stop after too many in a row."""
     limit = job.train.max_nonfinite_steps
-    _log(job, {"step": state.step, "tokens": state.tokens, "epoch": job.train_loader.epoch, "grad_norm": grad_norm,
-               "skipped": 1, "elapsed_s": state.elapsed_s}, console,
-         line=f"step {state.step} | skipped: the gradient norm is {grad_norm}, no update "
+    _log(job, {"step": step, "tokens": tokens, "epoch": epoch, "grad_norm": grad_norm, "skipped": 1,
+               "elapsed_s": job.state.elapsed_s}, console,
+         line=f"step {step} | skipped: the gradient norm is {grad_norm}, no update "
               f"({in_a_row} in a row; --train.max_nonfinite_steps {limit})")
     if in_a_row >= limit:
         raise NonFiniteError(
             f"the gradient norm was NaN or inf in {limit} optimizer steps in a row (steps "
-            f"{state.step - limit + 1}-{state.step}; --train.max_nonfinite_steps {limit}), so training stopped. "
+            f"{step - limit + 1}-{step}; --train.max_nonfinite_steps {limit}), so training stopped. "
             "Those steps changed no weights and every checkpoint holds finite ones. Lower the learning rate or "
             "lengthen the warmup, look at the data of these steps, then continue with --resume auto")
 
@@ -381,8 +472,11 @@ class InjectedFaults:
             os._exit(1)
 
 
-def _stop_reason(job: Fit, state: TrainState) -> str:
-    """The first stop condition that holds, in words; empty while training should go on."""
+def _stop_reason(job: Fit, state: TrainState, time_over: Optional[bool] = None) -> str:
+    """The first stop condition that holds, in words; empty while training should go on.
+
+    ``time_over``: the ranks' agreed --train.max_time vote, where the caller has one (else a collective here).
+    """
     horizon = job.horizon
     if horizon.max_steps is not None and state.step >= horizon.max_steps:
         return f"reached --train.max_steps {horizon.max_steps}"
@@ -390,7 +484,10 @@ def _stop_reason(job: Fit, state: TrainState) -> str:
         return f"reached --train.max_tokens {horizon.max_tokens}"
     if horizon.epochs is not None and job.train_loader.epoch >= horizon.epochs:
         return f"reached --train.epochs {horizon.epochs}"
-    if horizon.max_time is not None:
+    if horizon.max_time is not None and time_over is not None:
+        if time_over:
+            return f"reached --train.max_time {horizon.max_time}s"
+    elif horizon.max_time is not None:
         # Ranks must agree, or one would wait forever for the others' next collective.
         over = torch.tensor([float(state.elapsed_s >= horizon.max_time)], device=job.runtime.device)
         if job.runtime.all_reduce(over, op="max").item() > 0:
