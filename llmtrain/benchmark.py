@@ -1,10 +1,13 @@
-"""``llmtrain benchmark``: tokens/s, step time, MFU against this machine's measured matmul peak.
+"""``llmtrain benchmark``: tokens/s, step time, MFU against this machine's measured matmul peak, data wait.
 
-It runs the real pretrain recipe (the same ``fit()``, data loader and parallel setup as any run) for
-``warmup + steps`` optimizer steps with a log row per step, and reads the step times back from the
-run's metrics.csv. MFU is the model's FLOPs per token (llmtrain.flops, the convention the training
-log uses) times tokens/s per device, over the peak FLOP/s of a square matmul measured just before, in
-the same dtype and thread count: the real ceiling of this machine, not a datasheet's.
+It runs the real pretrain recipe (``pretrain.setup`` → ``run(spec)`` → ``fit()``: the same data loader,
+parallel setup and training step as any run) for ``warmup + steps`` optimizer steps with a log row per
+step, and reads the step times back from the run's metrics.csv. The training loader is handed to the
+loop inside a thin proxy that times every ``next()``, which is the time the loop waits for data.
+
+MFU is the model's FLOPs per token (llmtrain.flops, the 6N + attention convention of the training log)
+times tokens/s per device, over the best FLOP/s of square matmuls measured just before, in the run's
+compute dtype and with the threads one training process gets: this machine's ceiling, not a datasheet's.
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -26,24 +31,46 @@ from llmtrain.train.precision import Precision, PrecisionName
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BASELINE = ROOT / "scripts" / "benchmark_baseline.json"
-BASELINE_FLOOR = 0.3  # the short mode fails below this fraction of the stored MFU: a regression, not noise
+BASELINE_FLOOR = 0.3  # --short fails below this fraction of the stored tokens/s: a regression, not noise
+MATMUL_SIZES = (2048, 3072, 4096)
+# Full runs and --short: (micro batch, sequence length, timed steps, warm-up steps) unless flags say otherwise.
+FULL_DEFAULTS = (8, 256, 20, 5)
+SHORT_DEFAULTS = (4, 128, 3, 2)
+RECORD_FIELDS = (
+    "model", "parameters", "precision", "micro_batch_size", "seq_len", "devices", "compile", "steps", "warmup",
+    "tokens_per_sec_per_device", "tokens_per_sec", "step_time_median_s", "step_time_min_s", "step_time_max_s",
+    "step_time_p25_s", "step_time_p75_s", "flops_per_token", "matmul_peak_flops", "matmul_peak_size", "mfu",
+    "data_wait_fraction", "data_wait_fraction_logged", "peak_memory_gb", "device", "threads_per_process", "torch",
+    "load_average", "commit", "command", "time",
+)
 
 
-def measure_matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5, device: str = "cpu") -> float:
-    """Best FLOP/s of ``size``³ matmuls in ``dtype`` (2·n³ FLOPs each), after two warm-up products."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    best = float("inf")
-    for index in range(repeats + 2):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        torch.mm(a, b)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if index >= 2:
-            best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+# ------------------------------------------------------------------------------------ machine
+def measure_matmul_peak(dtype: torch.dtype, sizes: Sequence[int] = MATMUL_SIZES, repeats: int = 3,
+                        device: str = "cpu") -> tuple[float, int]:
+    """Best FLOP/s over square ``n × n`` matmuls in ``dtype`` (2·n³ FLOPs each), and the size that gave it.
+
+    Each size gets one untimed product first (allocation, kernel selection), then ``repeats`` timed ones.
+    """
+    best, best_size = 0.0, sizes[0]
+    for size in sizes:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        out = torch.empty(size, size, device=device, dtype=dtype)
+        for index in range(repeats + 1):
+            _synchronize(device)
+            start = time.perf_counter()
+            torch.mm(a, b, out=out)
+            _synchronize(device)
+            rate = 2 * size**3 / (time.perf_counter() - start)
+            if index and rate > best:
+                best, best_size = rate, size
+    return best, best_size
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def device_name() -> str:
@@ -59,146 +86,319 @@ def device_name() -> str:
 
 
 def git_commit() -> str:
+    """Short hash of HEAD, with ``-dirty`` when the working tree has changes (the numbers are not HEAD's)."""
     try:
-        done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10)
+        done = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty", "--abbrev=7"],
+                              capture_output=True, text=True, timeout=10)
         return done.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
+def threads_per_process(devices: int) -> int:
+    """The CPU threads each training process runs with: this process's, or the launcher's share per worker."""
+    if devices == 1:
+        return torch.get_num_threads()
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return int(os.environ["OMP_NUM_THREADS"])
+    from llmtrain.distributed.launch import _usable_cores
+
+    return max(1, _usable_cores() // devices)  # what the launcher gives each worker
+
+
+# --------------------------------------------------------------------------------- data timing
+class TimedData:
+    """A data module that behaves as ``inner`` but times every batch the training loop asks for.
+
+    Rank 0 appends one line per ``next()`` (seconds waited) to ``wait_log``. Plain attributes, so the
+    spawned workers of a multi-process run receive it with the rest of the run's spec.
+    """
+
+    def __init__(self, inner: Any, wait_log: Path) -> None:
+        self.inner = inner
+        self.wait_log = Path(wait_log)
+        self.dp_rank = 0
+
+    def validate(self) -> None:
+        self.inner.validate()
+
+    def default_tokenizer(self) -> Any:
+        return self.inner.default_tokenizer()
+
+    def connect(self, *args: Any, **kwargs: Any) -> None:
+        self.inner.connect(*args, **kwargs)
+
+    def prepare_data(self) -> None:
+        self.inner.prepare_data()
+
+    def setup(self, dp_rank: int = 0, dp_size: int = 1) -> None:
+        self.dp_rank = dp_rank
+        self.inner.setup(dp_rank, dp_size)
+
+    def train_dataloader(self) -> "TimedLoader":
+        return TimedLoader(self.inner.train_dataloader(), self.wait_log if self.dp_rank == 0 else None)
+
+    def val_dataloader(self) -> Any:
+        return self.inner.val_dataloader()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "inner":  # unpickling looks these up before inner exists
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class TimedLoader:
+    """Passes every attribute through to the training loader; ``next()`` is also timed and logged."""
+
+    def __init__(self, loader: Any, wait_log: Optional[Path]) -> None:
+        object.__setattr__(self, "_loader", loader)
+        object.__setattr__(self, "_log", open(wait_log, "a", buffering=1) if wait_log is not None else None)
+
+    def __iter__(self) -> "TimedLoader":
+        object.__setattr__(self, "_iterator", iter(self._loader))
+        return self
+
+    def __next__(self) -> Any:
+        start = time.perf_counter()
+        batch = next(self._iterator)
+        waited = time.perf_counter() - start
+        if self._log is not None:
+            self._log.write(f"{waited:.9f}\n")
+        return batch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_loader"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._loader, name, value)  # e.g. the loop's pin_memory switch reaches the real loader
+
+
+# ----------------------------------------------------------------------------------- command
 def benchmark(
     model: str = "llama-debug",
     precision: PrecisionName = "32-true",
-    micro_batch_size: int = 8,
-    seq_len: int = 256,
-    steps: int = 20,
-    warmup: int = 5,
+    micro_batch_size: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    steps: Optional[int] = None,
+    warmup: Optional[int] = None,
     devices: int = 1,
     compile: bool = False,
     short: bool = False,
-    results: Path = Path("benchmarks.jsonl"),
+    out_dir: Path = Path("out/benchmark"),
+    results: Optional[Path] = None,
     baseline: Optional[Path] = DEFAULT_BASELINE,
 ) -> dict:
     """Measure training speed of a zoo model on this machine and append the numbers to a JSON-lines file.
 
     Args:
-        model: A zoo name (`llmtrain pretrain list`).
+        model: A zoo name (`llmtrain pretrain list`); the presets are llama-debug (4.9M parameters) and
+            pythia-70m.
         precision: 32-true, bf16-true, bf16-mixed, 16-true or 16-mixed.
-        micro_batch_size: Sequences per device per step (no accumulation: global = micro × devices).
-        seq_len: Tokens per sequence.
-        steps: Timed optimizer steps.
-        warmup: Steps run first and not timed (allocator, caches, compilation).
+        micro_batch_size: Sequences per device per step, no accumulation (global = micro × devices).
+            Default 8, or 4 with --short.
+        seq_len: Tokens per sequence. Default 256, or 128 with --short.
+        steps: Timed optimizer steps. Default 20, or 3 with --short.
+        warmup: Steps run first and not timed (allocator, caches, compilation). Default 5, or 2 with --short.
         devices: Processes, as `pretrain --devices` (FSDP when more than one).
         compile: torch.compile every block, as `pretrain --compile`.
-        short: A quick check for CI: 3 timed steps after 2, and a comparison with
-            the stored baseline that fails on a large regression.
-        results: JSON-lines file that each run appends one record to.
-        baseline: JSON file of reference MFUs per setting; the run prints its ratio to the matching one.
+        short: A quick check for CI: the small defaults above, and a comparison with the stored
+            baseline that fails when tokens/s falls below 0.3× of it.
+        out_dir: The run trains in a temporary folder here (removed afterwards); results go here too.
+        results: JSON-lines file that each run appends one record to. Default: out_dir/benchmarks.jsonl.
+        baseline: JSON file of reference numbers per setting; the run prints its tokens/s ratio to the
+            matching one.
     """
-    from llmtrain.cli import main
     from llmtrain.config import Config
-    from llmtrain.flops import flops_per_token
+    from llmtrain.flops import flops_per_token, num_parameters
 
-    if steps < 1 or warmup < 0 or micro_batch_size < 1 or seq_len < 2 or devices < 1:
-        raise ValueError("--steps, --micro_batch_size and --devices must be at least 1, --seq_len at least 2 and "
-                         "--warmup at least 0")
-    if short:
-        steps, warmup = 3, 2
+    defaults = SHORT_DEFAULTS if short else FULL_DEFAULTS
+    micro_batch_size, seq_len, steps, warmup = (given if given is not None else default for given, default in
+                                                zip((micro_batch_size, seq_len, steps, warmup), defaults))
+    for flag, value, least in (("--micro_batch_size", micro_batch_size, 1), ("--seq_len", seq_len, 2),
+                               ("--steps", steps, 1), ("--warmup", warmup, 0), ("--devices", devices, 1)):
+        if value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+    if model not in Config.names():
+        raise ValueError(f"--model {model!r} is not in the zoo; `llmtrain pretrain list` shows the names "
+                         "(presets: llama-debug, pythia-70m)")
     config = Config.from_name(model)
+    if seq_len > config.block_size:
+        raise ValueError(f"--seq_len {seq_len} exceeds {model}'s block size {config.block_size}")
     dtype = Precision(precision).compute_dtype
-    threads = max(1, torch.get_num_threads() // devices) if devices > 1 else torch.get_num_threads()
-    # Each of several processes gets its share of the cores, so its ceiling is a matmul on that share.
+    threads = threads_per_process(devices)
+    peak_device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    # NOTE: measured in this process with the threads each training process will have.
     all_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        peak = measure_matmul_peak(dtype, size=2048, repeats=5)
+        peak, peak_size = measure_matmul_peak(dtype, device=peak_device)
     finally:
         torch.set_num_threads(all_threads)
-    with tempfile.TemporaryDirectory(prefix="llmtrain-benchmark-") as tmp:
-        out_dir = Path(tmp) / "run"
-        main(["pretrain", model, "--out_dir", str(out_dir), "--precision", precision, "--devices", str(devices),
-              "--compile", str(compile).lower(), "--train.micro_batch_size", str(micro_batch_size),
-              "--train.global_batch_size", str(micro_batch_size * devices), "--train.max_seq_length", str(seq_len),
-              "--train.max_steps", str(warmup + steps), "--train.log_interval", "1", "--train.lr_warmup_steps", "1",
-              "--eval.initial_validation", "false", "--eval.final_validation", "false",
-              "--eval.interval", "1000000"])
-        rows = _train_rows(out_dir / "metrics.csv")
-    timed = [row for row in rows if row["step"] > warmup]
-    step_times = [row["elapsed_s"] - previous["elapsed_s"] for previous, row in zip(rows, rows[1:])
-                  if row["step"] > warmup]
-    if not step_times:
-        raise RuntimeError("the benchmark run logged no timed steps")
-    median = statistics.median(step_times)
-    tokens_per_sec_per_device = micro_batch_size * seq_len / median
+    print(f"matmul peak: {peak / 1e9:,.1f} GFLOP/s ({dtype}, {threads} threads, best over n = "
+          f"{', '.join(map(str, MATMUL_SIZES))})", flush=True)
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=out_dir))
+    try:
+        _train(run_dir, model=model, precision=precision, micro_batch_size=micro_batch_size, seq_len=seq_len,
+               total_steps=warmup + steps, devices=devices, compile=compile)
+        rows = _train_rows(run_dir / "train" / "metrics.csv")
+        waits = [float(line) for line in (run_dir / "data_wait.txt").read_text().split()]
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+    timing = _step_timing(rows, waits, warmup)
+    tokens_per_sec_per_device = micro_batch_size * seq_len / timing["step_time_median_s"]
     record = {
-        "model": model, "precision": precision, "micro_batch_size": micro_batch_size, "seq_len": seq_len,
-        "devices": devices, "compile": compile, "steps": len(step_times), "warmup": warmup,
-        "tokens_per_sec_per_device": tokens_per_sec_per_device,
-        "step_time_median_s": median, "step_time_min_s": min(step_times), "step_time_max_s": max(step_times),
-        "mfu": flops_per_token(config, seq_len) * tokens_per_sec_per_device / peak,
-        "matmul_peak_flops": peak, "data_wait_fraction": statistics.mean(r["data_wait_fraction"] for r in timed),
-        "peak_memory_gb": max(r["peak_memory_gb"] for r in timed),
-        "device": device_name(), "threads_per_process": threads, "torch": torch.__version__, "commit": git_commit(),
-        "command": "llmtrain benchmark " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["benchmark"] else sys.argv[1:]),
+        "model": model, "parameters": num_parameters(config), "precision": precision,
+        "micro_batch_size": micro_batch_size, "seq_len": seq_len, "devices": devices, "compile": compile,
+        "steps": steps, "warmup": warmup, "tokens_per_sec_per_device": tokens_per_sec_per_device,
+        "tokens_per_sec": tokens_per_sec_per_device * devices, **timing,
+        "flops_per_token": flops_per_token(config, seq_len), "matmul_peak_flops": peak,
+        "matmul_peak_size": peak_size, "mfu": flops_per_token(config, seq_len) * tokens_per_sec_per_device / peak,
+        "device": device_name(), "threads_per_process": threads, "torch": torch.__version__,
+        "load_average": _load_average(), "commit": git_commit(), "command": _command_line(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+    record = {key: record[key] for key in RECORD_FIELDS}
     _print_table(record)
-    if baseline is not None:
-        _compare(record, Path(baseline), short)
-    results = Path(results)
+    stored = _stored_baseline(record, Path(baseline)) if baseline is not None else None
+    if stored is not None:
+        record["baseline_ratio"] = record["tokens_per_sec_per_device"] / stored["tokens_per_sec_per_device"]
+        print(f"tokens/s vs baseline: {record['baseline_ratio']:.2f}x ({record['tokens_per_sec_per_device']:,.0f} "
+              f"now, {stored['tokens_per_sec_per_device']:,.0f} stored at commit {stored.get('commit', '?')} on "
+              f"{stored.get('device', '?')})")
+    results = Path(results) if results is not None else out_dir / "benchmarks.jsonl"
     results.parent.mkdir(parents=True, exist_ok=True)
     with open(results, "a") as handle:
         handle.write(json.dumps(record) + "\n")
     print(f"appended to {results}")
+    if short and stored is not None and record["baseline_ratio"] < BASELINE_FLOOR:
+        raise SystemExit(f"error: tokens/s is {record['baseline_ratio']:.2f}x the baseline in {baseline} "
+                         f"(below {BASELINE_FLOOR}x): a performance regression, or a much slower machine")
     return record
 
 
-def baseline_key(record: dict) -> str:
-    return "|".join(str(record[k]) for k in ("model", "precision", "micro_batch_size", "seq_len", "devices", "compile"))
+def _train(run_dir: Path, *, model: str, precision: str, micro_batch_size: int, seq_len: int, total_steps: int,
+           devices: int, compile: bool) -> None:
+    """The pretrain recipe on the built-in corpus, a log row per step, no validation, no mid-run checkpoints."""
+    from llmtrain.args import EvalArgs, TrainArgs
+    from llmtrain.data import BuiltinStories
+    from llmtrain.recipes import pretrain
+
+    train = TrainArgs(micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size * devices,
+                      max_seq_length=seq_len, max_steps=total_steps, log_interval=1, lr_warmup_steps=1,
+                      save_interval=None)
+    pretrain.setup(model_name=model, out_dir=run_dir / "train", precision=precision,
+                   data=TimedData(BuiltinStories(), run_dir / "data_wait.txt"), train=train,
+                   eval=EvalArgs(interval=10**9, initial_validation=False, final_validation=False),
+                   devices=devices, compile=compile)
 
 
-def _compare(record: dict, path: Path, short: bool) -> None:
-    """Print MFU relative to the stored baseline (MFU, not tokens/s, so a faster or slower machine
-    compares fairly); in the short mode a ratio below BASELINE_FLOOR is an error."""
-    if not path.is_file():
-        print(f"no baseline at {path}")
-        return
-    stored = json.loads(path.read_text()).get(baseline_key(record))
-    if stored is None:
-        print(f"no baseline for {baseline_key(record)} in {path}")
-        return
-    ratio = record["mfu"] / stored["mfu"]
-    record["baseline_ratio"] = ratio
-    print(f"MFU vs baseline: {ratio:.2f}x ({record['mfu']:.1%} now, {stored['mfu']:.1%} stored at commit "
-          f"{stored.get('commit', '?')})")
-    if short and ratio < BASELINE_FLOOR:
-        raise RuntimeError(f"MFU is {ratio:.2f}x the baseline in {path} (below {BASELINE_FLOOR}x): a performance "
-                           "regression")
+def _step_timing(rows: list[dict], waits: list[float], warmup: int) -> dict:
+    """Step-time statistics of the steps after ``warmup``, and the share of their time spent waiting for data.
+
+    Step k's time is the loop's elapsed time at its log row minus that at the row before (a step whose
+    update was skipped logs no row: the gap is shared out); with one micro-batch per step (no
+    accumulation), the k-th ``next()`` fetched step k's batch.
+    """
+    timed, step_times, previous = [], [], {"step": 0, "elapsed_s": 0.0}
+    for row in sorted(rows, key=lambda row: row["step"]):
+        if row["step"] > warmup:
+            timed.append(row)
+            gap = row["step"] - previous["step"]
+            step_times += [(row["elapsed_s"] - previous["elapsed_s"]) / gap] * gap
+        previous = row
+    if not step_times or len(waits) < timed[-1]["step"]:
+        raise RuntimeError(f"the benchmark run logged {len(step_times)} timed steps and {len(waits)} batch "
+                           "fetches; expected one row and one fetch per step")
+    quartiles = statistics.quantiles(step_times, n=4, method="inclusive") if len(step_times) > 1 else step_times * 3
+    logged = [row["data_wait_fraction"] for row in timed if row["data_wait_fraction"] is not None]
+    return {
+        "step_time_median_s": statistics.median(step_times), "step_time_min_s": min(step_times),
+        "step_time_max_s": max(step_times), "step_time_p25_s": quartiles[0], "step_time_p75_s": quartiles[2],
+        "data_wait_fraction": sum(waits[warmup:timed[-1]["step"]]) / sum(step_times),
+        # The loop's own measure of the same wait, when its metrics have the column; a cross-check.
+        "data_wait_fraction_logged": statistics.mean(logged) if logged else None,
+        "peak_memory_gb": max(row["peak_memory_gb"] for row in timed),
+    }
 
 
 def _train_rows(path: Path) -> list[dict]:
+    """The training rows of metrics.csv (validation rows have no loss)."""
     import csv
 
     with open(path) as handle:
-        rows = [row for row in csv.DictReader(handle) if row["loss"]]
-    numeric = ("step", "elapsed_s", "data_wait_fraction", "peak_memory_gb")
-    return [{key: (float(row[key]) if row.get(key) else 0.0) if key != "step" else int(row[key]) for key in numeric}
-            for row in rows]
+        rows = [row for row in csv.DictReader(handle) if row.get("loss")]
+
+    def number(row: dict, key: str) -> Optional[float]:
+        return float(row[key]) if row.get(key) not in (None, "") else None
+
+    return [{"step": int(row["step"]), "elapsed_s": number(row, "elapsed_s"),
+             "peak_memory_gb": number(row, "peak_memory_gb") or 0.0,
+             "data_wait_fraction": number(row, "data_wait_fraction")} for row in rows]
+
+
+def _command_line() -> str:
+    """The command as typed: ``llmtrain benchmark ...`` or ``scripts/benchmark.py ...`` (which passes 'benchmark')."""
+    arguments = sys.argv[1:]
+    if arguments[:1] == ["benchmark"]:
+        arguments = arguments[1:]
+    return shlex.join(["llmtrain", "benchmark", *arguments])
+
+
+def baseline_key(record: dict) -> str:
+    """The setting a baseline belongs to. Threads are part of it: on a shared box a run with one thread per
+    process is steadier than one whose OpenMP threads wait for each other behind other work."""
+    return "|".join(str(record[k]) for k in ("model", "precision", "micro_batch_size", "seq_len", "devices",
+                                             "compile", "threads_per_process"))
+
+
+def _load_average() -> Optional[float]:
+    """The machine's 1-minute load average at the end of the run: numbers taken next to other work are noisy."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def _stored_baseline(record: dict, path: Path) -> Optional[dict]:
+    if not path.is_file():
+        print(f"no baseline at {path}")
+        return None
+    stored = json.loads(path.read_text()).get(baseline_key(record))
+    if stored is None:
+        print(f"no baseline for {baseline_key(record)} in {path}")
+    return stored
 
 
 def _print_table(record: dict) -> None:
+    ms = {key: record[key] * 1000 for key in record if key.startswith("step_time_")}
+    logged = record["data_wait_fraction_logged"]
     lines = [
-        ("setting", f"{record['model']} {record['precision']} micro {record['micro_batch_size']} × seq "
-                    f"{record['seq_len']}, {record['devices']} process(es){', compiled' if record['compile'] else ''}"),
+        ("setting", f"{record['model']} ({record['parameters'] / 1e6:.1f}M) {record['precision']}, micro batch "
+                    f"{record['micro_batch_size']} × seq {record['seq_len']}, {record['devices']} process(es)"
+                    f"{', compiled' if record['compile'] else ''}"),
         ("device", f"{record['device']}, {record['threads_per_process']} threads per process, torch {record['torch']}"),
-        ("tokens/s per device", f"{record['tokens_per_sec_per_device']:,.0f}"),
-        ("step time", f"median {record['step_time_median_s'] * 1000:.1f} ms (min {record['step_time_min_s'] * 1000:.1f}, "
-                      f"max {record['step_time_max_s'] * 1000:.1f}) over {record['steps']} steps"),
-        ("matmul peak", f"{record['matmul_peak_flops'] / 1e9:,.1f} GFLOP/s (measured)"),
-        ("MFU", f"{record['mfu']:.1%}"),
-        ("waiting for data", f"{record['data_wait_fraction']:.1%} of step time"),
+        ("tokens/s per device", f"{record['tokens_per_sec_per_device']:,.0f} ({record['tokens_per_sec']:,.0f} in all)"),
+        ("step time", f"median {ms['step_time_median_s']:.1f} ms, IQR {ms['step_time_p25_s']:.1f}–"
+                      f"{ms['step_time_p75_s']:.1f}, min {ms['step_time_min_s']:.1f}, max "
+                      f"{ms['step_time_max_s']:.1f} over {record['steps']} steps after {record['warmup']}"),
+        ("matmul peak", f"{record['matmul_peak_flops'] / 1e9:,.1f} GFLOP/s (measured, n = "
+                        f"{record['matmul_peak_size']})"),
+        ("MFU", f"{record['mfu']:.1%} ({record['flops_per_token'] / 1e6:,.1f} MFLOP per token)"),
+        ("waiting for data", f"{record['data_wait_fraction']:.2%} of step time"
+                             + (f" (the loop's log: {logged:.2%})" if logged is not None else "")),
         ("peak memory", f"{record['peak_memory_gb']:.2f} GB"),
+        ("load average", f"{record['load_average']} on {os.cpu_count()} cores"
+                         + (" (other work ran alongside: noisy numbers)" if _busy(record) else "")),
     ]
     width = max(len(name) for name, _ in lines)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in lines))
+
+
+def _busy(record: dict) -> bool:
+    """More runnable work than cores at the end (this run's own threads included) means it shared them."""
+    return record["load_average"] is not None and record["load_average"] > (os.cpu_count() or 1) + 0.5

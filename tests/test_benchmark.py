@@ -6,31 +6,88 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from llmtrain.benchmark import DEFAULT_BASELINE, baseline_key, measure_matmul_peak
+from llmtrain.benchmark import DEFAULT_BASELINE, RECORD_FIELDS, baseline_key, benchmark, measure_matmul_peak
+
+# NOTE: one thread per process, as the stored CI baseline was measured: on a shared runner two OpenMP
+# threads that wait for each other behind other work make a step several times slower, one thread does not.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run_benchmark(*flags, cwd):
+    return subprocess.run([sys.executable, "-m", "llmtrain", "benchmark", *flags], capture_output=True, text=True,
+                          timeout=240, env=ENV, cwd=cwd)
 
 
 def test_short_benchmark_reports_sane_numbers_and_compares_with_the_baseline(tmp_path):
-    results = tmp_path / "bench.jsonl"
-    env = {**os.environ, "LLMTRAIN_CACHE_DIR": str(tmp_path / "cache")}
-    done = subprocess.run([sys.executable, "-m", "llmtrain", "benchmark", "--short", "true", "--micro_batch_size", "4",
-                           "--seq_len", "128", "--results", str(results)], capture_output=True, text=True,
-                          timeout=180, env=env, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_benchmark("--short", "true", "--out_dir", str(tmp_path / "bench"), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     print(done.stdout[-1500:])  # CI's log shows the table and the ratio
+    results = tmp_path / "bench" / "benchmarks.jsonl"  # the default place
     (record,) = [json.loads(line) for line in results.read_text().splitlines()]
-    for key in ("tokens_per_sec_per_device", "step_time_median_s", "mfu", "matmul_peak_flops", "peak_memory_gb"):
+    assert set(record) == {*RECORD_FIELDS, "baseline_ratio"}
+    for key in ("tokens_per_sec_per_device", "tokens_per_sec", "step_time_median_s", "mfu", "matmul_peak_flops",
+                "peak_memory_gb", "flops_per_token"):
         assert math.isfinite(record[key]) and record[key] > 0, (key, record[key])
-    assert 0 < record["mfu"] < 1.5
+    assert 0 < record["mfu"] < 1.5  # against the measured peak; CPU peaks are noisy
     assert 0 <= record["data_wait_fraction"] <= 1
-    assert record["step_time_min_s"] <= record["step_time_median_s"] <= record["step_time_max_s"]
-    assert record["steps"] == 3 and record["torch"] == torch.__version__ and record["commit"]
-    assert record["command"].startswith("llmtrain benchmark")
+    assert record["step_time_min_s"] <= record["step_time_p25_s"] <= record["step_time_median_s"]
+    assert record["step_time_median_s"] <= record["step_time_p75_s"] <= record["step_time_max_s"]
+    assert record["tokens_per_sec_per_device"] == pytest.approx(4 * 128 / record["step_time_median_s"])
+    assert (record["model"], record["micro_batch_size"], record["seq_len"], record["steps"], record["warmup"]) == (
+        "llama-debug", 4, 128, 3, 2)
+    assert record["threads_per_process"] == 1 and record["torch"] == torch.__version__ and record["commit"]
+    assert record["command"] == "llmtrain benchmark --short true --out_dir " + str(tmp_path / "bench")
+    assert record["device"] and record["matmul_peak_size"] in (2048, 3072, 4096)
     assert baseline_key(record) in json.loads(DEFAULT_BASELINE.read_text())
-    assert "MFU vs baseline: " in done.stdout and record["baseline_ratio"] > 0
+    assert f"tokens/s vs baseline: {record['baseline_ratio']:.2f}x" in done.stdout and record["baseline_ratio"] > 0
+    assert [p.name for p in (tmp_path / "bench").iterdir()] == ["benchmarks.jsonl"]  # the training run is gone
 
 
-def test_matmul_peak_is_a_plausible_cpu_rate():
-    peak = measure_matmul_peak(torch.float32, size=512, repeats=3)
-    assert 1e9 < peak < 1e13  # between 1 GFLOP/s and 10 TFLOP/s on any CPU this runs on
+def test_short_benchmark_fails_far_below_the_baseline_and_still_records(tmp_path):
+    flags = ["--short", "true", "--micro_batch_size", "1", "--seq_len", "32", "--steps", "1", "--warmup", "1"]
+    key = "llama-debug|32-true|1|32|1|False|1"
+    (tmp_path / "baseline.json").write_text(json.dumps({key: {"tokens_per_sec_per_device": 1e9, "commit": "x"}}))
+    done = run_benchmark(*flags, "--baseline", str(tmp_path / "baseline.json"), "--results",
+                         str(tmp_path / "r.jsonl"), "--out_dir", str(tmp_path / "bench"), cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "tokens/s vs baseline: 0.00x" in done.stdout
+    assert "below 0.3x" in done.stderr and "performance regression" in done.stderr
+    (record,) = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert baseline_key(record) == key and record["baseline_ratio"] < 0.3
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"steps": 0}, "--steps must be at least 1, got 0"),
+    ({"warmup": -1}, "--warmup must be at least 0"),
+    ({"devices": 0}, "--devices must be at least 1"),
+    ({"model": "gpt-5"}, "--model 'gpt-5' is not in the zoo"),
+    ({"seq_len": 100000}, "--seq_len 100000 exceeds llama-debug's block size 512"),
+])
+def test_bad_flags_are_named_before_anything_runs(tmp_path, flags, message):
+    with pytest.raises(ValueError, match=message):
+        benchmark(out_dir=tmp_path, **flags)
+    assert not list(tmp_path.iterdir())
+
+
+def test_matmul_peak_is_a_plausible_rate_and_names_its_size():
+    peak, size = measure_matmul_peak(torch.float32, sizes=(256, 512), repeats=2)
+    assert 1e9 < peak < 1e13 and size in (256, 512)  # between 1 GFLOP/s and 10 TFLOP/s on any CPU
+
+
+def test_step_timing_counts_only_timed_steps_and_shares_out_a_skipped_step():
+    from llmtrain.benchmark import _step_timing
+
+    def row(step, elapsed):
+        return {"step": step, "elapsed_s": elapsed, "peak_memory_gb": 0.1 * step, "data_wait_fraction": None}
+
+    # Step 1 (warm-up) took 5 s; steps 2 and 3 took 1 s each; step 4 logged no row, so 5 shares row 5's 4 s.
+    rows = [row(1, 5.0), row(2, 6.0), row(3, 7.0), row(5, 11.0)]
+    waits = [4.0, 0.1, 0.1, 0.2, 0.2]  # seconds per next(), one per step
+    timing = _step_timing(rows, waits, warmup=1)
+    assert timing["step_time_median_s"] == pytest.approx(1.5)
+    assert (timing["step_time_min_s"], timing["step_time_max_s"]) == (1.0, 2.0)
+    assert timing["data_wait_fraction"] == pytest.approx(0.6 / 6.0)  # the warm-up's 4 s wait is left out
+    assert timing["peak_memory_gb"] == pytest.approx(0.5) and timing["data_wait_fraction_logged"] is None
