@@ -13,9 +13,10 @@ tests/test_plan.py, which also checks the total against a measured peak):
 - A gated MLP (SwiGLU, GeGLU) keeps 4 · f + d elements; a plain GELU MLP 2 · f + d.
 - With activation checkpointing a block keeps only its input (d elements); one block's full set comes
   back at a time during backward, after the head's are freed.
-- The loss keeps the fp32 log-softmax of the logits and the backward pass adds two fp32 gradients the
-  size of the logits: about 12 · V bytes per token, but only for one
-  chunk of tokens at a time (llmtrain.model.head_loss_sum); the rest keep just their hidden state.
+- The loss (llmtrain.model.LinearCrossEntropy) computes its gradients in the forward, one chunk of
+  tokens at a time: a chunk's fp32 logits (4 · V bytes per token, plus their copy in the compute dtype
+  when that is narrower) exist only while it is processed; every token keeps its hidden state's
+  gradient (d elements), and the head's weight gradient (V · d fp32) waits for the backward.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, check
     norms = 1 if config.shared_attention_norm else 2
     gated = config.mlp_class_name in ("LLaMAMLP", "GemmaMLP")
     layer = norms * norm + (2 * q + 4 * kv) * a + ((4 if gated else 2) * f + d) * a
-    head = norm + d * a + 12 * config.padded_vocab_size
+    # norm_f's saved tensors and the hidden gradient per token; one chunk's logits on top (see module docstring)
+    head = norm + d * a + (4 + (a if a < 4 else 0)) * config.padded_vocab_size
     if checkpointing:
         # A block keeps only its input. Its full activations return one block at a time during
         # backward, after the head's are freed, so the peak holds the larger of the two.
@@ -159,6 +161,8 @@ def estimate_memory(config: Config, *, precision: Any, micro_batch_size: int, se
     chunk = min(tokens, head_chunk_tokens(config))  # the loss's logits exist one chunk at a time
     head = tokens * per_token["head_hidden"] + chunk * (per_token["head"] - per_token["head_hidden"])
     activations = tokens * per_token["stack"] + head
+    if trainable == total:
+        activations += 4 * config.padded_vocab_size * config.n_embd  # the head's fp32 weight gradient, early
     return MemoryEstimate(int(params), int(gradients), int(optimizer), int(activations))
 
 

@@ -44,6 +44,60 @@ def test_chunked_loss_and_gradients_equal_the_full_logits_ones(chunk_tokens, mon
         assert torch.allclose(p.grad, expected_grads[name], rtol=1e-4, atol=1e-6), name
 
 
+
+class ScaledHead(torch.nn.Linear):
+    """Not a plain nn.Linear (as a LoRA or quantized head is not): the generic checkpointed path."""
+
+
+@pytest.mark.parametrize("case", ["bias", "frozen_weight", "bf16_mixed", "bf16_true", "generic_head", "all_ignored"])
+def test_fused_head_loss_matches_autograd_through_full_logits(case):
+    torch.manual_seed(0)
+    head_class = ScaledHead if case == "generic_head" else torch.nn.Linear
+    head = head_class(24, 300, bias=case == "bias")
+    hidden = torch.randn(3, 40, 24, requires_grad=True)
+    labels = torch.randint(0, 300, (3, 40))
+    labels[:, :7] = IGNORE_INDEX
+    if case == "all_ignored":
+        labels[:] = IGNORE_INDEX
+    if case == "frozen_weight":
+        head.weight.requires_grad_(False)
+    if case == "bf16_true":
+        head, hidden = head.to(torch.bfloat16), hidden.detach().to(torch.bfloat16).requires_grad_()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "bf16_mixed")
+
+    def grads(loss):
+        inputs = [t for t in (hidden, head.weight, head.bias) if t is not None and t.requires_grad]
+        return loss.detach(), torch.autograd.grad(loss * 0.5, inputs)
+
+    with autocast:
+        expected, expected_grads = grads(F.cross_entropy(head(hidden).float().flatten(0, 1), labels.flatten(),
+                                                         ignore_index=IGNORE_INDEX, reduction="sum"))
+    with autocast:
+        got, got_grads = grads(head_loss_sum(head, hidden, labels, chunk_tokens=32))  # 4 chunks, a ragged last
+    tolerance = dict(rtol=2e-2, atol=2e-2) if case.startswith("bf16") else dict(rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got, expected, **tolerance), (got, expected)
+    for g, e in zip(got_grads, expected_grads, strict=True):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        assert torch.allclose(g.float(), e.float(), **tolerance)
+    if case == "all_ignored":
+        assert got == 0 and all(not g.any() for g in got_grads)
+
+
+def test_fused_head_loss_is_taken_only_for_a_plain_linear_head_with_gradients(monkeypatch):
+    import llmtrain.model as model_module
+
+    calls = []
+    real = model_module.LinearCrossEntropy.apply
+    monkeypatch.setattr(model_module.LinearCrossEntropy, "apply", lambda *a: calls.append(1) or real(*a))
+    hidden, labels = torch.randn(1, 8, 16, requires_grad=True), torch.randint(0, 32, (1, 8))
+    head_loss_sum(torch.nn.Linear(16, 32), hidden, labels)
+    assert calls == [1]
+    with torch.no_grad():  # validation: the loss only
+        head_loss_sum(torch.nn.Linear(16, 32), hidden, labels)
+    head_loss_sum(ScaledHead(16, 32), hidden, labels)
+    assert calls == [1]
+
+
 PEAK_SCRIPT = """
 import sys, torch, torch.nn.functional as F
 from llmtrain.model import head_loss_sum
