@@ -37,7 +37,8 @@ MATMUL_SIZES = (2048, 3072, 4096)
 FULL_DEFAULTS = (8, 256, 20, 5)
 SHORT_DEFAULTS = (4, 128, 3, 2)
 RECORD_FIELDS = (
-    "model", "parameters", "precision", "micro_batch_size", "seq_len", "devices", "compile", "steps", "warmup",
+    "model", "parameters", "precision", "micro_batch_size", "seq_len", "devices", "sharding_strategy", "compile",
+    "steps", "warmup",
     "tokens_per_sec_per_device", "tokens_per_sec", "step_time_median_s", "step_time_min_s", "step_time_max_s",
     "step_time_p25_s", "step_time_p75_s", "flops_per_token", "matmul_peak_flops", "matmul_peak_size", "mfu",
     "data_wait_fraction", "data_wait_fraction_logged", "peak_memory_gb", "device", "threads_per_process", "torch",
@@ -182,6 +183,7 @@ def benchmark(
     steps: Optional[int] = None,
     warmup: Optional[int] = None,
     devices: int = 1,
+    sharding_strategy: Optional[str] = None,
     compile: bool = False,
     short: bool = False,
     out_dir: Path = Path("out/benchmark"),
@@ -200,6 +202,8 @@ def benchmark(
         steps: Timed optimizer steps. Default 20, or 3 with --short.
         warmup: Steps run first and not timed (allocator, caches, compilation). Default 5, or 2 with --short.
         devices: Processes, as `pretrain --devices` (FSDP when more than one).
+        sharding_strategy: With several devices, as `pretrain --fsdp.sharding_strategy` (FULL_SHARD,
+            SHARD_GRAD_OP, NO_SHARD); None: pretrain's default (FULL_SHARD on one node).
         compile: torch.compile every block, as `pretrain --compile`.
         short: A quick check for CI: the small defaults above, and a comparison with the stored
             baseline that fails when tokens/s falls below 0.3× of it.
@@ -221,6 +225,12 @@ def benchmark(
     if model not in Config.names():
         raise ValueError(f"--model {model!r} is not in the zoo; `llmtrain pretrain list` shows the names "
                          "(presets: llama-debug, pythia-70m)")
+    from llmtrain.distributed.parallelize import FSDPArgs
+
+    try:
+        fsdp = FSDPArgs(sharding_strategy=sharding_strategy)
+    except ValueError as error:
+        raise ValueError(str(error).replace("--fsdp.sharding_strategy", "--sharding_strategy")) from None
     config = Config.from_name(model)
     if seq_len > config.block_size:
         raise ValueError(f"--seq_len {seq_len} exceeds {model}'s block size {config.block_size}")
@@ -243,7 +253,7 @@ def benchmark(
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=out_dir))
     try:
         _train(run_dir, model=model, precision=precision, micro_batch_size=micro_batch_size, seq_len=seq_len,
-               total_steps=warmup + steps, devices=devices, compile=compile)
+               total_steps=warmup + steps, devices=devices, fsdp=fsdp, compile=compile)
         rows = _train_rows(run_dir / "train" / "metrics.csv")
         waits = [float(line) for line in (run_dir / "data_wait.txt").read_text().split()]
     finally:
@@ -253,7 +263,8 @@ def benchmark(
     tokens_per_sec_per_device = micro_batch_size * seq_len / timing["step_time_median_s"]
     record = {
         "model": model, "parameters": num_parameters(config), "precision": precision,
-        "micro_batch_size": micro_batch_size, "seq_len": seq_len, "devices": devices, "compile": compile,
+        "micro_batch_size": micro_batch_size, "seq_len": seq_len, "devices": devices,
+        "sharding_strategy": sharding_strategy if devices > 1 else None, "compile": compile,
         "steps": steps, "warmup": warmup, "tokens_per_sec_per_device": tokens_per_sec_per_device,
         "tokens_per_sec": tokens_per_sec_per_device * devices, **timing,
         "flops_per_token": flops_per_token(config, seq_len), "matmul_peak_flops": peak,
@@ -282,7 +293,7 @@ def benchmark(
 
 
 def _train(run_dir: Path, *, model: str, precision: str, micro_batch_size: int, seq_len: int, total_steps: int,
-           devices: int, compile: bool) -> None:
+           devices: int, fsdp: Any, compile: bool) -> None:
     """The pretrain recipe on the built-in corpus, a log row per step, no validation, no mid-run checkpoints."""
     from llmtrain.args import EvalArgs, TrainArgs
     from llmtrain.data import BuiltinStories
@@ -294,7 +305,7 @@ def _train(run_dir: Path, *, model: str, precision: str, micro_batch_size: int, 
     pretrain.setup(model_name=model, out_dir=run_dir / "train", precision=precision,
                    data=TimedData(BuiltinStories(), run_dir / "data_wait.txt"), train=train,
                    eval=EvalArgs(interval=10**9, initial_validation=False, final_validation=False),
-                   devices=devices, compile=compile)
+                   devices=devices, fsdp=fsdp, compile=compile)
 
 
 def _step_timing(rows: list[dict], waits: list[float], warmup: int) -> dict:
@@ -380,6 +391,7 @@ def _print_table(record: dict) -> None:
     lines = [
         ("setting", f"{record['model']} ({record['parameters'] / 1e6:.1f}M) {record['precision']}, micro batch "
                     f"{record['micro_batch_size']} × seq {record['seq_len']}, {record['devices']} process(es)"
+                    f"{' ' + record['sharding_strategy'] if record['sharding_strategy'] else ''}"
                     f"{', compiled' if record['compile'] else ''}"),
         ("device", f"{record['device']}, {record['threads_per_process']} threads per process, torch {record['torch']}"),
         ("tokens/s per device", f"{record['tokens_per_sec_per_device']:,.0f} ({record['tokens_per_sec']:,.0f} in all)"),

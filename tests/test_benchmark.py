@@ -65,6 +65,7 @@ def test_short_benchmark_fails_far_below_the_baseline_and_still_records(tmp_path
     ({"devices": 0}, "--devices must be at least 1"),
     ({"model": "gpt-5"}, "--model 'gpt-5' is not in the zoo"),
     ({"seq_len": 100000}, "--seq_len 100000 exceeds llama-debug's block size 512"),
+    ({"sharding_strategy": "HALF_SHARD"}, "--sharding_strategy 'HALF_SHARD' must be one of FULL_SHARD"),
 ])
 def test_bad_flags_are_named_before_anything_runs(tmp_path, flags, message):
     with pytest.raises(ValueError, match=message):

@@ -28,6 +28,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from limits import hard_limit
 from llmtrain import checkpoint as layout
 from llmtrain.args import EvalArgs, TrainArgs, batch_plan
 from llmtrain.config import Config
@@ -51,18 +52,10 @@ STOPPED = re.compile(r"stopping after step (\d+): (got SIG\w+|another rank got a
 
 
 @pytest.fixture(autouse=True)
-def hard_limit(request):
+def time_limit(request):
     """Every test here ends within TEST_LIMIT_S, whatever it waits on (its processes are killed on the way out)."""
-    def expire(signum, frame):
-        raise TimeoutError(f"{request.node.name} exceeded its hard limit of {TEST_LIMIT_S}s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(TEST_LIMIT_S)
-    try:
+    with hard_limit(TEST_LIMIT_S, request.node.name):
         yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(autouse=True)

@@ -7,18 +7,17 @@ checkout) on the CPU over gloo on the loopback interface.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import os
 import re
-import signal
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from limits import hard_limit
 from slurm_cluster import NODE_NAMES, ensure_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,21 +51,6 @@ if [[ ${FAKE_WAIT_FOR_USR1:-0} == 1 && ${SLURM_RESTART_COUNT:-0} == 0 ]]; then
     exit 3
 fi
 """
-
-
-@contextlib.contextmanager
-def hard_limit(seconds: int, what: str):
-    """Raise in this (main) thread when ``seconds`` have passed, whatever the code is waiting on."""
-    def expire(signum, frame):
-        raise TimeoutError(f"{what} exceeded its hard limit of {seconds}s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(autouse=True)
