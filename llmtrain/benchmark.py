@@ -41,7 +41,8 @@ RECORD_FIELDS = (
     "steps", "warmup",
     "tokens_per_sec_per_device", "tokens_per_sec", "step_time_median_s", "step_time_min_s", "step_time_max_s",
     "step_time_p25_s", "step_time_p75_s", "flops_per_token", "matmul_peak_flops", "matmul_peak_size", "mfu",
-    "data_wait_fraction", "data_wait_fraction_logged", "peak_memory_gb", "device", "threads_per_process", "torch",
+    "data_wait_fraction", "data_wait_fraction_logged", "peak_memory_gb", "save_interval", "async_save",
+    "checkpoint_saves", "checkpoint_stall_s", "checkpoint_stall_max_s", "device", "threads_per_process", "torch",
     "load_average", "commit", "command", "time",
 )
 
@@ -184,6 +185,8 @@ def benchmark(
     warmup: Optional[int] = None,
     devices: int = 1,
     sharding_strategy: Optional[str] = None,
+    save_interval: Optional[int] = None,
+    async_save: bool = False,
     compile: bool = False,
     short: bool = False,
     out_dir: Path = Path("out/benchmark"),
@@ -204,6 +207,11 @@ def benchmark(
         devices: Processes, as `pretrain --devices` (FSDP when more than one).
         sharding_strategy: With several devices, as `pretrain --fsdp.sharding_strategy` (FULL_SHARD,
             SHARD_GRAD_OP, NO_SHARD); None: pretrain's default (FULL_SHARD on one node).
+        save_interval: Write a sharded checkpoint every this many steps and report the training loop's
+            stall per save (the time of the step after a save minus the median step's); those steps stay
+            out of the step-time statistics. None: no checkpoints until the end.
+        async_save: Write those checkpoints as `--fsdp.async_save true` does, to compare the stall with
+            a synchronous save.
         compile: torch.compile every block, as `pretrain --compile`.
         short: A quick check for CI: the small defaults above, and a comparison with the stored
             baseline that fails when tokens/s falls below 0.3× of it.
@@ -227,8 +235,13 @@ def benchmark(
                          "(presets: llama-debug, pythia-70m)")
     from llmtrain.distributed.parallelize import FSDPArgs
 
+    if save_interval is not None and save_interval < 1:
+        raise ValueError(f"--save_interval must be at least 1, got {save_interval}")
+    if async_save and save_interval is None:
+        raise ValueError("--async_save true needs --save_interval N: without checkpoints there is no stall to time")
     try:
-        fsdp = FSDPArgs(sharding_strategy=sharding_strategy)
+        fsdp = FSDPArgs(sharding_strategy=sharding_strategy, async_save=async_save,
+                        state_dict_type="sharded" if save_interval else "full")
     except ValueError as error:
         raise ValueError(str(error).replace("--fsdp.sharding_strategy", "--sharding_strategy")) from None
     config = Config.from_name(model)
@@ -253,18 +266,20 @@ def benchmark(
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=out_dir))
     try:
         _train(run_dir, model=model, precision=precision, micro_batch_size=micro_batch_size, seq_len=seq_len,
-               total_steps=warmup + steps, devices=devices, fsdp=fsdp, compile=compile)
+               total_steps=warmup + steps, devices=devices, fsdp=fsdp, save_interval=save_interval,
+               compile=compile)
         rows = _train_rows(run_dir / "train" / "metrics.csv")
         waits = [float(line) for line in (run_dir / "data_wait.txt").read_text().split()]
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
-    timing = _step_timing(rows, waits, warmup)
+    timing = _step_timing(rows, waits, warmup, save_interval)
     tokens_per_sec_per_device = micro_batch_size * seq_len / timing["step_time_median_s"]
     record = {
         "model": model, "parameters": num_parameters(config), "precision": precision,
         "micro_batch_size": micro_batch_size, "seq_len": seq_len, "devices": devices,
         "sharding_strategy": sharding_strategy if devices > 1 else None, "compile": compile,
+        "save_interval": save_interval, "async_save": async_save,
         "steps": steps, "warmup": warmup, "tokens_per_sec_per_device": tokens_per_sec_per_device,
         "tokens_per_sec": tokens_per_sec_per_device * devices, **timing,
         "flops_per_token": flops_per_token(config, seq_len), "matmul_peak_flops": peak,
@@ -293,7 +308,7 @@ def benchmark(
 
 
 def _train(run_dir: Path, *, model: str, precision: str, micro_batch_size: int, seq_len: int, total_steps: int,
-           devices: int, fsdp: Any, compile: bool) -> None:
+           devices: int, fsdp: Any, save_interval: Optional[int], compile: bool) -> None:
     """The pretrain recipe on the built-in corpus, a log row per step, no validation, no mid-run checkpoints."""
     from llmtrain.args import EvalArgs, TrainArgs
     from llmtrain.data import BuiltinStories
@@ -301,39 +316,49 @@ def _train(run_dir: Path, *, model: str, precision: str, micro_batch_size: int, 
 
     train = TrainArgs(micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size * devices,
                       max_seq_length=seq_len, max_steps=total_steps, log_interval=1, lr_warmup_steps=1,
-                      save_interval=None)
+                      save_interval=save_interval)
     pretrain.setup(model_name=model, out_dir=run_dir / "train", precision=precision,
                    data=TimedData(BuiltinStories(), run_dir / "data_wait.txt"), train=train,
                    eval=EvalArgs(interval=10**9, initial_validation=False, final_validation=False),
                    devices=devices, fsdp=fsdp, compile=compile)
 
 
-def _step_timing(rows: list[dict], waits: list[float], warmup: int) -> dict:
+def _step_timing(rows: list[dict], waits: list[float], warmup: int, save_interval: Optional[int] = None) -> dict:
     """Step-time statistics of the steps after ``warmup``, and the share of their time spent waiting for data.
 
     Step k's time is the loop's elapsed time at its log row minus that at the row before (a step whose
     update was skipped logs no row: the gap is shared out); with one micro-batch per step (no
-    accumulation), the k-th ``next()`` fetched step k's batch.
+    accumulation), the k-th ``next()`` fetched step k's batch. With ``save_interval``, a checkpoint is
+    written after every step k that it divides, so step k + 1's time holds the save's stall: those steps
+    are left out of the statistics, and ``checkpoint_stall_s`` is their median time minus the others'.
     """
-    timed, step_times, previous = [], [], {"step": 0, "elapsed_s": 0.0}
+    timed, times, previous = [], {}, {"step": 0, "elapsed_s": 0.0}
     for row in sorted(rows, key=lambda row: row["step"]):
         if row["step"] > warmup:
             timed.append(row)
             gap = row["step"] - previous["step"]
-            step_times += [(row["elapsed_s"] - previous["elapsed_s"]) / gap] * gap
+            for step in range(previous["step"] + 1, row["step"] + 1):
+                times[step] = (row["elapsed_s"] - previous["elapsed_s"]) / gap
         previous = row
-    if not step_times or len(waits) < timed[-1]["step"]:
-        raise RuntimeError(f"the benchmark run logged {len(step_times)} timed steps and {len(waits)} batch "
+    if not times or len(waits) < timed[-1]["step"]:
+        raise RuntimeError(f"the benchmark run logged {len(times)} timed steps and {len(waits)} batch "
                            "fetches; expected one row and one fetch per step")
+    after_save = {step for step in times if save_interval and (step - 1) % save_interval == 0 and step > 1}
+    step_times = [time for step, time in times.items() if step not in after_save] or list(times.values())
+    stalls = [times[step] for step in sorted(after_save)]
     quartiles = statistics.quantiles(step_times, n=4, method="inclusive") if len(step_times) > 1 else step_times * 3
     logged = [row["data_wait_fraction"] for row in timed if row["data_wait_fraction"] is not None]
+    median = statistics.median(step_times)
     return {
-        "step_time_median_s": statistics.median(step_times), "step_time_min_s": min(step_times),
+        "step_time_median_s": median, "step_time_min_s": min(step_times),
         "step_time_max_s": max(step_times), "step_time_p25_s": quartiles[0], "step_time_p75_s": quartiles[2],
-        "data_wait_fraction": sum(waits[warmup:timed[-1]["step"]]) / sum(step_times),
+        "data_wait_fraction": sum(waits[warmup:timed[-1]["step"]]) / sum(times.values()),
         # The loop's own measure of the same wait, when its metrics have the column; a cross-check.
         "data_wait_fraction_logged": statistics.mean(logged) if logged else None,
         "peak_memory_gb": max(row["peak_memory_gb"] for row in timed),
+        "checkpoint_saves": len(stalls),
+        "checkpoint_stall_s": statistics.median(stalls) - median if stalls else None,
+        "checkpoint_stall_max_s": max(stalls) - median if stalls else None,
     }
 
 
@@ -404,6 +429,10 @@ def _print_table(record: dict) -> None:
         ("waiting for data", f"{record['data_wait_fraction']:.2%} of step time"
                              + (f" (the loop's log: {logged:.2%})" if logged is not None else "")),
         ("peak memory", f"{record['peak_memory_gb']:.2f} GB"),
+        *([("checkpoint stall", f"median {record['checkpoint_stall_s']:.3f} s, max "
+                                f"{record['checkpoint_stall_max_s']:.3f} s over {record['checkpoint_saves']} "
+                                f"{'asynchronous' if record['async_save'] else 'synchronous'} sharded saves")]
+          if record["checkpoint_saves"] else []),
         ("load average", f"{record['load_average']} on {os.cpu_count()} cores"
                          + (" (other work ran alongside: noisy numbers)" if _busy(record) else "")),
     ]

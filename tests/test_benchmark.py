@@ -66,6 +66,8 @@ def test_short_benchmark_fails_far_below_the_baseline_and_still_records(tmp_path
     ({"model": "gpt-5"}, "--model 'gpt-5' is not in the zoo"),
     ({"seq_len": 100000}, "--seq_len 100000 exceeds llama-debug's block size 512"),
     ({"sharding_strategy": "HALF_SHARD"}, "--sharding_strategy 'HALF_SHARD' must be one of FULL_SHARD"),
+    ({"save_interval": 0}, "--save_interval must be at least 1, got 0"),
+    ({"async_save": True}, "--async_save true needs --save_interval N"),
 ])
 def test_bad_flags_are_named_before_anything_runs(tmp_path, flags, message):
     with pytest.raises(ValueError, match=message):
@@ -92,3 +94,34 @@ def test_step_timing_counts_only_timed_steps_and_shares_out_a_skipped_step():
     assert (timing["step_time_min_s"], timing["step_time_max_s"]) == (1.0, 2.0)
     assert timing["data_wait_fraction"] == pytest.approx(0.6 / 6.0)  # the warm-up's 4 s wait is left out
     assert timing["peak_memory_gb"] == pytest.approx(0.5) and timing["data_wait_fraction_logged"] is None
+
+
+def test_steps_after_a_save_give_the_stall_and_stay_out_of_the_step_times():
+    from llmtrain.benchmark import _step_timing
+
+    # Saves after steps 2, 4 and 6 (interval 2): steps 3, 5 and 7 carry them (3, 4 and 3 s against 1 s).
+    elapsed = [5.0, 6.0, 9.0, 10.0, 14.0, 15.0, 18.0]
+    rows = [{"step": step, "elapsed_s": seconds, "peak_memory_gb": 0.1, "data_wait_fraction": None}
+            for step, seconds in enumerate(elapsed, start=1)]
+    timing = _step_timing(rows, [0.0] * 7, warmup=1, save_interval=2)
+    assert (timing["step_time_median_s"], timing["step_time_max_s"]) == (1.0, 1.0)
+    assert timing["checkpoint_saves"] == 3
+    assert timing["checkpoint_stall_s"] == pytest.approx(2.0)
+    assert timing["checkpoint_stall_max_s"] == pytest.approx(3.0)
+    assert _step_timing(rows, [0.0] * 7, warmup=1)["checkpoint_stall_s"] is None
+
+
+def test_async_and_sync_saves_report_their_stall(tmp_path):
+    records = []
+    for mode in ("false", "true"):
+        done = run_benchmark("--micro_batch_size", "1", "--seq_len", "32", "--steps", "4", "--warmup", "1",
+                             "--save_interval", "2", "--async_save", mode, "--results", str(tmp_path / "r.jsonl"),
+                             "--out_dir", str(tmp_path / "bench"), "--baseline", "null", cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        records.append(json.loads((tmp_path / "r.jsonl").read_text().splitlines()[-1]))
+        assert "sharded saves" in done.stdout
+    for record, async_save in zip(records, (False, True)):
+        assert record["async_save"] is async_save and record["save_interval"] == 2
+        assert record["checkpoint_saves"] == 2  # after steps 2 and 4, carried by steps 3 and 5
+        assert math.isfinite(record["checkpoint_stall_s"])
+        assert record["checkpoint_stall_max_s"] >= record["checkpoint_stall_s"]
