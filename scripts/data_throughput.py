@@ -101,7 +101,8 @@ def main() -> None:
 
     record = {
         "corpus_chars": chars, "corpus_tokens": tokens, "cores": available_cpu_count(),
-        "tokenize_s": tokenize_s, "tokenize_chars_per_s": chars / tokenize_s, "tokenize_tokens_per_s": tokens / tokenize_s,
+        "tokenize_s": tokenize_s, "tokenize_chars_per_s": chars / tokenize_s,
+        "tokenize_tokens_per_s": tokens / tokenize_s,
         "tokenize_cores_used": tokenize_cpu / tokenize_s, "cached_prepare_s": cached_s,
         "loader_batches": args.batches, "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len,
         "loader_tokens_per_s": args.batches * args.micro_batch_size * args.seq_len / loader_s,
