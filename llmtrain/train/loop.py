@@ -39,7 +39,6 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from llmtrain.args import BatchPlan, EvalArgs, TrainArgs
 from llmtrain.distributed.runtime import Runtime
@@ -111,12 +110,6 @@ def plan_horizon(train: TrainArgs, tokens_per_step: int, samples_per_epoch: Opti
                       "learning rate never reaches its peak", stacklevel=2)
     return Horizon(total_steps=total, warmup_steps=warmup, max_steps=train.max_steps,
                    max_tokens=train.max_tokens, epochs=train.epochs, max_time=train.max_time)
-
-
-def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of the token losses, in fp32, skipping IGNORE_INDEX targets."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
 
 
 def gradient_sync(model: torch.nn.Module, enabled: bool):
