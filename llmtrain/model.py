@@ -200,16 +200,15 @@ def head_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
     if type(head) is nn.Linear and needs_grad:
         return LinearCrossEntropy.apply(hidden, head.weight, head.bias, labels, chunk_tokens)
-    if hidden.size(0) <= chunk_tokens or not needs_grad:
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for hidden_chunk, label_chunk in zip(hidden.split(chunk_tokens), labels.split(chunk_tokens)):
-            total = total + _chunk_loss_sum(head, hidden_chunk, label_chunk)
-        return total
     from torch.utils.checkpoint import checkpoint
 
+    recompute = needs_grad and hidden.size(0) > chunk_tokens  # one chunk, or no backward: nothing to save
     total = hidden.new_zeros((), dtype=torch.float32)
     for hidden_chunk, label_chunk in zip(hidden.split(chunk_tokens), labels.split(chunk_tokens)):
-        total = total + checkpoint(_chunk_loss_sum, head, hidden_chunk, label_chunk, use_reentrant=False)
+        if recompute:
+            total = total + checkpoint(_chunk_loss_sum, head, hidden_chunk, label_chunk, use_reentrant=False)
+        else:
+            total = total + _chunk_loss_sum(head, hidden_chunk, label_chunk)
     return total
 
 
