@@ -244,6 +244,9 @@ def benchmark(
                         state_dict_type="sharded" if save_interval else "full")
     except ValueError as error:
         raise ValueError(str(error).replace("--fsdp.sharding_strategy", "--sharding_strategy")) from None
+    if sharding_strategy is not None and devices == 1:
+        raise ValueError(f"--sharding_strategy {sharding_strategy} needs --devices 2 or more: one process shards "
+                         "nothing")
     config = Config.from_name(model)
     if seq_len > config.block_size:
         raise ValueError(f"--seq_len {seq_len} exceeds {model}'s block size {config.block_size}")
@@ -278,7 +281,7 @@ def benchmark(
     record = {
         "model": model, "parameters": num_parameters(config), "precision": precision,
         "micro_batch_size": micro_batch_size, "seq_len": seq_len, "devices": devices,
-        "sharding_strategy": sharding_strategy if devices > 1 else None, "compile": compile,
+        "sharding_strategy": sharding_strategy, "compile": compile,
         "save_interval": save_interval, "async_save": async_save,
         "steps": steps, "warmup": warmup, "tokens_per_sec_per_device": tokens_per_sec_per_device,
         "tokens_per_sec": tokens_per_sec_per_device * devices, **timing,

@@ -68,6 +68,7 @@ def test_short_benchmark_fails_far_below_the_baseline_and_still_records(tmp_path
     ({"model": "gpt-5"}, "--model 'gpt-5' is not in the zoo"),
     ({"seq_len": 100000}, "--seq_len 100000 exceeds llama-debug's block size 512"),
     ({"sharding_strategy": "HALF_SHARD"}, "--sharding_strategy 'HALF_SHARD' must be one of FULL_SHARD"),
+    ({"sharding_strategy": "NO_SHARD"}, "--sharding_strategy NO_SHARD needs --devices 2 or more"),
     ({"save_interval": 0}, "--save_interval must be at least 1, got 0"),
     ({"async_save": True}, "--async_save true needs --save_interval N"),
 ])
