@@ -8,7 +8,10 @@ Checks that need only these numbers live here; checks that need the world size l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
+
+ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 
 
 @dataclass
@@ -94,6 +97,37 @@ class EvalArgs:
             raise ValueError(f"--eval.interval must be at least 1, got {self.interval}")
         if self.max_iters < 1:
             raise ValueError(f"--eval.max_iters must be at least 1, got {self.max_iters}")
+
+
+@dataclass
+class FSDPArgs:
+    """How FSDP shards and wraps the model (``--fsdp.*``)."""
+
+    sharding_strategy: Optional[ShardingStrategy] = None
+    """FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD (DDP). None: HYBRID_SHARD on several nodes, else FULL_SHARD."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward instead of storing them."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory."""
+    state_dict_type: Literal["full", "sharded"] = "full"
+    """Checkpoint format: `full` (rank 0 writes model.safetensors) or `sharded` (every rank writes its shard)."""
+    skip_gradient_sync: bool = True
+    """Reduce gradients only after the last micro-batch of a step: less communication, but under FSDP each
+    rank holds unsharded gradients during accumulation. Applies to DDP too."""
+    async_save: bool = False
+    """Write sharded checkpoints in a background thread: training waits only while the shards are copied to
+    host memory (one more copy of model and optimizer state there). A checkpoint counts only once its
+    write has finished, so a kill during it leaves none that resume picks. Needs state_dict_type sharded."""
+
+    def __post_init__(self) -> None:
+        if self.sharding_strategy is not None and self.sharding_strategy not in SHARDING_STRATEGIES:
+            raise ValueError(f"--fsdp.sharding_strategy {self.sharding_strategy!r} must be one of "
+                             f"{', '.join(SHARDING_STRATEGIES)} (or null for the default)")
+        if self.state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"--fsdp.state_dict_type {self.state_dict_type!r} must be `full` or `sharded`")
+        if self.async_save and self.state_dict_type != "sharded":
+            raise ValueError("--fsdp.async_save true needs --fsdp.state_dict_type sharded (a full checkpoint is "
+                             "gathered and written by rank 0 alone)")
 
 
 @dataclass(frozen=True)

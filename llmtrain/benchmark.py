@@ -27,6 +27,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from llmtrain.args import EvalArgs, FSDPArgs, TrainArgs
+from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.train.precision import Precision, PrecisionName
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,8 +235,6 @@ def benchmark(
     if model not in Config.names():
         raise ValueError(f"--model {model!r} is not in the zoo; `llmtrain pretrain list` shows the names "
                          "(presets: llama-debug, pythia-70m)")
-    from llmtrain.distributed.parallelize import FSDPArgs
-
     if save_interval is not None and save_interval < 1:
         raise ValueError(f"--save_interval must be at least 1, got {save_interval}")
     if async_save and save_interval is None:
@@ -242,17 +242,17 @@ def benchmark(
     try:
         fsdp = FSDPArgs(sharding_strategy=sharding_strategy, async_save=async_save,
                         state_dict_type="sharded" if save_interval else "full")
+        plan = ParallelPlan.resolve(devices=devices, num_nodes=1, precision=precision, fsdp=fsdp,
+                                    train=_train_args(micro_batch_size, seq_len, warmup + steps, devices, save_interval))
     except ValueError as error:
         raise ValueError(str(error).replace("--fsdp.sharding_strategy", "--sharding_strategy")) from None
-    if sharding_strategy is not None and devices == 1:
-        raise ValueError(f"--sharding_strategy {sharding_strategy} needs --devices 2 or more: one process shards "
-                         "nothing")
     config = Config.from_name(model)
     if seq_len > config.block_size:
         raise ValueError(f"--seq_len {seq_len} exceeds {model}'s block size {config.block_size}")
     dtype = Precision(precision).compute_dtype
     threads = threads_per_process(devices)
-    peak_device = "cuda" if torch.cuda.is_available() else "cpu"
+    peak_device = plan.device_type
+    print(f"layout: {plan.describe()}", flush=True)
 
     # NOTE: measured in this process with the threads each training process will have.
     all_threads = torch.get_num_threads()
@@ -268,9 +268,8 @@ def benchmark(
     out_dir.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=out_dir))
     try:
-        _train(run_dir, model=model, precision=precision, micro_batch_size=micro_batch_size, seq_len=seq_len,
-               total_steps=warmup + steps, devices=devices, fsdp=fsdp, save_interval=save_interval,
-               compile=compile)
+        _train(run_dir, model=model, plan=plan, fsdp=fsdp,
+               train=_train_args(micro_batch_size, seq_len, warmup + steps, devices, save_interval), compile=compile)
         rows = _train_rows(run_dir / "train" / "metrics.csv")
         waits = [float(line) for line in (run_dir / "data_wait.txt").read_text().split()]
     finally:
@@ -310,20 +309,24 @@ def benchmark(
     return record
 
 
-def _train(run_dir: Path, *, model: str, precision: str, micro_batch_size: int, seq_len: int, total_steps: int,
-           devices: int, fsdp: Any, save_interval: Optional[int], compile: bool) -> None:
-    """The pretrain recipe on the built-in corpus, a log row per step, no validation, no mid-run checkpoints."""
-    from llmtrain.args import EvalArgs, TrainArgs
+def _train_args(micro_batch_size: int, seq_len: int, total_steps: int, devices: int,
+                save_interval: Optional[int]) -> TrainArgs:
+    """A log row per step, no accumulation, checkpoints only as --save_interval says."""
+    return TrainArgs(micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size * devices,
+                     max_seq_length=seq_len, max_steps=total_steps, log_interval=1, lr_warmup_steps=1,
+                     save_interval=save_interval)
+
+
+def _train(run_dir: Path, *, model: str, plan: ParallelPlan, fsdp: FSDPArgs, train: TrainArgs,
+           compile: bool) -> None:
+    """The pretrain recipe on the built-in corpus with the plan's layout, no validation."""
     from llmtrain.data import BuiltinStories
     from llmtrain.recipes import pretrain
 
-    train = TrainArgs(micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size * devices,
-                      max_seq_length=seq_len, max_steps=total_steps, log_interval=1, lr_warmup_steps=1,
-                      save_interval=save_interval)
-    pretrain.setup(model_name=model, out_dir=run_dir / "train", precision=precision,
+    pretrain.setup(model_name=model, out_dir=run_dir / "train", precision=plan.precision.name,
                    data=TimedData(BuiltinStories(), run_dir / "data_wait.txt"), train=train,
                    eval=EvalArgs(interval=10**9, initial_validation=False, final_validation=False),
-                   devices=devices, fsdp=fsdp, compile=compile)
+                   devices=plan.devices, fsdp=fsdp, compile=compile)
 
 
 def _step_timing(rows: list[dict], waits: list[float], warmup: int, save_interval: Optional[int] = None) -> dict:

@@ -135,9 +135,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except USER_ERRORS as error:
         if debug or not from_command_line:
             raise
-        hint = getattr(error, "hint", "run with --debug for the traceback")
-        print(f"error: {error}\n({hint})", file=sys.stderr)
+        if _reports_errors():
+            hint = getattr(error, "hint", "run with --debug for the traceback")
+            print(f"error: {error}\n({hint})", file=sys.stderr)
         sys.exit(2)
+
+
+def _reports_errors() -> bool:
+    """Under torchrun or srun every rank parses the same command line and checks the same flags before the
+    ranks meet, so a bad flag fails on all of them alike: rank 0 says so once, the others only exit with 2."""
+    for name in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "0") != "0":
+            return False
+    return True
 
 
 def _check_config_files(argv: list[str]) -> None:
@@ -167,7 +177,7 @@ def run_cli(args: list[str]) -> None:
     import llmtrain.data  # noqa: F401  (registers the data modules so `--data NAME` resolves)
 
     from llmtrain.distributed.launch import WorkerFailedError
-    from llmtrain.recipes.common import configure_process
+    from llmtrain.distributed.runtime import configure_process
 
     configure_process()
     # Field docstrings of the argument dataclasses become the flags' help text.

@@ -21,7 +21,6 @@ tests/test_plan.py, which also checks the total against a measured peak):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -29,6 +28,9 @@ from typing import Any, Optional
 import torch
 
 from llmtrain.config import Config
+from llmtrain.distributed.parallel_plan import ParallelPlan
+from llmtrain.flops import flops_per_token, lookup_peak_flops, num_parameters
+from llmtrain.train.loop import plan_horizon
 
 GiB = 2**30
 
@@ -42,18 +44,27 @@ class DryRunArgs:
     tokens_per_sec: Optional[float] = None
     """Measured tokens/s per device for the time estimate (from an earlier run: the tokens_per_sec_per_device column of its metrics.csv)."""
     gpu: Optional[str] = None
-    """Estimate time from this GPU's peak FLOP/s (e.g. H100, A100) at `mfu` instead of a measured tokens/s."""
-    mfu: float = 0.4
-    """Model FLOPs utilization assumed with `gpu`."""
+    """Plan for this GPU (e.g. H100, A100): the layout on CUDA devices, and the time from its peak FLOP/s at
+    `mfu` instead of a measured tokens/s."""
+    mfu: Optional[float] = None
+    """Model FLOPs utilization assumed with `gpu` (default 0.4)."""
+
+    DEFAULT_MFU = 0.4
 
     @property
     def requested(self) -> bool:
-        return self.enabled or self.tokens_per_sec is not None or self.gpu is not None
+        """Any --dry_run.* flag starts the dry run: none of them means anything to a training run."""
+        return self.enabled or self.tokens_per_sec is not None or self.gpu is not None or self.mfu is not None
+
+    @property
+    def device_type(self) -> Optional[str]:
+        """The device the plan is for: cuda with --dry_run.gpu, else whatever --accelerator gives here."""
+        return "cuda" if self.gpu is not None else None
 
     def __post_init__(self) -> None:
         if self.tokens_per_sec is not None and self.tokens_per_sec <= 0:
             raise ValueError(f"--dry_run.tokens_per_sec must be positive, got {self.tokens_per_sec}")
-        if not 0 < self.mfu <= 1:
+        if self.mfu is not None and not 0 < self.mfu <= 1:
             raise ValueError(f"--dry_run.mfu must be in (0, 1], got {self.mfu}")
 
 
@@ -110,25 +121,22 @@ def head_chunk_tokens(config: Config) -> int:
 
 
 def _block_parameters(config: Config) -> int:
-    from llmtrain.flops import num_parameters
-
     embeddings = config.padded_vocab_size * config.n_embd * (1 if config.tie_embeddings else 2)
     return (num_parameters(config) - embeddings) // config.n_layer
 
 
-def estimate_memory(config: Config, *, precision: Any, micro_batch_size: int, seq_len: int,
-                    sharding: Optional[str] = None, shard_size: int = 1, activation_checkpointing: bool = False,
-                    cpu_offload: bool = False, trainable_parameters: Optional[int] = None,
-                    quantize: Optional[str] = None, grad_accum_steps: int = 1) -> MemoryEstimate:
-    """Peak bytes per device of one training step.
+def estimate_memory(config: Config, plan: ParallelPlan, *, seq_len: int,
+                    trainable_parameters: Optional[int] = None, quantize: Optional[str] = None) -> MemoryEstimate:
+    """Peak bytes per device of one training step laid out as ``plan`` says.
 
-    ``sharding`` is None for one process, else FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD;
-    ``shard_size`` is the number of ranks a parameter is split over (devices per node for HYBRID_SHARD).
-    ``trainable_parameters`` below the total means LoRA: only the adapters have gradients and optimizer
-    state. ``quantize`` stores the frozen linear weights in 4 bits (bnb.nf4, bnb.fp4) or 8 (bnb.int8).
+    The plan's sharding strategy (None without a wrapper) and shard size divide the states; its CPU
+    offload counts only when FSDP applies it. ``trainable_parameters`` below the total means LoRA: only
+    the adapters have gradients and optimizer state. ``quantize`` stores the frozen linear weights in 4
+    bits (bnb.nf4, bnb.fp4) or 8 (bnb.int8).
     """
-    from llmtrain.flops import num_parameters
-
+    precision, micro_batch_size = plan.precision, plan.batch.micro_batch_size
+    sharding = plan.sharding_strategy if plan.wrapper != "none" else None
+    shard_size, cpu_offload = plan.shard_size, plan.cpu_offload
     total = num_parameters(config)
     trainable = total if trainable_parameters is None else trainable_parameters
     stored, compute = _bytes(precision.param_dtype), _bytes(precision.compute_dtype)
@@ -157,7 +165,7 @@ def estimate_memory(config: Config, *, precision: Any, micro_batch_size: int, se
     if cpu_offload:
         params, gradients, optimizer = 2 * block * compute, block * compute, 0
     tokens = micro_batch_size * seq_len
-    per_token = activation_bytes_per_token(config, precision.compute_dtype, activation_checkpointing)
+    per_token = activation_bytes_per_token(config, precision.compute_dtype, plan.activation_checkpointing)
     chunk = min(tokens, head_chunk_tokens(config))  # the loss's logits exist one chunk at a time
     head = tokens * per_token["head_hidden"] + chunk * (per_token["head"] - per_token["head_hidden"])
     activations = tokens * per_token["stack"] + head
@@ -191,10 +199,11 @@ def checkpoint_bytes(config: Config, precision: Any, trainable_parameters: Optio
     return {"weights": weights, "step": weights + 2 * trainable * stored}
 
 
-def _shards(step_bytes: int, sharding: Optional[str], shard_size: int, state_dict_type: str, lora: bool) -> str:
+def _shards(step_bytes: int, plan: ParallelPlan, state_dict_type: str, lora: bool) -> str:
     """How a step checkpoint is written: one file from rank 0, or one shard per rank of a shard group (DCP writes
     a replicated shard once, so HYBRID_SHARD's replicas add nothing on disk)."""
-    if lora or sharding in (None, "NO_SHARD") or shard_size == 1:
+    shard_size = plan.shard_size
+    if lora or plan.wrapper != "fsdp" or shard_size == 1:
         return " (one file, rank 0)"
     if state_dict_type == "sharded":
         return f" (sharded: {shard_size} shards of {_size(step_bytes // shard_size)})"
@@ -202,93 +211,85 @@ def _shards(step_bytes: int, sharding: Optional[str], shard_size: int, state_dic
            f"{_size(step_bytes // shard_size)})"
 
 
-def dry_run(*, recipe: str, config: Config, precision: Any, train: Any, devices: int, num_nodes: int,
-            strategy: str, fsdp: Any, dry: DryRunArgs, out_dir: Path, trainable_parameters: Optional[int] = None,
-            quantize: Optional[str] = None, data: Any = None) -> None:
-    """Print the plan of a run with these flags, for the devices it names (not the ones this machine has)."""
+def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_len: int, dry: DryRunArgs,
+            fsdp: Any, out_dir: Path, trainable_parameters: Optional[int] = None,
+            quantize: Optional[str] = None) -> None:
+    """Print the plan of a run with these flags, for the devices it names (not the ones this machine has).
+
+    ``plan`` was resolved with ``strict_batch=False``: a batch that does not divide is printed as a problem
+    and then raised, so the rest of the plan still shows how to choose it.
+    """
     import shutil
 
-    from llmtrain.args import batch_plan
-    from llmtrain.distributed.parallelize import resolve_sharding_strategy
-    from llmtrain.flops import flops_per_token, lookup_peak_flops, num_parameters
-
-    world = devices * num_nodes
-    sharding = resolve_sharding_strategy(strategy, fsdp, world, num_nodes)
-    if sharding == "HYBRID_SHARD" and world % num_nodes:
-        raise ValueError(f"--devices {devices} × --num_nodes {num_nodes}: every node needs the same device count")
-    shard_size = devices if sharding == "HYBRID_SHARD" else world
-    try:
-        plan, problem = batch_plan(train, world), None
-    except ValueError as error:  # still show the plan: the rest of it says how to choose the batch
-        plan, problem = None, str(error)
-    micro = train.micro_batch_size
-    seq_len = train.max_seq_length or config.block_size
+    world = plan.world_size
     tokens_per_step = train.global_batch_size * seq_len
     total = num_parameters(config)
     trainable = total if trainable_parameters is None else trainable_parameters
-    memory = estimate_memory(config, precision=precision, micro_batch_size=micro, seq_len=seq_len,
-                             sharding=sharding, shard_size=shard_size,
-                             activation_checkpointing=fsdp.activation_checkpointing, cpu_offload=fsdp.cpu_offload,
-                             trainable_parameters=trainable_parameters, quantize=quantize,
-                             grad_accum_steps=plan.grad_accum_steps if plan else 1)
-    sizes = checkpoint_bytes(config, precision, trainable_parameters)
-
+    memory = estimate_memory(config, plan, seq_len=seq_len, trainable_parameters=trainable_parameters,
+                             quantize=quantize)
+    sizes = checkpoint_bytes(config, plan.precision, trainable_parameters)
     steps = _planned_steps(train, tokens_per_step)
-    if sharding is None:
+    if plan.wrapper == "none":
         layout = "one process"
-    elif sharding == "HYBRID_SHARD":
-        layout = f"HYBRID_SHARD: replicate {num_nodes} × shard {devices}"
-    elif sharding == "NO_SHARD":
+    elif plan.sharding_strategy == "HYBRID_SHARD":
+        layout = f"HYBRID_SHARD: replicate {plan.dp_replicate} × shard {plan.dp_shard}"
+    elif plan.sharding_strategy == "NO_SHARD":
         layout = f"NO_SHARD (DDP): replicate {world}"
     else:
-        layout = f"{sharding}: shard {world}"
+        layout = f"{plan.sharding_strategy}: shard {plan.dp_shard}"
+    batch = plan.batch
+    precision = plan.precision
     lines = [
         f"dry run of `llmtrain {recipe}` (nothing is built or trained)",
         f"model        {config.name or 'custom'}: {total / 1e6:,.1f}M parameters, {trainable / 1e6:,.1f}M trainable"
         f"{f', base quantized {quantize}' if quantize else ''}",
-        f"layout       {devices} devices × {num_nodes} nodes = {world} ranks; {layout}"
-        f"{'; activation checkpointing' if fsdp.activation_checkpointing else ''}"
-        f"{'; CPU offload' if fsdp.cpu_offload else ''}",
+        f"layout       {plan.devices} devices × {plan.num_nodes} nodes = {world} ranks on {plan.device_type}; {layout}"
+        f"{'; activation checkpointing' if plan.activation_checkpointing else ''}"
+        f"{'; CPU offload' if plan.cpu_offload else ''}",
         f"precision    {precision.name} (weights {precision.param_dtype}, compute {precision.compute_dtype})",
-        f"batch        micro {micro} × {world} ranks × {plan.grad_accum_steps} accumulation steps "
-        f"= global {train.global_batch_size} sequences of {seq_len} tokens" if plan else
-        f"batch        PROBLEM: global {train.global_batch_size} is no multiple of micro {micro} × {world} ranks "
-        "(see the end)",
+        f"batch        micro {batch.micro_batch_size} × {plan.data_parallel_size} ranks × {batch.grad_accum_steps} "
+        f"accumulation steps = global {batch.global_batch_size} sequences of {seq_len} tokens"
+        if plan.batch_problem is None else
+        f"batch        PROBLEM: global {batch.global_batch_size} is no multiple of micro {batch.micro_batch_size} × "
+        f"{plan.data_parallel_size} ranks (see the end)",
         f"tokens/step  {tokens_per_step:,}",
         f"length       {_describe_length(steps, tokens_per_step, train)}",
         f"memory       per device (estimate): {memory.describe()}",
         f"checkpoint   weights {_size(sizes['weights'])}; each resumable step checkpoint {_size(sizes['step'])}"
-        f"{_shards(sizes['step'], sharding, shard_size, fsdp.state_dict_type, trainable < total)}",
+        f"{_shards(sizes['step'], plan, fsdp.state_dict_type, trainable < total)}",
     ]
     free = shutil.disk_usage(_existing_parent(out_dir)).free
     if free < sizes["step"]:
         lines.append(f"warning      --out_dir {out_dir} has {_size(free)} free here: too little for one checkpoint")
-    per_device = dry.tokens_per_sec
-    source = "--dry_run.tokens_per_sec"
+    lines.append(_describe_time(config, plan, dry, seq_len, tokens_per_step, steps))
+    print("\n".join(lines))
+    if plan.batch_problem is not None:
+        raise ValueError(f"this plan would not start: {plan.batch_problem}")
+
+
+def _describe_time(config: Config, plan: ParallelPlan, dry: DryRunArgs, seq_len: int, tokens_per_step: int,
+                   steps: Optional[int]) -> str:
+    per_device, source = dry.tokens_per_sec, "--dry_run.tokens_per_sec"
+    mfu = dry.mfu if dry.mfu is not None else DryRunArgs.DEFAULT_MFU
     if per_device is None and dry.gpu is not None:
-        peak = lookup_peak_flops(dry.gpu, precision.compute_dtype)
+        peak = lookup_peak_flops(dry.gpu, plan.precision.compute_dtype)
         if peak is None:
             raise ValueError(f"--dry_run.gpu {dry.gpu!r}: its peak FLOP/s is unknown; pass --dry_run.tokens_per_sec")
-        per_device = dry.mfu * peak / flops_per_token(config, seq_len)
-        source = f"{dry.gpu} at {dry.mfu:.0%} MFU"
+        per_device = mfu * peak / flops_per_token(config, seq_len)
+        source = f"{dry.gpu} at {mfu:.0%} MFU"
     if per_device is None:
-        lines.append("time         pass --dry_run.tokens_per_sec N or --dry_run.gpu NAME for an estimate")
-    else:
-        step_s = tokens_per_step / (per_device * world)
-        total_s = f", {_duration(step_s * steps)} for {steps:,} steps" if steps else ""
-        lines.append(f"time         {per_device:,.0f} tokens/s per device ({source}): {step_s:.2f} s per step{total_s}")
-    print("\n".join(lines))
-    if problem is not None:
-        raise ValueError(f"this plan would not start: {problem}")
+        return "time         pass --dry_run.tokens_per_sec N or --dry_run.gpu NAME for an estimate"
+    step_s = tokens_per_step / (per_device * plan.world_size)
+    total_s = f", {_duration(step_s * steps)} for {steps:,} steps" if steps else ""
+    return f"time         {per_device:,.0f} tokens/s per device ({source}): {step_s:.2f} s per step{total_s}"
 
 
 def _planned_steps(train: Any, tokens_per_step: int) -> Optional[int]:
-    candidates = []
-    if train.max_steps is not None:
-        candidates.append(train.max_steps)
-    if train.max_tokens is not None:
-        candidates.append(math.ceil(train.max_tokens / tokens_per_step))
-    return min(candidates) if candidates else None
+    """The run's step count, from the run's own function; None where it needs the data's size (epochs)."""
+    try:
+        return plan_horizon(train, tokens_per_step, samples_per_epoch=None).total_steps
+    except ValueError:
+        return None
 
 
 def _describe_length(steps: Optional[int], tokens_per_step: int, train: Any) -> str:

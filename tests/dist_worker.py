@@ -20,10 +20,12 @@ from typing import Optional
 
 import torch
 
-from llmtrain.args import EvalArgs, TrainArgs, batch_plan
+from llmtrain.args import EvalArgs, TrainArgs
 from llmtrain.config import Config
 from llmtrain.distributed.checkpoint import build_checkpointer, gather_full_model_state, load_checkpoint
-from llmtrain.distributed.parallelize import FSDPArgs, materialize, parallelize
+from llmtrain.args import FSDPArgs
+from llmtrain.distributed.parallel_plan import ParallelPlan
+from llmtrain.distributed.parallelize import materialize, parallelize
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
 from llmtrain.train.loop import IGNORE_INDEX, Fit, TrainState, fit, plan_horizon
@@ -115,18 +117,35 @@ class Recorder:
         pass
 
 
-def build(runtime: Runtime, *, config: Optional[Config] = None, strategy: str = "auto",
-          fsdp: Optional[FSDPArgs] = None, precision: str = "32-true", num_nodes: int = 1):
+def layout(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] = None,
+           precision: str = "32-true", num_nodes: int = 1, micro_batch_size: int = 1) -> ParallelPlan:
+    """The parallel plan of this process group, resolved from flags as a recipe does."""
+    train_args = TrainArgs(global_batch_size=GLOBAL_BATCH, micro_batch_size=micro_batch_size, max_steps=MAX_STEPS,
+                           lr_warmup_steps=2, max_norm=1.0)
+    return ParallelPlan.resolve(devices=runtime.world_size // num_nodes, num_nodes=num_nodes, train=train_args,
+                                precision=precision, strategy=strategy, fsdp=fsdp, accelerator=runtime.device.type)
+
+
+def build(runtime: Runtime, *, config: Optional[Config] = None, **layout_args):
     """Meta model → parallelize → materialize, as a recipe does."""
-    precision_ = Precision(precision)
+    plan = layout(runtime, **layout_args)
     with torch.device("meta"):
         model = GPT(config or tiny_config())
     model.max_seq_length = SEQ_LEN
-    model.to(precision_.param_dtype)
-    model, info = parallelize(model, runtime=runtime, strategy=strategy, fsdp=fsdp or FSDPArgs(),
-                              precision=precision_, num_nodes=num_nodes)
-    materialize(model, runtime.device, SEED, cpu_offload=info.cpu_offload)
-    return model, info
+    model.to(plan.precision.param_dtype)
+    model = parallelize(model, plan, device=runtime.device)
+    materialize(model, runtime.device, SEED, cpu_offload=plan.cpu_offload)
+    return model, plan
+
+
+def mesh_ndim(model: torch.nn.Module, plan: ParallelPlan) -> int:
+    """The dimensions of the mesh the parameters really live on (FSDP), 1 for DDP, 0 without a wrapper."""
+    from torch.distributed.tensor import DTensor
+
+    parameter = next(model.parameters())
+    if isinstance(parameter, DTensor):
+        return parameter.device_mesh.ndim
+    return 1 if plan.wrapper == "ddp" else 0
 
 
 def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] = None, precision: str = "32-true",
@@ -136,11 +155,12 @@ def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] 
 
     A resume loads ``resume_from`` (either format) through the first checkpointer.
     """
-    model, info = build(runtime, strategy=strategy, fsdp=fsdp, precision=precision, num_nodes=num_nodes)
+    model, info = build(runtime, strategy=strategy, fsdp=fsdp, precision=precision, num_nodes=num_nodes,
+                        micro_batch_size=micro_batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.1)
     train_args = TrainArgs(global_batch_size=GLOBAL_BATCH, micro_batch_size=micro_batch_size, max_steps=MAX_STEPS,
                            lr_warmup_steps=2, save_interval=SAVE_INTERVAL if out_dir else None, max_norm=1.0)
-    plan = batch_plan(train_args, runtime.data_parallel_size)
+    plan = info.batch
     loader = ShardedListLoader(make_samples(), plan.micro_batch_size, runtime.data_parallel_rank,
                                runtime.data_parallel_size)
     state = TrainState()
@@ -156,11 +176,12 @@ def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] 
               horizon=plan_horizon(train_args, GLOBAL_BATCH * SEQ_LEN, None), precision=Precision(precision),
               save_checkpoint=lambda s: [c.save(s) for c in checkpointers] if out_dir else None,
               save_final=lambda s: checkpointers[0].save_final(s) if out_dir else None,
-              loggers=[recorder], state=state, autocast_enabled=info.autocast_enabled)
+              loggers=[recorder], state=state, autocast_enabled=not info.mixed_precision_policy,
+              grad_sync_only_last=info.grad_sync_only_last)
     fit(job)
-    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "mesh_shape": info.mesh_shape,
-            "mesh_ndim": info.mesh.ndim if info.mesh is not None else 0, "wrapper": info.wrapper,
-            "sharding_strategy": info.sharding_strategy, "autocast_enabled": info.autocast_enabled,
+    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "mesh_shape": info.describe_mesh(),
+            "mesh_ndim": mesh_ndim(model, info), "wrapper": info.wrapper,
+            "sharding_strategy": info.sharding_strategy, "autocast_enabled": not info.mixed_precision_policy,
             "weights": gather_full_model_state(model),
             "grad_accum_steps": plan.grad_accum_steps}
 
@@ -169,7 +190,7 @@ def initial_weights(runtime: Runtime, **build_args) -> dict:
     """The full weights right after materialize (gathered on rank 0), and whether the embedding is still tied."""
     model, info = build(runtime, config=uneven_tied_config(), **build_args)
     tied = model.lm_head.weight is model.wte.weight
-    return {"weights": gather_full_model_state(model), "tied": tied, "mesh_shape": info.mesh_shape}
+    return {"weights": gather_full_model_state(model), "tied": tied, "mesh_shape": info.describe_mesh()}
 
 
 # ------------------------------------------------------------------------------------ suites

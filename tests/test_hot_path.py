@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from llmtrain.config import Config
 from llmtrain.model import GPT, IGNORE_INDEX, head_loss_sum
-from llmtrain.recipes.common import build_optimizer
+from llmtrain.optim import build_optimizer
 
 CONFIG = dict(name="hot", vocab_size=1000, padding_multiple=8, block_size=64, n_layer=2, n_head=2, n_embd=32,
               n_query_groups=1, intermediate_size=64)
@@ -303,7 +303,7 @@ def test_an_async_save_is_no_checkpoint_until_its_write_finished(tmp_path):
 
 
 def test_async_flag_needs_the_sharded_format():
-    from llmtrain.distributed.parallelize import FSDPArgs
+    from llmtrain.args import FSDPArgs
 
     with pytest.raises(ValueError, match="--fsdp.async_save true needs --fsdp.state_dict_type sharded"):
         FSDPArgs(async_save=True)

@@ -17,17 +17,11 @@ import dist_worker as worker
 from llmtrain import checkpoint as layout
 from llmtrain.config import Config
 from llmtrain.distributed.checkpoint import checkpoint_format
-from llmtrain.distributed.parallelize import (
-    FSDPArgs,
-    apply_activation_checkpointing,
-    build_mesh,
-    materialize,
-    parallelize,
-    resolve_sharding_strategy,
-)
+from llmtrain.args import FSDPArgs, TrainArgs
+from llmtrain.distributed.parallel_plan import ParallelPlan
+from llmtrain.distributed.parallelize import apply_activation_checkpointing, materialize, parallelize
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
-from llmtrain.train.precision import Precision
 
 LOSS_RTOL = 1e-5
 # The grad norm exposes any error in gradient averaging (a factor of the world size), which AdamW would hide.
@@ -201,30 +195,49 @@ def test_checkpoint_format_needs_a_marker(tmp_path):
 
 
 # ------------------------------------------------------------------------- options, no processes
+def resolve(strategy: str, fsdp: FSDPArgs, world_size: int, num_nodes: int) -> ParallelPlan:
+    return ParallelPlan.resolve(devices=world_size // num_nodes, num_nodes=num_nodes, strategy=strategy, fsdp=fsdp,
+                                train=TrainArgs(global_batch_size=64, micro_batch_size=1), precision="32-true",
+                                device_type="cpu")
+
+
 def test_strategy_resolution():
-    assert resolve_sharding_strategy("auto", FSDPArgs(), world_size=1, num_nodes=1) is None
-    assert resolve_sharding_strategy("auto", FSDPArgs(), world_size=8, num_nodes=1) == "FULL_SHARD"
-    assert resolve_sharding_strategy("fsdp", FSDPArgs(), world_size=16, num_nodes=2) == "HYBRID_SHARD"
-    assert resolve_sharding_strategy("ddp", FSDPArgs(), world_size=2, num_nodes=1) == "NO_SHARD"
-    assert resolve_sharding_strategy("fsdp", FSDPArgs("SHARD_GRAD_OP"), world_size=2, num_nodes=1) == "SHARD_GRAD_OP"
+    assert resolve("auto", FSDPArgs(), world_size=1, num_nodes=1).sharding_strategy is None
+    assert resolve("auto", FSDPArgs(), world_size=8, num_nodes=1).sharding_strategy == "FULL_SHARD"
+    assert resolve("fsdp", FSDPArgs(), world_size=16, num_nodes=2).sharding_strategy == "HYBRID_SHARD"
+    assert resolve("ddp", FSDPArgs(), world_size=2, num_nodes=1).sharding_strategy == "NO_SHARD"
+    assert resolve("fsdp", FSDPArgs("SHARD_GRAD_OP"), world_size=2, num_nodes=1).sharding_strategy == "SHARD_GRAD_OP"
     with pytest.raises(ValueError, match="--strategy ddp contradicts"):
-        resolve_sharding_strategy("ddp", FSDPArgs("FULL_SHARD"), world_size=2, num_nodes=1)
+        resolve("ddp", FSDPArgs("FULL_SHARD"), world_size=2, num_nodes=1)
     with pytest.raises(ValueError, match="cpu_offload"):
-        resolve_sharding_strategy("fsdp", FSDPArgs("NO_SHARD", cpu_offload=True), world_size=2, num_nodes=1)
+        resolve("auto", FSDPArgs("NO_SHARD", cpu_offload=True), world_size=2, num_nodes=1)
     with pytest.raises(ValueError, match="--fsdp.sharding_strategy"):
         FSDPArgs(sharding_strategy="ZERO3")
-    with pytest.raises(ValueError, match="not divisible by --num_nodes 3"):
-        build_mesh(world_size=4, num_nodes=3, strategy="HYBRID_SHARD", device_type="cpu")
+
+
+def test_plan_lays_out_the_mesh_and_the_batch():
+    hybrid = resolve("auto", FSDPArgs(), world_size=16, num_nodes=2)
+    assert (hybrid.dp_replicate, hybrid.dp_shard, hybrid.shard_size, hybrid.data_parallel_size) == (2, 8, 8, 16)
+    assert hybrid.mesh_shape() == {"dp_replicate": 2, "dp_shard": 8} and hybrid.batch.grad_accum_steps == 4
+    assert hybrid.describe_mesh() == "replicate 2 × shard 8"
+    ddp = resolve("ddp", FSDPArgs(), world_size=4, num_nodes=2)
+    assert (ddp.dp_replicate, ddp.dp_shard, ddp.shard_size) == (4, 1, 1)
+    single = resolve("auto", FSDPArgs(), world_size=1, num_nodes=1)
+    assert single.wrapper == "none" and single.mesh_shape() == {} and not single.uses_process_group
+    assert "one process" in single.describe() and "accumulation = global 64" in single.describe()
+    one_fsdp = resolve("fsdp", FSDPArgs(cpu_offload=True), world_size=1, num_nodes=1)
+    assert one_fsdp.wrapper == "fsdp" and one_fsdp.uses_process_group and one_fsdp.cpu_offload
 
 
 def test_single_process_parallelize_applies_checkpointing_only():
     config = worker.tiny_config()
     plain = plain_init(config, worker.SEED)
     checkpointed = plain_init(config, worker.SEED)
-    model, info = parallelize(checkpointed, runtime=Runtime(), fsdp=FSDPArgs(activation_checkpointing=True),
-                              precision=Precision("bf16-mixed"))
-    assert model is checkpointed and info.wrapper == "none" and info.autocast_enabled
-    assert "activation checkpointing" in info.describe()
+    plan = ParallelPlan.resolve(devices=1, num_nodes=1, train=TrainArgs(), precision="bf16-mixed",
+                                fsdp=FSDPArgs(activation_checkpointing=True), device_type="cpu")
+    model = parallelize(checkpointed, plan, device=torch.device("cpu"))
+    assert model is checkpointed and plan.wrapper == "none" and not plan.mixed_precision_policy
+    assert "activation checkpointing" in plan.describe()
     assert list(model.state_dict()) == list(plain.state_dict())  # no wrapper prefix in the keys
     ids = torch.randint(0, 256, (2, worker.SEQ_LEN))
     for m in (plain, model):

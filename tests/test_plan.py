@@ -4,13 +4,22 @@ import subprocess
 import sys
 import time
 
+from typing import Optional
+
 import pytest
 import torch
 
+from llmtrain.args import FSDPArgs, TrainArgs
 from llmtrain.config import Config
-from llmtrain.distributed.parallelize import FSDPArgs
+from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.plan import activation_bytes_per_token, estimate_memory
-from llmtrain.train.precision import Precision
+
+
+def layout(precision: str, micro_batch: int, checkpointing: bool = False, devices: int = 1,
+           sharding: Optional[str] = None) -> ParallelPlan:
+    return ParallelPlan.resolve(devices=devices, num_nodes=1, precision=precision, device_type="cuda",
+                                train=TrainArgs(global_batch_size=micro_batch * devices, micro_batch_size=micro_batch),
+                                fsdp=FSDPArgs(sharding_strategy=sharding, activation_checkpointing=checkpointing))
 
 
 def measured_peak(config: Config, precision: str, micro_batch: int, seq_len: int, checkpointing: bool) -> int:
@@ -19,12 +28,12 @@ def measured_peak(config: Config, precision: str, micro_batch: int, seq_len: int
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from llmtrain.distributed.runtime import Runtime
-    from llmtrain.recipes.common import build_model
+    from llmtrain.recipes.build import build_model
 
     runtime = Runtime.from_env("cpu")
-    precision = Precision(precision)
-    model, info = build_model(config, runtime=runtime, seed=0, precision=precision,
-                              fsdp=FSDPArgs(activation_checkpointing=checkpointing))
+    plan = layout(precision, micro_batch, checkpointing)
+    precision = plan.precision
+    model = build_model(config, plan=plan, runtime=runtime, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, config.vocab_size, (micro_batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     tracker = MemTracker()
@@ -32,7 +41,7 @@ def measured_peak(config: Config, precision: str, micro_batch: int, seq_len: int
     for _ in range(2):  # the second step has optimizer state, as every later one does
         tracker.reset_mod_stats()
         with tracker:
-            with precision.autocast(runtime.device, enabled=info.autocast_enabled):
+            with precision.autocast(runtime.device, enabled=not plan.mixed_precision_policy):
                 loss = model(tokens[:, :-1], labels=tokens[:, 1:]) / tokens[:, 1:].numel()  # as the loop does
             loss.backward()
             optimizer.step()
@@ -55,8 +64,7 @@ SETTINGS = [
 def test_memory_estimate_is_within_25_percent_of_the_measured_peak(name, precision, micro_batch, seq_len,
                                                                     checkpointing):
     config = Config.from_name(name)
-    estimate = estimate_memory(config, precision=Precision(precision), micro_batch_size=micro_batch,
-                               seq_len=seq_len, activation_checkpointing=checkpointing)
+    estimate = estimate_memory(config, layout(precision, micro_batch, checkpointing), seq_len=seq_len)
     measured = measured_peak(config, precision, micro_batch, seq_len, checkpointing)
     ratio = estimate.total / measured
     print(f"{name} {precision} micro {micro_batch} seq {seq_len} checkpointing {checkpointing}: "
@@ -67,17 +75,14 @@ def test_memory_estimate_is_within_25_percent_of_the_measured_peak(name, precisi
 def test_estimate_follows_the_layout():
     """Sharding divides the states, checkpointing shrinks activations, LoRA drops most optimizer state."""
     config = Config.from_name("tiny-llama-1.1b")
-    mixed = Precision("bf16-mixed")
-    one = estimate_memory(config, precision=mixed, micro_batch_size=4, seq_len=2048)
-    sharded = estimate_memory(config, precision=mixed, micro_batch_size=4, seq_len=2048, sharding="FULL_SHARD",
-                              shard_size=8)
+    one = estimate_memory(config, layout("bf16-mixed", 4), seq_len=2048)
+    sharded = estimate_memory(config, layout("bf16-mixed", 4, devices=8, sharding="FULL_SHARD"), seq_len=2048)
     assert sharded.optimizer * 8 == one.optimizer
     assert sharded.parameters < one.parameters / 4
-    checkpointed = estimate_memory(config, precision=mixed, micro_batch_size=4, seq_len=2048, sharding="FULL_SHARD",
-                                   shard_size=8, activation_checkpointing=True)
+    checkpointed = estimate_memory(config, layout("bf16-mixed", 4, True, devices=8, sharding="FULL_SHARD"),
+                                   seq_len=2048)
     assert checkpointed.activations < sharded.activations / 2
-    lora = estimate_memory(config, precision=Precision("bf16-true"), micro_batch_size=4, seq_len=2048,
-                           trainable_parameters=2_000_000)
+    lora = estimate_memory(config, layout("bf16-true", 4), seq_len=2048, trainable_parameters=2_000_000)
     assert lora.optimizer == 2 * 2_000_000 * 2
     per_token = activation_bytes_per_token(config, torch.bfloat16, checkpointing=False)
     assert per_token["stack"] == config.n_layer * per_token["layer"]

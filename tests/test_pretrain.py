@@ -172,9 +172,9 @@ def test_resume_and_initial_checkpoint_contradict(tmp_path):
 
 
 def test_batch_arithmetic_error_before_model_is_built(tmp_path, tiny_model_file, monkeypatch):
-    import llmtrain.recipes.common as common
+    import llmtrain.recipes.build as build
 
-    monkeypatch.setattr(common, "build_model", lambda *a, **k: pytest.fail("model built before the check"))
+    monkeypatch.setattr(build, "build_model", lambda *a, **k: pytest.fail("model built before the check"))
     with pytest.raises(ValueError, match="--train.global_batch_size 5 is not divisible"):
         main(tiny_args(tiny_model_file, tmp_path / "o", "--train.max_steps", "1", "--train.global_batch_size", "5"))
 

@@ -16,168 +16,49 @@ seed in a single process. A recipe does::
     with torch.device("meta"):
         model = GPT(config).to(precision.param_dtype)
     model.max_seq_length = seq_len
-    model, info = parallelize(model, runtime=runtime, strategy=strategy, fsdp=fsdp, precision=precision,
-                              num_nodes=num_nodes, compile=compile)
-    materialize(model, runtime.device, seed, cpu_offload=info.cpu_offload)
-    # then: load_full_weights(model, dir) for initial weights; the optimizer over model.parameters();
-    # Fit(..., autocast_enabled=info.autocast_enabled)
+    plan = ParallelPlan.resolve(devices=..., num_nodes=..., train=..., precision=..., strategy=..., fsdp=...)
+    model = parallelize(model, plan, device=runtime.device, compile=compile)
+    materialize(model, runtime.device, seed, cpu_offload=plan.cpu_offload)
+    # then: load initial weights; the optimizer over model.parameters();
+    # Fit(..., autocast_enabled=not plan.mixed_precision_policy)
+
+Which wrapper and mesh a run gets is decided by :class:`llmtrain.distributed.parallel_plan.ParallelPlan`;
+this module only applies it.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from llmtrain.distributed.runtime import Runtime
+from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.train.precision import Precision
 
-ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
-Strategy = Literal["auto", "ddp", "fsdp"]
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
-STRATEGIES = ("auto", "ddp", "fsdp")
 
-
-@dataclass
-class FSDPArgs:
-    """How FSDP shards and wraps the model (``--fsdp.*``)."""
-
-    sharding_strategy: Optional[ShardingStrategy] = None
-    """FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD (DDP). None: HYBRID_SHARD on several nodes, else FULL_SHARD."""
-    activation_checkpointing: bool = False
-    """Recompute each transformer block's activations in backward instead of storing them."""
-    cpu_offload: bool = False
-    """Keep sharded parameters, gradients and optimizer state in CPU memory."""
-    state_dict_type: Literal["full", "sharded"] = "full"
-    """Checkpoint format: `full` (rank 0 writes model.safetensors) or `sharded` (every rank writes its shard)."""
-    skip_gradient_sync: bool = True
-    """Reduce gradients only after the last micro-batch of a step: less communication, but under FSDP each
-    rank holds unsharded gradients during accumulation. Applies to DDP too."""
-    async_save: bool = False
-    """Write sharded checkpoints in a background thread: training waits only while the shards are copied to
-    host memory (one more copy of model and optimizer state there). A checkpoint counts only once its
-    write has finished, so a kill during it leaves none that resume picks. Needs state_dict_type sharded."""
-
-    def __post_init__(self) -> None:
-        if self.sharding_strategy is not None and self.sharding_strategy not in SHARDING_STRATEGIES:
-            raise ValueError(f"--fsdp.sharding_strategy {self.sharding_strategy!r} must be one of "
-                             f"{', '.join(SHARDING_STRATEGIES)} (or null for the default)")
-        if self.state_dict_type not in ("full", "sharded"):
-            raise ValueError(f"--fsdp.state_dict_type {self.state_dict_type!r} must be `full` or `sharded`")
-        if self.async_save and self.state_dict_type != "sharded":
-            raise ValueError("--fsdp.async_save true needs --fsdp.state_dict_type sharded (a full checkpoint is "
-                             "gathered and written by rank 0 alone)")
-
-
-@dataclass
-class ParallelInfo:
-    """What :func:`parallelize` did, for the recipe's log line and for ``Fit``."""
-
-    wrapper: Literal["none", "ddp", "fsdp"]
-    """The data-parallel wrapper applied (none in a single process)."""
-    sharding_strategy: Optional[str]
-    """The resolved user-facing strategy, e.g. HYBRID_SHARD (None in a single process)."""
-    mesh: Any = None
-    """The DeviceMesh: 1-D ("shard",) / ("replicate",), or 2-D ("replicate", "shard") for HYBRID_SHARD."""
-    mesh_shape: str = "single process"
-    """The mesh in words, e.g. "replicate 2 × shard 2"."""
-    autocast_enabled: bool = True
-    """False when FSDP's mixed-precision policy already casts, so fit() must not autocast too."""
-    cpu_offload: bool = False
-    """Parameters live on the CPU; pass this to :func:`materialize`."""
-    activation_checkpointing: bool = False
-    compiled: bool = False
-
-    def describe(self) -> str:
-        parts = [self.wrapper if self.wrapper != "none" else "no data-parallel wrapper"]
-        if self.sharding_strategy:
-            parts.append(self.sharding_strategy)
-        parts.append(f"mesh {self.mesh_shape}")
-        parts += [name for name, on in (("activation checkpointing", self.activation_checkpointing),
-                                        ("compiled blocks", self.compiled), ("CPU offload", self.cpu_offload)) if on]
-        return ", ".join(parts)
-
-
-# ------------------------------------------------------------------------------------------ mesh
-def resolve_sharding_strategy(strategy: Strategy, fsdp: FSDPArgs, world_size: int, num_nodes: int) -> Optional[str]:
-    """The strategy the run uses, or None when there is nothing to parallelise (one process)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"--strategy {strategy!r} must be one of {', '.join(STRATEGIES)}")
-    if strategy == "ddp":
-        if fsdp.sharding_strategy not in (None, "NO_SHARD"):
-            raise ValueError(f"--strategy ddp contradicts --fsdp.sharding_strategy {fsdp.sharding_strategy}; "
-                             "use --strategy fsdp for sharding, or drop --fsdp.sharding_strategy")
-        chosen = "NO_SHARD"
-    else:
-        chosen = fsdp.sharding_strategy or ("HYBRID_SHARD" if num_nodes > 1 else "FULL_SHARD")
-    if world_size == 1:
-        return None
-    if chosen == "NO_SHARD" and fsdp.cpu_offload:
-        raise ValueError("--fsdp.cpu_offload needs a sharded strategy; DDP (NO_SHARD) keeps every weight on the "
-                         "device. Use --fsdp.sharding_strategy FULL_SHARD, or drop --fsdp.cpu_offload")
-    return chosen
-
-
-def build_mesh(world_size: int, num_nodes: int, strategy: str, device_type: str):
-    """The data-parallel DeviceMesh for ``strategy``.
-
-    HYBRID_SHARD: 2-D ("replicate", "shard") of shape (num_nodes, world_size / num_nodes): ranks on
-    one node (consecutive ranks, as torchrun and SLURM number them) form a shard group, and each
-    parameter shard is replicated across nodes. NO_SHARD: 1-D ("replicate",). Otherwise 1-D ("shard",).
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if num_nodes < 1 or world_size % num_nodes != 0:
-        raise ValueError(f"world size {world_size} is not divisible by --num_nodes {num_nodes}; every node "
-                         "must run the same number of processes (--devices)")
-    if strategy == "HYBRID_SHARD":
-        return init_device_mesh(device_type, (num_nodes, world_size // num_nodes),
-                                mesh_dim_names=("replicate", "shard"))
-    name = "replicate" if strategy == "NO_SHARD" else "shard"
-    return init_device_mesh(device_type, (world_size,), mesh_dim_names=(name,))
-
-
-def describe_mesh(mesh) -> str:
-    """ "replicate 2 × shard 2" """
-    return " × ".join(f"{name} {size}" for name, size in zip(mesh.mesh_dim_names, mesh.mesh.shape))
-
-
-# ----------------------------------------------------------------------------------- parallelize
-def parallelize(model: nn.Module, *, runtime: Runtime, strategy: Strategy = "auto", fsdp: Optional[FSDPArgs] = None,
-                precision: Precision = Precision("32-true"), num_nodes: int = 1,
-                compile: bool = False) -> tuple[nn.Module, ParallelInfo]:
-    """Apply activation checkpointing, compile and the data-parallel wrapper to ``model``, in that order.
+def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device, compile: bool = False) -> nn.Module:
+    """Apply activation checkpointing, compile and the plan's data-parallel wrapper to ``model``, in that order.
 
     ``model`` is a plain ``GPT`` (on the meta device, or already materialised), with its weights in
-    ``precision.param_dtype``. Returns the model to train (the same object under FSDP, a DDP wrapper
-    under DDP) and a :class:`ParallelInfo`. A meta model must then go through :func:`materialize`.
+    ``plan.precision.param_dtype``. Returns the model to train: the same object under FSDP (which shards in
+    place) or without a wrapper, a DDP wrapper under DDP. A meta model must then go through
+    :func:`materialize`. The process group must exist when the plan has a wrapper.
     """
-    fsdp = fsdp or FSDPArgs()
-    sharding = resolve_sharding_strategy(strategy, fsdp, runtime.world_size, num_nodes)
-    if fsdp.activation_checkpointing:
+    if plan.activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
         apply_compile(model)
-    info = ParallelInfo(wrapper="none", sharding_strategy=sharding, cpu_offload=False,
-                        activation_checkpointing=fsdp.activation_checkpointing, compiled=compile)
-    if sharding is None:
-        return model, info
-    info.mesh = build_mesh(runtime.world_size, num_nodes, sharding, runtime.device.type)
-    info.mesh_shape = describe_mesh(info.mesh)
-    if sharding == "NO_SHARD":
-        info.wrapper = "ddp"
-        return apply_ddp(model, runtime), info
-    info.wrapper = "fsdp"
-    info.cpu_offload = fsdp.cpu_offload
-    # NOTE: the policy casts parameters for compute and keeps fp32 master weights, so autocast is redundant.
-    info.autocast_enabled = not precision.is_mixed
-    apply_fsdp(model, info.mesh, reshard_after_forward=sharding != "SHARD_GRAD_OP", precision=precision,
-               cpu_offload=fsdp.cpu_offload)
-    return model, info
+    if plan.wrapper == "none":
+        return model
+    mesh = plan.build_mesh()
+    if plan.wrapper == "ddp":
+        return apply_ddp(model, device)
+    apply_fsdp(model, mesh, reshard_after_forward=plan.reshard_after_forward, precision=plan.precision,
+               cpu_offload=plan.cpu_offload)
+    return model
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -225,13 +106,13 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
     fully_shard(model, reshard_after_forward=False, **options)
 
 
-def apply_ddp(model: nn.Module, runtime: Runtime) -> nn.Module:
+def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     """Wrap in DistributedDataParallel. A meta model gets (uninitialised) storage first: DDP needs real tensors."""
     from torch.nn.parallel import DistributedDataParallel
 
     if _has_meta_tensors(model):
-        model.to_empty(device=runtime.device)
-    device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+        model.to_empty(device=device)
+    device_ids = [device.index] if device.type == "cuda" else None
     # The only buffers are the RoPE tables, equal on every rank: no need to broadcast them each step.
     return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
 

@@ -61,18 +61,39 @@ class Runtime:
         meet within ``rdzv_timeout_s`` (default: ``$LLMTRAIN_RDZV_TIMEOUT``, else ``timeout_s``), and
         each collective afterwards must finish within ``timeout_s``.
         """
+        return cls._start(pick_device(accelerator, _env_int("LOCAL_RANK", 0)), None, timeout_s, rdzv_timeout_s)
+
+    @classmethod
+    def for_plan(cls, plan: Any, timeout_s: float = 600.0) -> "Runtime":
+        """This rank of ``plan`` (a :class:`~llmtrain.distributed.parallel_plan.ParallelPlan`): its device, the
+        process group the plan needs (also a one-rank group for FSDP on one device), its data-parallel shard."""
+        world_size = _env_int("WORLD_SIZE", 1)
+        if world_size != plan.world_size:
+            raise RuntimeError(f"the launcher started {world_size} processes but the parallel plan has "
+                               f"{plan.world_size}; the launcher checks this before any worker starts")
+        device = pick_device(plan.device_type, _env_int("LOCAL_RANK", 0))
+        runtime = cls._start(device, plan, timeout_s, None)
+        if plan.uses_process_group and not dist.is_initialized():
+            # NOTE: FSDP on one device still needs a process group; a one-rank group meets nobody.
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                    rank=0, world_size=1, **({"device_id": device} if device.type == "cuda" else {}))
+        return runtime
+
+    @classmethod
+    def _start(cls, device: torch.device, plan: Any, timeout_s: float, rdzv_timeout_s: Optional[float]) -> "Runtime":
         world_size = _env_int("WORLD_SIZE", 1)
         rank = _env_int("RANK", 0)
-        local_rank = _env_int("LOCAL_RANK", 0)
-        local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
-        device = pick_device(accelerator, local_rank)
         if world_size > 1 and not dist.is_initialized():
             if rdzv_timeout_s is None:
                 rdzv_timeout_s = _env_float(RDZV_TIMEOUT_ENV) or timeout_s
             start_process_group(device, rank, world_size, timeout_s, rdzv_timeout_s)
-        return cls(rank=rank, world_size=world_size, local_rank=local_rank,
-                   local_world_size=local_world_size, device=device,
-                   data_parallel_rank=rank, data_parallel_size=world_size)
+        # Ranks are laid out pp × dp_replicate × dp_shard × tp, tp innermost: consecutive ranks share a
+        # data-parallel shard only under tensor parallelism.
+        tp = plan.tp if plan is not None else 1
+        dp_size = plan.data_parallel_size if plan is not None else world_size
+        return cls(rank=rank, world_size=world_size, local_rank=_env_int("LOCAL_RANK", 0),
+                   local_world_size=_env_int("LOCAL_WORLD_SIZE", world_size), device=device,
+                   data_parallel_rank=(rank // tp) % dp_size, data_parallel_size=dp_size)
 
     def barrier(self) -> None:
         if self.is_distributed:
@@ -164,3 +185,14 @@ def pick_device(accelerator: str, local_rank: int) -> torch.device:
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def configure_process(runtime: Optional[Runtime] = None) -> None:
+    """Per-process settings; spawned workers are fresh interpreters, so every entrypoint calls this."""
+    import warnings
+
+    # Warnings read as one line for people, not as a source listing.
+    warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"
+    if runtime is not None and not runtime.is_main:
+        # Every rank sees the same configuration: rank 0 says it once. Errors still come from every rank.
+        warnings.simplefilter("ignore")

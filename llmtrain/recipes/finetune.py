@@ -6,84 +6,60 @@ in where the weights come from and which of them train.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from llmtrain import checkpoint as layout
 from llmtrain.args import EvalArgs, TrainArgs
 from llmtrain.config import Config
-from llmtrain.data.base import DataModule
-from llmtrain.distributed.parallelize import FSDPArgs
-from llmtrain.plan import DryRunArgs
-from llmtrain.recipes import common
-from llmtrain.train.precision import Precision, PrecisionName
+from llmtrain.convert.hf import ensure_model_dir
+from llmtrain.data import BuiltinInstruct
+from llmtrain.lora import LoRAArgs
+from llmtrain.plan import lora_trainable_parameters
+from llmtrain.recipes import checks, common, hparams
+from llmtrain.recipes.flags import shared_flags, with_defaults
+from llmtrain.recipes.run import prepare
+from llmtrain.train.precision import Precision
 
 QuantizeName = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8-training"]
 
 FINETUNE_TRAIN = TrainArgs(global_batch_size=16, micro_batch_size=1, epochs=1.0, lr_warmup_steps=100,
                            save_interval=1000, log_interval=1, min_lr=6e-5)
 FINETUNE_EVAL = EvalArgs(interval=100, max_iters=100)
+FINETUNE_DEFAULTS = {"train": FINETUNE_TRAIN, "eval": FINETUNE_EVAL, "seed": 1337}
+FINETUNE_DOCS = {
+    "data": "Instruction data, e.g. `--data JSON --data.json_path data.json`. Default: the built-in set.",
+    "optimizer": "A torch.optim class name (`AdamW`) or `--optimizer CLASS --optimizer.lr 2e-5 ...`.",
+}
 
 
-def setup_full(
-    checkpoint_dir: Path,
-    out_dir: Path = Path("out/finetune/full"),
-    precision: PrecisionName = "32-true",
-    resume: common.ResumeArg = False,
-    data: Optional[DataModule] = None,
-    train: TrainArgs = FINETUNE_TRAIN,
-    eval: EvalArgs = FINETUNE_EVAL,
-    optimizer: common.OptimizerArg = "torch.optim.AdamW",
-    devices: int = 1,
-    num_nodes: int = 1,
-    accelerator: Literal["auto", "cpu", "cuda"] = "auto",
-    strategy: Literal["auto", "ddp", "fsdp"] = "auto",
-    fsdp: FSDPArgs = FSDPArgs(),
-    compile: bool = False,
-    prompt_style: Optional[str] = None,
-    logger_name: Literal["csv", "tensorboard", "wandb"] = "csv",
-    seed: int = 1337,
-    dry_run: DryRunArgs = DryRunArgs(),
-) -> None:
+@shared_flags(defaults={**FINETUNE_DEFAULTS, "out_dir": Path("out/finetune/full")},
+              docs={**FINETUNE_DOCS, "seed": "Seed for data order and dropout."})
+def setup_full(checkpoint_dir: Path, prompt_style: Optional[str] = None, **flags: Any) -> None:
     """Fine-tune every weight of a model directory on instruction data.
 
     Args:
         checkpoint_dir: The model to start from: a llmtrain model directory (`final/`, `step-*/`) or a
             transformers folder (config.json + safetensors), which is converted on the fly.
-        out_dir: Where checkpoints (`step-NNNNNNNN/`, `final/`) and metrics.csv go.
-        precision: 32-true, bf16-mixed, bf16-true, 16-mixed or 16-true.
-        resume: Continue this run: `auto` (the newest complete checkpoint in out_dir, if any), `true` or a path.
-        data: Instruction data, e.g. `--data JSON --data.json_path data.json`. Default: the built-in set.
-        train: Training length, batch sizes, schedule and clipping.
-        eval: Validation settings.
-        optimizer: A torch.optim class name (`AdamW`) or `--optimizer CLASS --optimizer.lr 2e-5 ...`.
-        devices: Processes (devices) per node.
-        num_nodes: Number of nodes.
-        accelerator: Where to train: auto (GPU if there is one), cpu or cuda.
-        strategy: Data parallelism across processes: auto (FSDP when there is more than one process), ddp or fsdp.
-        fsdp: FSDP settings: sharding strategy, activation checkpointing, CPU offload, checkpoint format.
-        compile: Compile every transformer block with torch.compile (before FSDP wraps it).
         prompt_style: How prompts are formatted (alpaca, chatml, llama3, ...). Default: the checkpoint's own
             prompt_style.yaml, else the model family's.
-        logger_name: Metrics go to out_dir/metrics.csv always; `tensorboard` adds TensorBoard logs, `wandb`
-            a Weights & Biases run in out_dir/wandb (offline unless WANDB_MODE=online).
-        seed: Seed for data order and dropout.
-        dry_run: `--dry_run` prints the plan (layout, batches, memory, checkpoint size, time) and exits.
     """
-    arguments = common.arguments_of(setup_full, locals())
-    _finetune("finetune_full", arguments, lora=None, quantize=None)
+    flags = with_defaults(setup_full, flags)
+    _finetune("finetune_full", checkpoint_dir, prompt_style, flags, lora=None, quantize=None)
 
 
+@shared_flags(defaults={**FINETUNE_DEFAULTS, "out_dir": Path("out/finetune/lora")},
+              docs={**FINETUNE_DOCS, "seed": "Seed for adapter init, data order and dropout.",
+                    "out_dir": "Where adapter checkpoints, `final/` (the merged model and the adapters) and "
+                               "metrics.csv go.",
+                    "precision": "32-true, bf16-mixed, bf16-true, 16-mixed or 16-true. With --quantize: a `-true` one.",
+                    "fsdp": "FSDP settings: sharding strategy, activation checkpointing, CPU offload. Adapter "
+                            "checkpoints are small and always written in full."})
 def setup_lora(
     checkpoint_dir: Path,
-    out_dir: Path = Path("out/finetune/lora"),
-    precision: PrecisionName = "32-true",
+    prompt_style: Optional[str] = None,
     quantize: Optional[QuantizeName] = None,
-    resume: common.ResumeArg = False,
-    data: Optional[DataModule] = None,
-    train: TrainArgs = FINETUNE_TRAIN,
-    eval: EvalArgs = FINETUNE_EVAL,
-    optimizer: common.OptimizerArg = "torch.optim.AdamW",
     lora_r: int = 8,
     lora_alpha: int = 16,
     lora_dropout: float = 0.05,
@@ -93,31 +69,17 @@ def setup_lora(
     lora_projection: bool = False,
     lora_mlp: bool = False,
     lora_head: bool = False,
-    devices: int = 1,
-    num_nodes: int = 1,
-    accelerator: Literal["auto", "cpu", "cuda"] = "auto",
-    strategy: Literal["auto", "ddp", "fsdp"] = "auto",
-    fsdp: FSDPArgs = FSDPArgs(),
-    compile: bool = False,
-    prompt_style: Optional[str] = None,
-    logger_name: Literal["csv", "tensorboard", "wandb"] = "csv",
-    seed: int = 1337,
-    dry_run: DryRunArgs = DryRunArgs(),
+    **flags: Any,
 ) -> None:
     """Fine-tune low-rank adapters on a frozen model directory (LoRA; QLoRA with --quantize).
 
     Args:
         checkpoint_dir: The model to start from: a llmtrain model directory (`final/`, `step-*/`) or a
             transformers folder (config.json + safetensors), which is converted on the fly.
-        out_dir: Where adapter checkpoints, `final/` (the merged model and the adapters) and metrics.csv go.
-        precision: 32-true, bf16-mixed, bf16-true, 16-mixed or 16-true. With --quantize: a `-true` one.
+        prompt_style: How prompts are formatted (alpaca, chatml, llama3, ...). Default: the checkpoint's own
+            prompt_style.yaml, else the model family's.
         quantize: QLoRA: keep the frozen base weights in bitsandbytes layers (bnb.nf4, bnb.nf4-dq, bnb.fp4,
             bnb.fp4-dq, bnb.int8-training); adapters train in the precision's dtype. One device only.
-        resume: Continue this run: `auto` (the newest complete checkpoint in out_dir, if any), `true` or a path.
-        data: Instruction data, e.g. `--data JSON --data.json_path data.json`. Default: the built-in set.
-        train: Training length, batch sizes, schedule and clipping.
-        eval: Validation settings.
-        optimizer: A torch.optim class name (`AdamW`) or `--optimizer CLASS --optimizer.lr 2e-4 ...`.
         lora_r: Rank of the adapters.
         lora_alpha: Scale: the update is multiplied by lora_alpha / lora_r.
         lora_dropout: Dropout on the adapters' input.
@@ -127,80 +89,46 @@ def setup_lora(
         lora_projection: Adapt the attention output projections.
         lora_mlp: Adapt every linear layer of the MLPs.
         lora_head: Adapt the output layer (not with tied embeddings).
-        devices: Processes (devices) per node.
-        num_nodes: Number of nodes.
-        accelerator: Where to train: auto (GPU if there is one), cpu or cuda.
-        strategy: Data parallelism across processes: auto (FSDP when there is more than one process), ddp or fsdp.
-        fsdp: FSDP settings: sharding strategy, activation checkpointing, CPU offload. Adapter checkpoints
-            are small and always written in full.
-        compile: Compile every transformer block with torch.compile (before FSDP wraps it).
-        prompt_style: How prompts are formatted (alpaca, chatml, llama3, ...). Default: the checkpoint's own
-            prompt_style.yaml, else the model family's.
-        logger_name: Metrics go to out_dir/metrics.csv always; `tensorboard` adds TensorBoard logs, `wandb`
-            a Weights & Biases run in out_dir/wandb (offline unless WANDB_MODE=online).
-        seed: Seed for adapter init, data order and dropout.
-        dry_run: `--dry_run` prints the plan (layout, batches, memory, checkpoint size, time) and exits.
     """
-    from llmtrain.lora import LoRAArgs
-
-    arguments = common.arguments_of(setup_lora, locals())
+    flags = with_defaults(setup_lora, flags)
     lora = LoRAArgs(lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, lora_query=lora_query,
                     lora_key=lora_key, lora_value=lora_value, lora_projection=lora_projection, lora_mlp=lora_mlp,
                     lora_head=lora_head)
     if quantize is not None:
-        if devices * num_nodes > 1:
-            raise ValueError(f"--quantize {quantize} runs on one device: bitsandbytes' quantized weights cannot be "
-                             f"sharded by FSDP. Use --devices 1, or LoRA without --quantize on {devices * num_nodes} "
-                             "devices")
-        if Precision(precision).is_mixed:
-            raise ValueError(f"--quantize {quantize} with --precision {precision}: quantized layers compute in one "
-                             "dtype; use --precision bf16-true (or 32-true)")
-    if fsdp.state_dict_type == "sharded":
+        world = flags["devices"] * flags["num_nodes"]
+        if world > 1 or flags["strategy"] != "auto":
+            raise ValueError(f"--quantize {quantize} runs on one device without a data-parallel wrapper: "
+                             "bitsandbytes' quantized weights cannot be sharded by FSDP. Use --devices 1 and no "
+                             f"--strategy, or LoRA without --quantize on {world} devices")
+        if Precision(flags["precision"]).is_mixed:
+            raise ValueError(f"--quantize {quantize} with --precision {flags['precision']}: quantized layers compute "
+                             "in one dtype; use --precision bf16-true (or 32-true)")
+    if flags["fsdp"].state_dict_type == "sharded":
         raise ValueError("finetune_lora writes only the adapters, which are small, so its checkpoints are always "
                          "full; drop --fsdp.state_dict_type sharded")
-    _finetune("finetune_lora", arguments, lora=lora, quantize=quantize)
+    _finetune("finetune_lora", checkpoint_dir, prompt_style, flags, lora=lora, quantize=quantize)
 
 
-def _finetune(recipe: str, arguments: dict, lora, quantize: Optional[str]) -> None:
+def _finetune(recipe: str, checkpoint_dir: Path, prompt_style: Optional[str], flags: dict[str, Any],
+              lora: Optional[LoRAArgs], quantize: Optional[str]) -> None:
     """The checks and the launch both fine-tuning recipes share."""
-    from llmtrain.data import BuiltinInstruct
-    from llmtrain.recipes.run import RunSpec, run
-
-    if arguments["data"] is None:
-        arguments["data"] = BuiltinInstruct()
-    hyperparameters = common.hyperparameters(arguments)
-    from llmtrain.convert.hf import ensure_model_dir
-
+    if flags["data"] is None:
+        flags["data"] = BuiltinInstruct()
+    arguments = {"checkpoint_dir": checkpoint_dir, "prompt_style": prompt_style, **flags}
+    if lora is not None:
+        arguments.update(quantize=quantize, **dataclasses.asdict(lora))  # the fields are the lora_* flags
+    hyperparameters = hparams.hyperparameters(arguments)
     # A transformers folder (config.json + weights) is converted once, on the fly, and cached.
-    checkpoint_dir = check_model_dir(ensure_model_dir(Path(arguments["checkpoint_dir"])))
+    checkpoint_dir = check_model_dir(ensure_model_dir(Path(checkpoint_dir)))
     config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
-    common.check_out_dir(arguments["out_dir"])
-    common.check_logger(arguments["logger_name"])
-    dry = arguments["dry_run"]
-    if dry.requested:
-        from llmtrain.plan import dry_run, lora_trainable_parameters
-
-        common.check_seq_len(arguments["train"], config)
-        dry_run(recipe=recipe, config=config, precision=Precision(arguments["precision"]), train=arguments["train"],
-                devices=arguments["devices"], num_nodes=arguments["num_nodes"], strategy=arguments["strategy"],
-                fsdp=arguments["fsdp"], dry=dry, out_dir=arguments["out_dir"], quantize=quantize,
-                trainable_parameters=None if lora is None else lora_trainable_parameters(config, lora))
-        return
-    common.check_disk_space(arguments["out_dir"], config, Precision(arguments["precision"]),
-                            trainable_fraction=0.0 if lora is not None else 1.0)
-    resume_from = common.resolve_resume(arguments["resume"], arguments["out_dir"], None)
-    train = arguments["train"]
-    seq_len = common.check_seq_len(train, config)
-    arguments["data"].validate()
-    spec = RunSpec(recipe=recipe, config=config, out_dir=Path(arguments["out_dir"]),
-                   precision=Precision(arguments["precision"]), data=arguments["data"], train=train,
-                   eval=arguments["eval"], optimizer=arguments["optimizer"], seq_len=seq_len,
-                   hyperparameters=hyperparameters, seed=arguments["seed"], accelerator=arguments["accelerator"],
-                   strategy=arguments["strategy"], fsdp=arguments["fsdp"], compile=arguments["compile"],
-                   num_nodes=arguments["num_nodes"], logger_name=arguments["logger_name"], resume_from=resume_from,
-                   initial_checkpoint_dir=checkpoint_dir, lora=lora, quantize=quantize,
-                   prompt_style=arguments["prompt_style"])
-    common.launch_run(run, spec, devices=arguments["devices"], num_nodes=arguments["num_nodes"])
+    checks.check_out_dir(flags["out_dir"])
+    checks.check_logger(flags["logger_name"])
+    resume_from = None
+    if not flags["dry_run"].requested:
+        resume_from = common.resolve_resume(flags["resume"], flags["out_dir"], None)
+    prepare(recipe, flags, config=config, resume_from=resume_from, initial_checkpoint_dir=checkpoint_dir,
+            lora=lora, quantize=quantize, prompt_style=prompt_style, hyperparameters=hyperparameters,
+            trainable_parameters=None if lora is None else lora_trainable_parameters(config, lora))
 
 
 def check_model_dir(checkpoint_dir: Path) -> Path:

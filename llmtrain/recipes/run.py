@@ -1,57 +1,109 @@
-"""What every recipe runs on every rank once its arguments are checked: ``run(spec)``.
+"""What every recipe runs: ``prepare()`` in the launching process, then ``run(spec)`` on every rank.
 
-A recipe's ``setup()`` validates its flags cheaply, fills a :class:`RunSpec` (plain, picklable data,
-so spawned workers can receive it) and hands it to the launcher. ``run`` builds the runtime, data,
-model, optimizer and checkpointer the same way for pretraining and both fine-tuning recipes, and
-calls the one ``fit()``.
+A recipe's ``setup()`` resolves its model and weights, then calls :func:`prepare`, which checks every flag
+cheaply (out_dir, logger, the parallel plan, the launcher's environment, sequence length, disk space, the
+data module's files), prints the dry run when one was asked for, and otherwise fills a :class:`RunSpec`
+(plain, picklable data, so spawned workers can receive it) and launches ``run`` on every rank. ``run``
+builds the runtime, data, model, optimizer and checkpointer the same way for pretraining and both
+fine-tuning recipes, and calls the one ``fit()``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
-from llmtrain.args import EvalArgs, TrainArgs, batch_plan
+from llmtrain import plan as planning
+from llmtrain.args import EvalArgs, FSDPArgs, TrainArgs
 from llmtrain.config import Config
-from llmtrain.distributed.parallelize import FSDPArgs
-from llmtrain.recipes import common
-from llmtrain.train.precision import Precision
+from llmtrain.data.base import DataModule
+from llmtrain.distributed.checkpoint import load_checkpoint
+from llmtrain.distributed.launch import launch, plan_launch
+from llmtrain.distributed.parallel_plan import ParallelPlan
+from llmtrain.distributed.parallelize import unwrap
+from llmtrain.distributed.runtime import Runtime, configure_process
+from llmtrain.flops import device_peak_flops, flops_per_token
+from llmtrain.lora import LoRAArgs
+from llmtrain.optim import OptimizerArg, build_optimizer
+from llmtrain.recipes import build, checks, common, hparams
+from llmtrain.recipes.flags import LoggerName
+from llmtrain.train.loggers import build_loggers
+from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon
+from llmtrain.train.signals import catch_stop_signals
 
 
 @dataclass
 class RunSpec:
-    """Everything a rank needs to train; built by a recipe after its checks."""
+    """Everything a rank needs to train; built by :func:`prepare` after its checks."""
 
     recipe: str
     config: Config
     out_dir: Path
-    precision: Precision
-    data: Any
+    plan: ParallelPlan
+    """The layout, batch plan and precision, resolved once in the launching process."""
+    data: DataModule
     train: TrainArgs
     eval: EvalArgs
-    optimizer: Any
+    optimizer: OptimizerArg
     seq_len: int
     hyperparameters: dict
+    fsdp: FSDPArgs
+    """The checkpoint format settings (state_dict_type, async_save); the layout ones are in ``plan``."""
     seed: int = 42
-    accelerator: str = "auto"
-    strategy: str = "auto"
-    fsdp: FSDPArgs = field(default_factory=FSDPArgs)
     compile: bool = False
-    num_nodes: int = 1
-    logger_name: str = "csv"
+    logger_name: LoggerName = "csv"
     resume_from: Optional[Path] = None
     initial_checkpoint_dir: Optional[Path] = None
     """Weights to start from (pretraining's --initial_checkpoint_dir, fine-tuning's CHECKPOINT_DIR)."""
     tokenizer_dir: Optional[Path] = None
-    lora: Any = None
-    """LoRAArgs for finetune_lora, else None."""
+    lora: Optional[LoRAArgs] = None
+    """The adapters' settings for finetune_lora, else None."""
     quantize: Optional[str] = None
     prompt_style: Optional[str] = None
     """Fine-tuning: a prompt style name; None takes the checkpoint's own, else the model family's."""
+
+
+def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: Optional[Path],
+            initial_checkpoint_dir: Optional[Path] = None, tokenizer_dir: Optional[Path] = None,
+            lora: Optional[LoRAArgs] = None, quantize: Optional[str] = None, prompt_style: Optional[str] = None,
+            trainable_parameters: Optional[int] = None, hyperparameters: dict) -> None:
+    """Check everything cheap, then print the dry run or launch ``run`` on every rank.
+
+    ``flags`` are the shared recipe flags (llmtrain.recipes.flags). Every bad combination raises
+    ``ValueError`` here, before any worker, tokenizer or model exists; under torchrun or srun every rank
+    raises the same one before the process group is created.
+    """
+    train, fsdp, dry = flags["train"], flags["fsdp"], flags["dry_run"]
+    seq_len = checks.check_seq_len(train, config)
+    if dry.requested:
+        plan = ParallelPlan.resolve(devices=flags["devices"], num_nodes=flags["num_nodes"], train=train,
+                                    precision=flags["precision"], strategy=flags["strategy"], fsdp=fsdp,
+                                    accelerator=flags["accelerator"], device_type=dry.device_type, strict_batch=False)
+        planning.dry_run(recipe=recipe, config=config, plan=plan, train=train, seq_len=seq_len, dry=dry,
+                         fsdp=fsdp, out_dir=flags["out_dir"], quantize=quantize,
+                         trainable_parameters=trainable_parameters)
+        return
+    plan = ParallelPlan.resolve(devices=flags["devices"], num_nodes=flags["num_nodes"], train=train,
+                                precision=flags["precision"], strategy=flags["strategy"], fsdp=fsdp,
+                                accelerator=flags["accelerator"])
+    plan_launch(plan.devices, plan.num_nodes)  # the launcher's environment agrees with the flags
+    common.check_disk_space(flags["out_dir"], config, plan.precision,
+                            trainable_fraction=1.0 if trainable_parameters is None else 0.0)
+    flags["data"].validate()
+    spec = RunSpec(recipe=recipe, config=config, out_dir=Path(flags["out_dir"]), plan=plan, data=flags["data"],
+                   train=train, eval=flags["eval"], optimizer=flags["optimizer"], seq_len=seq_len,
+                   hyperparameters=hyperparameters, fsdp=fsdp, seed=flags["seed"], compile=flags["compile"],
+                   logger_name=flags["logger_name"], resume_from=resume_from,
+                   initial_checkpoint_dir=initial_checkpoint_dir, tokenizer_dir=tokenizer_dir, lora=lora,
+                   quantize=quantize, prompt_style=prompt_style)
+    if spec.lora is not None and spec.fsdp.async_save:
+        raise ValueError("--fsdp.async_save is for sharded checkpoints; LoRA checkpoints hold only the "
+                         "adapters and are written by rank 0: drop --fsdp.async_save")
+    launch(run, args=(spec,), devices=plan.devices, num_nodes=plan.num_nodes)
 
 
 def run(spec: RunSpec) -> None:
@@ -61,49 +113,39 @@ def run(spec: RunSpec) -> None:
     built still stops the run cleanly after its first step (exit code 75, see llmtrain.train.signals);
     before that, nothing is lost when they end the process.
     """
-    from llmtrain.distributed.runtime import Runtime
-    from llmtrain.train.signals import catch_stop_signals
-
-    runtime = Runtime.from_env(spec.accelerator)
+    runtime = Runtime.for_plan(spec.plan)
     with catch_stop_signals():
         _run(spec, runtime)
 
 
-def _run(spec: RunSpec, runtime: Any) -> None:
-    from llmtrain.distributed.checkpoint import build_checkpointer, load_checkpoint
-    from llmtrain.distributed.parallelize import unwrap
-    from llmtrain.flops import device_peak_flops, flops_per_token
-    from llmtrain.train.loggers import build_loggers
-    from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon
-
-    common.configure_process(runtime)
-    plan = batch_plan(spec.train, runtime.data_parallel_size)
+def _run(spec: RunSpec, runtime: Runtime) -> None:
+    configure_process(runtime)
+    plan = spec.plan
     say = print if runtime.is_main else (lambda *a, **k: None)
 
     with runtime.main_process_first():
-        tokenizer = common.resolve_tokenizer(spec.tokenizer_dir, spec.data, spec.resume_from,
-                                             spec.initial_checkpoint_dir)
-        common.check_vocab(tokenizer, spec.config, str(spec.tokenizer_dir or spec.initial_checkpoint_dir
-                                                       or "the data module"))
-        prompt_style = _connect_data(spec, tokenizer, plan.micro_batch_size)
+        tokenizer = build.resolve_tokenizer(spec.tokenizer_dir, spec.data, spec.resume_from,
+                                            spec.initial_checkpoint_dir)
+        build.check_vocab(tokenizer, spec.config, str(spec.tokenizer_dir or spec.initial_checkpoint_dir
+                                                      or "the data module"))
+        prompt_style = _connect_data(spec, tokenizer, plan.batch.micro_batch_size)
         spec.data.prepare_data()
     spec.data.setup(runtime.data_parallel_rank, runtime.data_parallel_size)
     train_loader = spec.data.train_dataloader()
     val_loader = spec.data.val_dataloader()
-    horizon = plan_horizon(spec.train, plan.global_batch_size * spec.seq_len, train_loader.samples_per_epoch)
+    horizon = plan_horizon(spec.train, plan.batch.global_batch_size * spec.seq_len, train_loader.samples_per_epoch)
 
     started = time.perf_counter()
-    model, info = common.build_model(spec.config, runtime=runtime, seed=spec.seed, precision=spec.precision,
-                                     strategy=spec.strategy, fsdp=spec.fsdp, num_nodes=spec.num_nodes,
-                                     compile=spec.compile, initial_checkpoint_dir=spec.initial_checkpoint_dir,
-                                     lora=spec.lora, quantize=spec.quantize)
+    model = build.build_model(spec.config, plan=plan, runtime=runtime, seed=spec.seed, compile=spec.compile,
+                              initial_checkpoint_dir=spec.initial_checkpoint_dir, lora=spec.lora,
+                              quantize=spec.quantize)
     gpt = unwrap(model)
     gpt.max_seq_length = spec.seq_len
     n_params = sum(p.numel() for p in gpt.parameters())  # FSDP2 parameters report their full size
     n_trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
     torch.manual_seed(spec.seed + runtime.rank)  # dropout and sampling differ per rank, reproducibly
-    optimizer = common.build_optimizer(spec.optimizer, [p for p in model.parameters() if p.requires_grad])
-    scaler = spec.precision.grad_scaler(runtime.device)
+    optimizer = build_optimizer(spec.optimizer, [p for p in model.parameters() if p.requires_grad])
+    scaler = plan.precision.grad_scaler(runtime.device)
     state = TrainState()
     checkpointer = _build_checkpointer(spec, runtime=runtime, model=model, optimizer=optimizer,
                                        train_loader=train_loader, tokenizer=tokenizer, scaler=scaler,
@@ -112,40 +154,28 @@ def _run(spec: RunSpec, runtime: Any) -> None:
         load_checkpoint(checkpointer, spec.resume_from, state)
         say(f"resumed from {spec.resume_from} at step {state.step} ({state.tokens:,} tokens)")
     say(f"{spec.recipe}: model {spec.config.name or 'custom'}, {n_params / 1e6:.2f}M parameters "
-        f"({n_trainable / 1e6:.2f}M trainable), built in {time.perf_counter() - started:.1f}s | {info.describe()} | "
-        f"world {runtime.world_size}, micro batch {plan.micro_batch_size}, global batch {plan.global_batch_size}, "
-        f"grad accumulation {plan.grad_accum_steps}, seq {spec.seq_len}, {horizon.total_steps} steps, "
-        f"precision {spec.precision.name}, device {runtime.device}")
-    say(f"memory per device (estimate): {_memory_estimate(spec, runtime, plan, n_trainable).describe()}")
+        f"({n_trainable / 1e6:.2f}M trainable), built in {time.perf_counter() - started:.1f}s, "
+        f"{horizon.total_steps} steps of seq {spec.seq_len}{', compiled blocks' if spec.compile else ''}")
+    say(f"layout: {plan.describe()} | device {runtime.device}")
+    memory = planning.estimate_memory(spec.config, plan=plan, seq_len=spec.seq_len, trainable_parameters=n_trainable,
+                                      quantize=spec.quantize)
+    say(f"memory per device (estimate): {memory.describe()}")
 
     job = Fit(runtime=runtime, model=model, optimizer=optimizer, train_loader=train_loader, val_loader=val_loader,
-              train=spec.train, eval=spec.eval, plan=plan, horizon=horizon, precision=spec.precision,
+              train=spec.train, eval=spec.eval, plan=plan.batch, horizon=horizon, precision=plan.precision,
               save_checkpoint=checkpointer.save, save_final=checkpointer.save_final,
               wait_for_checkpoint=getattr(checkpointer, "wait", None),
               loggers=build_loggers(spec.logger_name, spec.out_dir, state.step if spec.resume_from else None,
                                     spec.hyperparameters)
               if runtime.is_main else [],
               flops_per_token=flops_per_token(spec.config, spec.seq_len),
-              peak_flops_per_device=device_peak_flops(runtime.device, spec.precision.compute_dtype),
-              state=state, scaler=scaler, autocast_enabled=info.autocast_enabled,
-              grad_sync_only_last=spec.fsdp.skip_gradient_sync,
+              peak_flops_per_device=device_peak_flops(runtime.device, plan.precision.compute_dtype),
+              state=state, scaler=scaler, autocast_enabled=not plan.mixed_precision_policy,
+              grad_sync_only_last=plan.grad_sync_only_last,
               after_validation=_example_generator(spec, model, tokenizer, prompt_style, val_loader))
     fit(job)
     say(f"done: {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.0f}s; "
         f"final model in {spec.out_dir / 'final'}")
-
-
-def _memory_estimate(spec: RunSpec, runtime: Any, plan: Any, n_trainable: int) -> Any:
-    from llmtrain.distributed.parallelize import resolve_sharding_strategy
-    from llmtrain.plan import estimate_memory
-
-    sharding = resolve_sharding_strategy(spec.strategy, spec.fsdp, runtime.world_size, spec.num_nodes)
-    shard_size = runtime.world_size // spec.num_nodes if sharding == "HYBRID_SHARD" else runtime.world_size
-    return estimate_memory(spec.config, precision=spec.precision, micro_batch_size=plan.micro_batch_size,
-                           seq_len=spec.seq_len, sharding=sharding, shard_size=shard_size,
-                           activation_checkpointing=spec.fsdp.activation_checkpointing,
-                           cpu_offload=spec.fsdp.cpu_offload, trainable_parameters=n_trainable,
-                           quantize=spec.quantize, grad_accum_steps=plan.grad_accum_steps)
 
 
 def _connect_data(spec: RunSpec, tokenizer: Any, micro_batch_size: int) -> Any:
@@ -180,7 +210,7 @@ def _extras_writer(spec: RunSpec, prompt_style: Any) -> Optional[Callable[[Path]
 
             save_prompt_style(prompt_style, directory)
         if spec.lora is not None:
-            settings = {**common.to_yaml(spec.lora), "base_checkpoint_dir": str(Path(spec.initial_checkpoint_dir).resolve()),
+            settings = {**hparams.to_yaml(spec.lora), "base_checkpoint_dir": str(Path(spec.initial_checkpoint_dir).resolve()),
                         "quantize": spec.quantize}
             (directory / LORA_SETTINGS_FILE).write_text(yaml.safe_dump(settings, sort_keys=False))
 
@@ -219,8 +249,5 @@ def _build_checkpointer(spec: RunSpec, **arguments: Any) -> Any:
     arguments.update(out_dir=spec.out_dir, model_config=spec.config, hyperparameters=spec.hyperparameters,
                      keep_last=spec.train.keep_last)
     if spec.lora is not None:
-        if spec.fsdp.async_save:
-            raise ValueError("--fsdp.async_save is for sharded checkpoints; LoRA checkpoints hold only the "
-                             "adapters and are written by rank 0: drop --fsdp.async_save")
         return LoRACheckpointer(**arguments)
     return build_checkpointer(spec.fsdp.state_dict_type, async_save=spec.fsdp.async_save, **arguments)

@@ -1,0 +1,91 @@
+"""The flags every training recipe shares, defined once.
+
+``pretrain``, ``finetune_full`` and ``finetune_lora`` take the same sixteen flags (where to write, precision,
+resume, data, batch and schedule, optimizer, the process layout, logging, seed, dry run). Each recipe's
+function declares only its own arguments and ``**flags``; :func:`shared_flags` adds the shared ones to its
+signature and docstring, which is what jsonargparse reads, so ``--help`` lists every flag with its type,
+default and one line of documentation, and a recipe may change a default or a line of doc.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, Union
+
+from llmtrain.args import EvalArgs, FSDPArgs, TrainArgs
+from llmtrain.data.base import DataModule
+from llmtrain.optim import OptimizerArg
+from llmtrain.plan import DryRunArgs
+from llmtrain.train.precision import PrecisionName
+
+ResumeArg = Union[bool, Literal["auto"], Path]
+Accelerator = Literal["auto", "cpu", "cuda", "gpu"]
+StrategyName = Literal["auto", "ddp", "fsdp"]
+LoggerName = Literal["csv", "tensorboard", "wandb"]
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    annotation: Any
+    default: Any
+    doc: str
+
+
+SHARED_FLAGS = (
+    Flag("out_dir", Path, Path("out"), "Where checkpoints (`step-NNNNNNNN/`, `final/`) and metrics.csv go."),
+    Flag("precision", PrecisionName, "32-true", "32-true, bf16-mixed, bf16-true, 16-mixed or 16-true."),
+    Flag("resume", ResumeArg, False, "Continue this run: `auto` (the newest intact checkpoint in out_dir, if "
+         "any), `true` (one must exist) or a checkpoint path."),
+    Flag("data", Optional[DataModule], None, "The data module, e.g. `--data TextFiles --data.train_data_path DIR`."),
+    Flag("train", TrainArgs, TrainArgs(), "Training length, batch sizes, schedule and clipping."),
+    Flag("eval", EvalArgs, EvalArgs(), "Validation settings."),
+    Flag("optimizer", OptimizerArg, "torch.optim.AdamW", "A torch.optim class name (`AdamW`, torch defaults) or "
+         "`--optimizer CLASS --optimizer.lr 3e-4 ...` with its arguments."),
+    Flag("devices", int, 1, "Processes (devices) per node."),
+    Flag("num_nodes", int, 1, "Number of nodes."),
+    Flag("accelerator", Accelerator, "auto", "Where to train: auto (a GPU if there is one), cpu, cuda or gpu."),
+    Flag("strategy", StrategyName, "auto", "Data parallelism: auto (FSDP when there is more than one process, "
+         "nothing with one), ddp, or fsdp (also on one device, e.g. for --fsdp.cpu_offload on a GPU)."),
+    Flag("fsdp", FSDPArgs, FSDPArgs(), "FSDP settings: sharding strategy, activation checkpointing, CPU offload, "
+         "checkpoint format."),
+    Flag("compile", bool, False, "Compile every transformer block with torch.compile (before FSDP wraps it)."),
+    Flag("logger_name", LoggerName, "csv", "Metrics go to out_dir/metrics.csv always; `tensorboard` adds "
+         "TensorBoard logs, `wandb` a Weights & Biases run in out_dir/wandb (offline unless WANDB_MODE=online)."),
+    Flag("seed", int, 42, "Seed for weight init, data order and dropout."),
+    Flag("dry_run", DryRunArgs, DryRunArgs(), "`--dry_run` prints the plan (layout, batches, memory, checkpoint "
+         "size, time) and exits."),
+)
+SHARED_FLAG_NAMES = tuple(flag.name for flag in SHARED_FLAGS)
+
+
+def shared_flags(*, defaults: Optional[dict[str, Any]] = None,
+                 docs: Optional[dict[str, str]] = None) -> Callable[[Callable], Callable]:
+    """Give a recipe ``fn(own arguments..., **flags)`` the shared flags, with these defaults and docs changed."""
+    defaults, docs = defaults or {}, docs or {}
+    unknown = (set(defaults) | set(docs)) - set(SHARED_FLAG_NAMES)
+    if unknown:
+        raise TypeError(f"not shared flags: {sorted(unknown)}")
+
+    def decorate(fn: Callable) -> Callable:
+        signature = inspect.signature(fn)
+        own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        added = [inspect.Parameter(flag.name, inspect.Parameter.KEYWORD_ONLY, annotation=flag.annotation,
+                                   default=defaults.get(flag.name, flag.default)) for flag in SHARED_FLAGS]
+        fn.__signature__ = signature.replace(parameters=[*own, *added])
+        lines = [f"        {flag.name}: {docs.get(flag.name, flag.doc)}" for flag in SHARED_FLAGS]
+        fn.__doc__ = (fn.__doc__ or "").rstrip() + "\n" + "\n".join(lines) + "\n"
+        return fn
+
+    return decorate
+
+
+def with_defaults(fn: Callable, flags: dict[str, Any]) -> dict[str, Any]:
+    """``flags`` completed with ``fn``'s defaults, for a recipe called from Python with only some flags."""
+    unknown = set(flags) - set(SHARED_FLAG_NAMES)
+    if unknown:
+        raise TypeError(f"{fn.__name__}() got unexpected arguments {sorted(unknown)}")
+    return {name: flags.get(name, parameter.default) for name, parameter in inspect.signature(fn).parameters.items()
+            if name in SHARED_FLAG_NAMES}

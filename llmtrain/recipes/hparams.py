@@ -1,0 +1,62 @@
+"""A recipe's arguments as YAML that ``--config`` accepts back (``hyperparameters.yaml`` in every checkpoint)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from llmtrain.optim import OptimizerArg, build_optimizer
+
+
+def arguments_of(function: Callable, local_vars: dict) -> dict:
+    """The values of ``function``'s parameters among ``local_vars`` (a recipe's ``locals()``)."""
+    return {name: local_vars[name] for name in inspect.signature(function).parameters if name in local_vars}
+
+
+def to_yaml(value: Any) -> Any:
+    """Plain YAML types for dataclasses, paths, tuples and tensors."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_yaml(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [to_yaml(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): to_yaml(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def hyperparameters(arguments: dict) -> dict:
+    """A recipe's arguments as YAML that ``--config`` accepts back (call with the recipe's ``locals()`` first thing)."""
+    out = {}
+    for name, value in arguments.items():
+        if name == "optimizer":
+            out[name] = optimizer_spec(value)
+        elif name == "data":
+            out[name] = data_spec(value)
+        else:
+            out[name] = to_yaml(value)
+    return out
+
+
+def data_spec(data: Any) -> Optional[dict]:
+    if data is None:
+        return None
+    return {"class_path": f"{type(data).__module__}.{type(data).__name__}", "init_args": to_yaml(data)}
+
+
+def optimizer_spec(spec: OptimizerArg) -> dict:
+    """A YAML-able description (class_path + init_args) that ``--optimizer`` accepts back."""
+    probe = build_optimizer(spec, [torch.nn.Parameter(torch.zeros(1))])
+    cls = type(probe)
+    accepted = inspect.signature(cls.__init__).parameters
+    init_args = {k: to_yaml(v) for k, v in probe.defaults.items() if k in accepted and k != "params"}
+    return {"class_path": f"{cls.__module__}.{cls.__name__}", "init_args": init_args}
