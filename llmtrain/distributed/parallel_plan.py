@@ -189,13 +189,18 @@ def _batch(train: TrainArgs, data_parallel_size: int, strict: bool) -> tuple[Bat
                          train.global_batch_size // per_step), str(error)
 
 
-def resolve_device_type(accelerator: str) -> DeviceType:
-    """``auto`` is cuda when this machine sees a GPU; ``gpu`` is cuda."""
+def resolve_device_type(accelerator: str, *, here: bool = True) -> DeviceType:
+    """``auto`` is cuda when this machine sees a GPU; ``gpu`` is cuda. ``here``: cuda must be visible now."""
     if accelerator not in ("auto", "cpu", "cuda", "gpu"):
         raise ValueError(f"--accelerator {accelerator!r} must be auto, cpu, cuda or gpu")
     if accelerator == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    return "cpu" if accelerator == "cpu" else "cuda"
+    if accelerator == "cpu":
+        return "cpu"
+    if here and not torch.cuda.is_available():
+        raise ValueError(f"--accelerator {accelerator}: this machine sees no CUDA device; use --accelerator cpu or "
+                         "auto, or check CUDA_VISIBLE_DEVICES and the driver")
+    return "cuda"
 
 
 def _wrapper(strategy: str, fsdp: FSDPArgs, world: int, num_nodes: int) -> tuple[Wrapper, Optional[str]]:

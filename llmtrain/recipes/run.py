@@ -23,7 +23,7 @@ from llmtrain.config import Config
 from llmtrain.data.base import DataModule
 from llmtrain.distributed.checkpoint import load_checkpoint
 from llmtrain.distributed.launch import launch, plan_launch
-from llmtrain.distributed.parallel_plan import ParallelPlan
+from llmtrain.distributed.parallel_plan import ParallelPlan, resolve_device_type
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.distributed.runtime import Runtime, configure_process
 from llmtrain.flops import device_peak_flops, flops_per_token
@@ -82,15 +82,16 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
     if dry.requested:
         plan = ParallelPlan.resolve(devices=flags["devices"], num_nodes=flags["num_nodes"], train=train,
                                     precision=flags["precision"], strategy=flags["strategy"], fsdp=fsdp,
-                                    accelerator=flags["accelerator"], device_type=dry.device_type, strict_batch=False)
+                                    device_type=dry.device_type or resolve_device_type(flags["accelerator"], here=False),
+                                    strict_batch=False)
         planning.dry_run(recipe=recipe, config=config, plan=plan, train=train, seq_len=seq_len, dry=dry,
                          fsdp=fsdp, out_dir=flags["out_dir"], quantize=quantize,
                          trainable_parameters=trainable_parameters)
         return
+    plan_launch(flags["devices"], flags["num_nodes"])  # the launcher's environment agrees with the flags
     plan = ParallelPlan.resolve(devices=flags["devices"], num_nodes=flags["num_nodes"], train=train,
                                 precision=flags["precision"], strategy=flags["strategy"], fsdp=fsdp,
                                 accelerator=flags["accelerator"])
-    plan_launch(plan.devices, plan.num_nodes)  # the launcher's environment agrees with the flags
     common.check_disk_space(flags["out_dir"], config, plan.precision,
                             trainable_fraction=1.0 if trainable_parameters is None else 0.0)
     flags["data"].validate()

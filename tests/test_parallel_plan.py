@@ -1,0 +1,149 @@
+"""The parallel plan: every bad combination of layout flags is one message and exit 2 before any worker starts,
+with ``--devices 2``, with one process, and under two torchrun commands of two processes each."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmtrain.args import FSDPArgs, TrainArgs
+from llmtrain.distributed.parallel_plan import ParallelPlan
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG = ["pretrain", "--config", str(ROOT / "config_hub/pretrain/debug.yaml"), "--train.max_steps", "1"]
+HANG_GUARD_S = 300  # a bad flag is refused in a few seconds; this only stops a hang
+
+# Bad combinations on 2 devices of one node (the launching process refuses them before spawning).
+BAD_ON_TWO_DEVICES = [
+    (["--train.micro_batch_size", "16"], "--train.global_batch_size 16 is not divisible"),
+    (["--strategy", "ddp", "--fsdp.sharding_strategy", "FULL_SHARD"], "--strategy ddp contradicts"),
+    (["--strategy", "ddp", "--fsdp.cpu_offload", "true"], "--fsdp.cpu_offload needs a sharded strategy"),
+    (["--fsdp.sharding_strategy", "NO_SHARD", "--fsdp.cpu_offload", "true"], "--fsdp.cpu_offload needs a sharded"),
+    (["--strategy", "fsdp", "--fsdp.sharding_strategy", "NO_SHARD"], "--strategy fsdp contradicts"),
+    (["--fsdp.sharding_strategy", "HYBRID_SHARD"], "needs --num_nodes 2 or more"),
+    (["--num_nodes", "2"], "--num_nodes 2 needs a launcher on every node"),
+    (["--fsdp.async_save", "true"], "--fsdp.async_save true needs --fsdp.state_dict_type sharded"),
+    (["--train.global_batch_size", "4", "--train.micro_batch_size", "8"], "is smaller than"),
+    (["--train.max_seq_length", "100000"], "--train.max_seq_length 100000 exceeds the block_size"),
+    (["--accelerator", "cuda"], "--accelerator cuda: this machine sees no CUDA device"),
+    (["--devices", "0"], "--devices 0 and --num_nodes 1 must both be at least 1"),
+]
+
+# With one process these would be accepted and do nothing: refused instead.
+BAD_ON_ONE_PROCESS = [
+    (["--fsdp.sharding_strategy", "HYBRID_SHARD"], "--fsdp.sharding_strategy HYBRID_SHARD"),
+    (["--fsdp.sharding_strategy", "FULL_SHARD"], "--fsdp.sharding_strategy FULL_SHARD needs --devices 2 or more"),
+    (["--fsdp.cpu_offload", "true"], "--fsdp.cpu_offload True needs --devices 2 or more"),
+    (["--fsdp.skip_gradient_sync", "false"], "--fsdp.skip_gradient_sync False needs --devices 2 or more"),
+    (["--strategy", "ddp"], "--strategy ddp needs several processes"),
+]
+
+# The same mistakes for 2 nodes × 2 devices under torchrun, where each rank checks its own flags.
+BAD_UNDER_TORCHRUN = [
+    (["--train.micro_batch_size", "16"], "--train.global_batch_size 16 is not divisible"),
+    (["--strategy", "ddp", "--fsdp.sharding_strategy", "FULL_SHARD"], "--strategy ddp contradicts"),
+    (["--strategy", "ddp", "--fsdp.cpu_offload", "true"], "--fsdp.cpu_offload needs a sharded strategy"),
+    (["--fsdp.sharding_strategy", "NO_SHARD", "--fsdp.cpu_offload", "true"], "--fsdp.cpu_offload needs a sharded"),
+    (["--strategy", "fsdp", "--fsdp.sharding_strategy", "NO_SHARD"], "--strategy fsdp contradicts"),
+    (["--num_nodes", "3"], "--devices 2 × --num_nodes 3 = 6 processes, but the launcher started 4"),
+    (["--devices", "4", "--num_nodes", "1"], "--devices 4 × --num_nodes 1 = 4 processes, but the launcher started 4 "
+                                             "(2 per node)"),
+    (["--fsdp.async_save", "true"], "--fsdp.async_save true needs --fsdp.state_dict_type sharded"),
+    (["--train.global_batch_size", "4", "--train.micro_batch_size", "8"], "is smaller than"),
+    (["--train.max_seq_length", "100000"], "--train.max_seq_length 100000 exceeds the block_size"),
+    (["--accelerator", "cuda"], "--accelerator cuda: this machine sees no CUDA device"),
+]
+
+
+def assert_one_message(output: str, expected: str) -> None:
+    """Exactly one llmtrain error, the expected one, and no traceback through llmtrain's code."""
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, output
+    assert expected in errors[0], output
+    assert not re.search(r'File ".*llmtrain/', output), output
+    assert "Traceback" not in output.split("torch.distributed.elastic")[0] or "ChildFailedError" in output, output
+
+
+@pytest.mark.parametrize("flags, expected", BAD_ON_TWO_DEVICES, ids=[" ".join(f) for f, _ in BAD_ON_TWO_DEVICES])
+def test_bad_combination_on_two_devices_is_one_message_and_exit_2(flags, expected, tmp_path, dist_env):
+    command = [sys.executable, "-m", "llmtrain", *DEBUG, "--devices", "2", *flags, "--out_dir", str(tmp_path / "o")]
+    done = subprocess.run(command, capture_output=True, text=True, env=dist_env, timeout=HANG_GUARD_S)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert_one_message(done.stderr, expected)
+    assert not (tmp_path / "o").exists()  # nothing started
+
+
+@pytest.mark.parametrize("flags, expected", BAD_ON_ONE_PROCESS, ids=[" ".join(f) for f, _ in BAD_ON_ONE_PROCESS])
+def test_flag_that_needs_several_processes_is_refused_with_one(flags, expected, tmp_path, dist_env):
+    command = [sys.executable, "-m", "llmtrain", *DEBUG, *flags, "--out_dir", str(tmp_path / "o")]
+    done = subprocess.run(command, capture_output=True, text=True, env=dist_env, timeout=HANG_GUARD_S)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert_one_message(done.stderr, expected)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("flags, expected", BAD_UNDER_TORCHRUN, ids=[" ".join(f) for f, _ in BAD_UNDER_TORCHRUN])
+def test_bad_combination_under_two_torchrun_nodes(flags, expected, tmp_path, dist_env, free_port):
+    """Rank 0 prints the one message; every rank exits 2 (or is stopped by torchrun once a sibling has)."""
+    port = str(free_port())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+                "--master_addr", "127.0.0.1", "--master_port", port, "--rdzv_conf", "timeout=60"]
+    nodes = [subprocess.Popen([*torchrun, "--node_rank", str(node), "-m", "llmtrain", *DEBUG, "--devices", "2",
+                               "--num_nodes", "2", *flags, "--out_dir", str(tmp_path / "o")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dist_env)
+             for node in (0, 1)]
+    outputs = [node.communicate(timeout=HANG_GUARD_S)[0] for node in nodes]
+    assert all(node.returncode != 0 for node in nodes), outputs
+    assert_one_message("\n".join(outputs), expected)
+    exit_codes = [int(code) for output in outputs for code in re.findall(r"exitcode\s*:\s*(-?\d+)", output)]
+    assert exit_codes and all(code in (2, -15) for code in exit_codes), outputs  # -15: stopped by torchrun
+    assert 2 in exit_codes
+    assert not (tmp_path / "o").exists()
+
+
+# ----------------------------------------------------------------------------- the plan itself
+def plan(devices: int = 1, num_nodes: int = 1, strategy: str = "auto", **fsdp) -> ParallelPlan:
+    return ParallelPlan.resolve(devices=devices, num_nodes=num_nodes, strategy=strategy, fsdp=FSDPArgs(**fsdp),
+                                train=TrainArgs(global_batch_size=64, micro_batch_size=2), precision="bf16-mixed",
+                                device_type="cuda")
+
+
+def test_single_device_fsdp_is_real_fsdp():
+    """--strategy fsdp on one device (CPU offload on a GPU) is a one-rank FSDP, not a silent no-op."""
+    one = plan(strategy="fsdp", cpu_offload=True)
+    assert (one.wrapper, one.sharding_strategy, one.cpu_offload, one.uses_process_group) == (
+        "fsdp", "FULL_SHARD", True, True)
+    assert one.mixed_precision_policy  # FSDP casts: fit() must not autocast on top
+
+
+def test_gradient_sync_is_skipped_only_where_it_means_something():
+    assert plan(devices=2).grad_sync_only_last  # FSDP with 16 accumulation steps
+    assert not plan(devices=2, skip_gradient_sync=False).grad_sync_only_last
+    assert not plan().grad_sync_only_last  # one process: nothing to sync
+
+
+def test_mesh_dimensions_multiply_to_the_world():
+    hybrid = plan(devices=8, num_nodes=4)
+    assert hybrid.pp * hybrid.dp_replicate * hybrid.dp_shard * hybrid.tp == hybrid.world_size == 32
+    with pytest.raises(ValueError, match="the mesh pp 1 × dp_replicate 4 × dp_shard 4 × tp 1 = 16 ranks"):
+        ParallelPlan(**{**hybrid.__dict__, "dp_shard": 4}).check_mesh()
+    with pytest.raises(ValueError, match="tensor parallelism of degree 16 must fit in one node of 8"):
+        ParallelPlan(**{**hybrid.__dict__, "dp_replicate": 2, "dp_shard": 1, "tp": 16}).check_mesh()
+
+
+def test_dry_run_and_memory_estimate_read_the_plan():
+    from llmtrain.config import Config
+    from llmtrain.plan import estimate_memory
+
+    config = Config.from_name("tiny-llama-1.1b")
+    offloaded = estimate_memory(config, plan(devices=8, cpu_offload=True), seq_len=2048)
+    sharded = estimate_memory(config, plan(devices=8), seq_len=2048)
+    assert offloaded.optimizer == 0 < sharded.optimizer  # offload counted only where FSDP applies it
+    single = estimate_memory(config, plan(), seq_len=2048)
+    assert single.optimizer == 8 * sharded.optimizer
