@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import torch
 
+from llmtrain.checkpoint.size import checkpoint_bytes
 from llmtrain.config import Config
 
 GiB = 2**30
@@ -178,19 +179,6 @@ def lora_trainable_parameters(config: Config, lora: Any) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def checkpoint_bytes(config: Config, precision: Any, trainable_parameters: Optional[int] = None) -> dict[str, int]:
-    """Bytes on disk: the model weights, and a resumable step checkpoint (weights + AdamW moments)."""
-    from llmtrain.flops import num_parameters
-
-    total = num_parameters(config)
-    trainable = total if trainable_parameters is None else trainable_parameters
-    stored = _bytes(precision.param_dtype)
-    weights = total * stored
-    if trainable < total:  # LoRA step checkpoints hold only the adapters and their moments
-        return {"weights": weights, "step": 3 * trainable * stored}
-    return {"weights": weights, "step": weights + 2 * trainable * stored}
-
-
 def _shards(step_bytes: int, sharding: Optional[str], shard_size: int, state_dict_type: str, lora: bool) -> str:
     """How a step checkpoint is written: one file from rank 0, or one shard per rank of a shard group (DCP writes
     a replicated shard once, so HYBRID_SHARD's replicas add nothing on disk)."""
@@ -261,7 +249,7 @@ def dry_run(*, recipe: str, config: Config, precision: Any, train: Any, devices:
         f"{_shards(sizes['step'], sharding, shard_size, fsdp.state_dict_type, trainable < total)}",
     ]
     free = shutil.disk_usage(_existing_parent(out_dir)).free
-    if free < sizes["step"]:
+    if free < sizes["needed"]:
         lines.append(f"warning      --out_dir {out_dir} has {_size(free)} free here: too little for one checkpoint")
     per_device = dry.tokens_per_sec
     source = "--dry_run.tokens_per_sec"

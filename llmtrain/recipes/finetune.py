@@ -9,12 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional
 
-from llmtrain import checkpoint as layout
 from llmtrain.args import EvalArgs, TrainArgs
+from llmtrain.checkpoint import layout
+from llmtrain.checkpoint.lora import merge_lora_checkpoint
+from llmtrain.checkpoint.model_dir import check_model_dir
 from llmtrain.config import Config
+from llmtrain.convert.hf import ensure_model_dir
 from llmtrain.data.base import DataModule
 from llmtrain.distributed.parallelize import FSDPArgs
-from llmtrain.plan import DryRunArgs
+from llmtrain.plan import DryRunArgs, lora_trainable_parameters
 from llmtrain.recipes import common
 from llmtrain.train.precision import Precision, PrecisionName
 
@@ -169,8 +172,6 @@ def _finetune(recipe: str, arguments: dict, lora, quantize: Optional[str]) -> No
     if arguments["data"] is None:
         arguments["data"] = BuiltinInstruct()
     hyperparameters = common.hyperparameters(arguments)
-    from llmtrain.convert.hf import ensure_model_dir
-
     # A transformers folder (config.json + weights) is converted once, on the fly, and cached.
     checkpoint_dir = check_model_dir(ensure_model_dir(Path(arguments["checkpoint_dir"])))
     config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
@@ -178,7 +179,7 @@ def _finetune(recipe: str, arguments: dict, lora, quantize: Optional[str]) -> No
     common.check_logger(arguments["logger_name"])
     dry = arguments["dry_run"]
     if dry.requested:
-        from llmtrain.plan import dry_run, lora_trainable_parameters
+        from llmtrain.plan import dry_run
 
         common.check_seq_len(arguments["train"], config)
         dry_run(recipe=recipe, config=config, precision=Precision(arguments["precision"]), train=arguments["train"],
@@ -187,7 +188,7 @@ def _finetune(recipe: str, arguments: dict, lora, quantize: Optional[str]) -> No
                 trainable_parameters=None if lora is None else lora_trainable_parameters(config, lora))
         return
     common.check_disk_space(arguments["out_dir"], config, Precision(arguments["precision"]),
-                            trainable_fraction=0.0 if lora is not None else 1.0)
+                            trainable_parameters=None if lora is None else lora_trainable_parameters(config, lora))
     resume_from = common.resolve_resume(arguments["resume"], arguments["out_dir"], None)
     train = arguments["train"]
     seq_len = common.check_seq_len(train, config)
@@ -203,19 +204,6 @@ def _finetune(recipe: str, arguments: dict, lora, quantize: Optional[str]) -> No
     common.launch_run(run, spec, devices=arguments["devices"], num_nodes=arguments["num_nodes"])
 
 
-def check_model_dir(checkpoint_dir: Path) -> Path:
-    """A model directory has the architecture, the weights and a tokenizer; say which is missing."""
-    checkpoint_dir = Path(checkpoint_dir)
-    if not checkpoint_dir.is_dir():
-        raise FileNotFoundError(f"CHECKPOINT_DIR {checkpoint_dir} does not exist")
-    for name in (layout.CONFIG_FILE, layout.MODEL_FILE, "tokenizer.json"):
-        if not (checkpoint_dir / name).is_file():
-            hint = " (a LoRA step checkpoint holds only adapters: merge it first with `llmtrain merge_lora`)" if (
-                name == layout.MODEL_FILE and (checkpoint_dir / "lora.safetensors").is_file()) else ""
-            raise FileNotFoundError(f"CHECKPOINT_DIR {checkpoint_dir} has no {name}: it is not a model directory{hint}")
-    return checkpoint_dir
-
-
 def merge_lora(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> None:
     """Merge a LoRA checkpoint's adapters into its base model and write a full model directory.
 
@@ -223,48 +211,5 @@ def merge_lora(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> None:
         checkpoint_dir: A finetune_lora checkpoint (`step-NNNNNNNN/` or `final/`) with lora.safetensors and lora.yaml.
         out_dir: Where the merged model directory goes. Default: CHECKPOINT_DIR with `-merged` appended.
     """
-    import torch
-    import yaml
-    from safetensors.torch import load_file
-
-    from llmtrain.lora import LoRAArgs, apply_lora, load_lora_state_dict
-    from llmtrain.lora import merge_lora as merge_modules
-    from llmtrain.model import GPT
-    from llmtrain.recipes.run import LORA_SETTINGS_FILE
-    from llmtrain.tokenizer import Tokenizer
-    from llmtrain.train.checkpointer import LORA_FILE
-
-    checkpoint_dir = Path(checkpoint_dir)
-    for name in (LORA_FILE, LORA_SETTINGS_FILE, layout.CONFIG_FILE):
-        if not (checkpoint_dir / name).is_file():
-            raise FileNotFoundError(f"{checkpoint_dir} has no {name}: it is not a finetune_lora checkpoint")
-    settings = yaml.safe_load((checkpoint_dir / LORA_SETTINGS_FILE).read_text())
-    base_dir = check_model_dir(Path(settings.pop("base_checkpoint_dir")))
-    quantize = settings.pop("quantize", None)
-    out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir.with_name(checkpoint_dir.name + "-merged")
-    config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
-    with torch.device("meta"):
-        model = GPT(config)
-    model.to_empty(device="cpu")
-    model.reset_rope_cache()
-    common.load_base_weights(model, base_dir)
-    if quantize:
-        from llmtrain.quantize import quantize_model
-
-        # The adapters were trained against the quantized base: merge into exactly that (dequantized).
-        adapters = load_file(str(checkpoint_dir / LORA_FILE))
-        quantize_model(model, quantize, compute_dtype=next(iter(adapters.values())).dtype)
-    apply_lora(model, LoRAArgs(**settings))
-    load_lora_state_dict(model, load_file(str(checkpoint_dir / LORA_FILE)))
-    merge_modules(model)
-
-    def extras(directory: Path) -> None:
-        for name in ("prompt_style.yaml",):
-            if (checkpoint_dir / name).is_file():
-                (directory / name).write_bytes((checkpoint_dir / name).read_bytes())
-
-    layout.write_model_dir(out_dir, state_dict=model.state_dict(), model_config=config,
-                           hyperparameters=layout.read_hyperparameters(checkpoint_dir) or None,
-                           tokenizer=Tokenizer(checkpoint_dir), marker={"kind": "model", "lora_merged": True},
-                           write_extras=extras)
-    print(f"merged {checkpoint_dir} into {out_dir}")
+    written = merge_lora_checkpoint(checkpoint_dir, out_dir)
+    print(f"merged {checkpoint_dir} into {written}")

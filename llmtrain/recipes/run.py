@@ -16,8 +16,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from llmtrain.args import EvalArgs, TrainArgs, batch_plan
+from llmtrain.checkpoint import layout
+from llmtrain.checkpoint.checkpointer import Checkpointer, build_checkpointer
+from llmtrain.checkpoint.lora import write_lora_settings
 from llmtrain.config import Config
 from llmtrain.distributed.parallelize import FSDPArgs
+from llmtrain.prompts import save_prompt_style
 from llmtrain.recipes import common
 from llmtrain.train.precision import Precision
 
@@ -70,7 +74,6 @@ def run(spec: RunSpec) -> None:
 
 
 def _run(spec: RunSpec, runtime: Any) -> None:
-    from llmtrain.distributed.checkpoint import build_checkpointer, load_checkpoint
     from llmtrain.distributed.parallelize import unwrap
     from llmtrain.flops import device_peak_flops, flops_per_token
     from llmtrain.train.loggers import build_loggers
@@ -109,7 +112,7 @@ def _run(spec: RunSpec, runtime: Any) -> None:
                                        train_loader=train_loader, tokenizer=tokenizer, scaler=scaler,
                                        write_extras=_extras_writer(spec, prompt_style))
     if spec.resume_from is not None:
-        load_checkpoint(checkpointer, spec.resume_from, state)
+        checkpointer.load(spec.resume_from, state)
         say(f"resumed from {spec.resume_from} at step {state.step} ({state.tokens:,} tokens)")
     say(f"{spec.recipe}: model {spec.config.name or 'custom'}, {n_params / 1e6:.2f}M parameters "
         f"({n_trainable / 1e6:.2f}M trainable), built in {time.perf_counter() - started:.1f}s | {info.describe()} | "
@@ -121,7 +124,7 @@ def _run(spec: RunSpec, runtime: Any) -> None:
     job = Fit(runtime=runtime, model=model, optimizer=optimizer, train_loader=train_loader, val_loader=val_loader,
               train=spec.train, eval=spec.eval, plan=plan, horizon=horizon, precision=spec.precision,
               save_checkpoint=checkpointer.save, save_final=checkpointer.save_final,
-              wait_for_checkpoint=getattr(checkpointer, "wait", None),
+              wait_for_checkpoint=checkpointer.wait,
               loggers=build_loggers(spec.logger_name, spec.out_dir, state.step if spec.resume_from else None,
                                     spec.hyperparameters)
               if runtime.is_main else [],
@@ -132,7 +135,7 @@ def _run(spec: RunSpec, runtime: Any) -> None:
               after_validation=_example_generator(spec, model, tokenizer, prompt_style, val_loader))
     fit(job)
     say(f"done: {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.0f}s; "
-        f"final model in {spec.out_dir / 'final'}")
+        f"final model in {spec.out_dir / layout.FINAL_DIR}")
 
 
 def _memory_estimate(spec: RunSpec, runtime: Any, plan: Any, n_trainable: int) -> Any:
@@ -173,21 +176,12 @@ def _extras_writer(spec: RunSpec, prompt_style: Any) -> Optional[Callable[[Path]
         return None
 
     def write(directory: Path) -> None:
-        import yaml
-
         if prompt_style is not None:
-            from llmtrain.prompts import save_prompt_style
-
             save_prompt_style(prompt_style, directory)
         if spec.lora is not None:
-            settings = {**common.to_yaml(spec.lora), "base_checkpoint_dir": str(Path(spec.initial_checkpoint_dir).resolve()),
-                        "quantize": spec.quantize}
-            (directory / LORA_SETTINGS_FILE).write_text(yaml.safe_dump(settings, sort_keys=False))
+            write_lora_settings(directory, spec.lora, spec.initial_checkpoint_dir, spec.quantize)
 
     return write
-
-
-LORA_SETTINGS_FILE = "lora.yaml"
 
 
 def _example_generator(spec: RunSpec, model: Any, tokenizer: Any, prompt_style: Any,
@@ -212,15 +206,7 @@ def _example_generator(spec: RunSpec, model: Any, tokenizer: Any, prompt_style: 
     return example
 
 
-def _build_checkpointer(spec: RunSpec, **arguments: Any) -> Any:
-    from llmtrain.distributed.checkpoint import build_checkpointer
-    from llmtrain.train.checkpointer import LoRACheckpointer
-
-    arguments.update(out_dir=spec.out_dir, model_config=spec.config, hyperparameters=spec.hyperparameters,
-                     keep_last=spec.train.keep_last)
-    if spec.lora is not None:
-        if spec.fsdp.async_save:
-            raise ValueError("--fsdp.async_save is for sharded checkpoints; LoRA checkpoints hold only the "
-                             "adapters and are written by rank 0: drop --fsdp.async_save")
-        return LoRACheckpointer(**arguments)
-    return build_checkpointer(spec.fsdp.state_dict_type, async_save=spec.fsdp.async_save, **arguments)
+def _build_checkpointer(spec: RunSpec, **arguments: Any) -> Checkpointer:
+    return build_checkpointer(spec.fsdp.state_dict_type, async_save=spec.fsdp.async_save, lora=spec.lora is not None,
+                              out_dir=spec.out_dir, model_config=spec.config, hyperparameters=spec.hyperparameters,
+                              keep_last=spec.train.keep_last, **arguments)
