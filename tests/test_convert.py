@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -10,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors import safe_open
 
 from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint.checkpointer import Checkpointer
+from llmtrain.checkpoint.lora import write_lora_settings
 from llmtrain.checkpoint.weights import load_weights
 from llmtrain.config import MODEL_ZOO, Config
 from llmtrain.convert import ADAPTERS, adapter_for_config, ensure_model_dir, from_hf, read_hf_config, to_hf
@@ -292,14 +291,11 @@ def test_from_a_lora_step_checkpoint(tmp_path, llama_dirs):
             if name.endswith("lora_B"):
                 param.normal_(0.0, 0.1)  # B starts at zero; a merge of zeros would prove nothing
 
-    def write_lora_settings(directory: Path) -> None:  # as recipes/run.py's _extras_writer
-        settings = {**dataclasses.asdict(lora), "base_checkpoint_dir": str(base_dir.resolve()), "quantize": None}
-        (directory / "lora.yaml").write_text(yaml.safe_dump(settings))
-
     checkpointer = Checkpointer(runtime=Runtime(), out_dir=tmp_path / "run", model=model,
                                 optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]),
                                 train_loader=_NoData(), model_config=model.config, tokenizer=Tokenizer(base_dir),
-                                hyperparameters={}, write_extras=write_lora_settings, format="lora")
+                                hyperparameters={}, format="lora",
+                                write_extras=lambda directory: write_lora_settings(directory, lora, base_dir, None))
     step_dir = checkpointer.save(TrainState(step=1))
     assert not (step_dir / layout.MODEL_FILE).exists()
     with torch.no_grad():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pickle
 import random
+import re
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
@@ -102,11 +103,14 @@ def load_training_state(checkpoint_dir: Path, mmap: bool = False) -> dict:
     try:
         training_state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
-        # weights_only refused something: a pickled object that could run code when loaded.
-        raise DamagedCheckpointError(
-            f"{path} holds objects that torch.load(weights_only=True) refuses, so llmtrain will not load it (it "
-            f"could run code): {_first_line(error)}. Resume from a checkpoint this run wrote (--resume PATH), "
-            "or delete this one") from None
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+        if refused:  # a pickled object that could run code when loaded
+            raise DamagedCheckpointError(
+                f"{path} holds objects that torch.load(weights_only=True) refuses ({refused.group(1)}), so llmtrain "
+                "will not load it: it could run code. Resume from a checkpoint llmtrain wrote (--resume PATH), or "
+                "delete this one") from None
+        raise DamagedCheckpointError(f"{path} cannot be read: it is not a file torch.save wrote, or it is damaged. "
+                                     "Resume from an earlier checkpoint (--resume PATH), or delete this one") from None
     except (RuntimeError, EOFError, OSError, ValueError) as error:
         raise DamagedCheckpointError(
             f"{path} cannot be read ({_first_line(error)}): the file is damaged or truncated. Resume from an "

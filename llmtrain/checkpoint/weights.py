@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from llmtrain.checkpoint import layout
 from llmtrain.distributed.parallelize import unwrap
@@ -29,6 +28,9 @@ def gather_full_model_state(model: torch.nn.Module, trainable_only: bool = False
 
     ``trainable_only``: only the parameters that train (LoRA's adapters), not the frozen base.
     """
+    # NOTE: torch.distributed.checkpoint takes 2 s to import; `generate --help` should not wait for it.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     if not is_distributed():
         return {name: tensor.detach().cpu() for name, tensor in get_model_state_dict(
             model, options=StateDictOptions(ignore_frozen_params=trainable_only)).items()}
@@ -41,6 +43,8 @@ def load_full_model_state(model: torch.nn.Module, state_dict: dict[str, torch.Te
 
     Tied weights stored once (``lm_head.weight`` is ``wte.weight``) are filled in from their twin.
     """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # NOTE: slow, as above
+
     state_dict = _with_tied_names(model, state_dict)
     if not is_distributed():
         set_model_state_dict(model, state_dict, options=StateDictOptions(strict=strict))

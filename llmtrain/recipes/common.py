@@ -18,7 +18,6 @@ import torch
 from llmtrain.checkpoint import layout
 from llmtrain.checkpoint.resume import resolve_resume  # noqa: F401 (recipes call common.resolve_resume)
 from llmtrain.checkpoint.size import check_disk_space  # noqa: F401 (recipes call common.check_disk_space)
-from llmtrain.checkpoint.weights import load_weights
 from llmtrain.config import Config
 
 ResumeArg = Union[bool, Literal["auto"], Path]
@@ -144,6 +143,7 @@ def build_model(config: Config, *, runtime: Any, seed: int, precision: Any, stra
     (or loaded from ``initial_checkpoint_dir``) shard by shard. The same seed gives the same weights
     at any world size. With ``lora``, adapters are added before sharding and only they train.
     """
+    from llmtrain.checkpoint.weights import load_weights
     from llmtrain.distributed.parallelize import materialize, parallelize
     from llmtrain.model import GPT
 
@@ -172,6 +172,7 @@ def _build_quantized(config: Config, *, runtime: Any, seed: int, precision: Any,
                      initial_checkpoint_dir: Optional[Path], lora: Any, quantize: str, fsdp: Any,
                      compile: bool) -> tuple[torch.nn.Module, Any]:
     """QLoRA on one device: real weights first (quantizing needs them), then 4-bit/int8 layers, then adapters."""
+    from llmtrain.checkpoint.weights import load_weights
     from llmtrain.distributed.parallelize import materialize, parallelize
     from llmtrain.lora import apply_lora, mark_only_lora_trainable, reset_lora_parameters
     from llmtrain.model import GPT
