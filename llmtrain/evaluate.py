@@ -15,8 +15,9 @@ def builtin_instruct_accuracy(checkpoint_dir: Path, *, num_items: int = 100, tas
 
     Returns {"accuracy": float, "correct": int, "total": int, "per_task": {task: (correct, total)}}.
     """
+    from llmtrain.checkpoint.model_dir import load_model_dir
     from llmtrain.data.builtin_instruct import TASKS, check, generate_tasks
-    from llmtrain.generate import generate_text, load_model_dir
+    from llmtrain.generate import generate_text
 
     model, _, tokenizer, prompt_style = load_model_dir(checkpoint_dir, device="cpu", dtype=torch.float32)
     items = generate_tasks(generator_seed, "val", num_items, tasks, unique=True)

@@ -4,7 +4,7 @@ The pieces, each usable alone:
 
 - `sample`: one token from the logits (greedy, temperature, top-k, top-p).
 - `generate`: token ids in, token ids out; one prefill of the prompt, then one token per step.
-- `load_model_dir`: model, config, tokenizer and prompt style from a model directory.
+- `load_model_dir` (from llmtrain.checkpoint.model_dir): model, config, tokenizer and prompt style.
 - `generate_text`: a prompt string in, the completion out (what fine-tuning prints during validation).
 - `setup`: the command line.
 """
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Literal, Optional, Sequence
 
 import torch
 
-from llmtrain import checkpoint as layout
-from llmtrain.config import Config
+from llmtrain.checkpoint.model_dir import load_model_dir
+from llmtrain.distributed.parallelize import unwrap
 from llmtrain.quantize import QuantizeMode
 from llmtrain.train.precision import PrecisionName
 
@@ -27,8 +27,6 @@ if TYPE_CHECKING:
     from llmtrain.model import GPT
     from llmtrain.prompts import PromptStyle
     from llmtrain.tokenizer import Tokenizer
-
-TOKENIZER_FILE = "tokenizer.json"
 
 
 class PromptTooLongError(ValueError):
@@ -171,7 +169,7 @@ def generate(
     after any sequence in `stop_tokens` (both are kept in the output), or when the sequence reaches
     the model's max_seq_length, whichever comes first.
     """
-    model = _unwrap(model)
+    model = unwrap(model)
     check_sampling(temperature, top_k, top_p)
     if prompt.dim() != 1 or prompt.numel() == 0:
         raise ValueError(f"generate takes one non-empty prompt of shape (T,), got shape {tuple(prompt.shape)}")
@@ -257,7 +255,7 @@ def generate_text(
     under FSDP all ranks must call this together, with the same prompt and sampling settings.
     The model is put in eval mode for the call and given back in the mode it came in.
     """
-    model = _unwrap(model)
+    model = unwrap(model)
     device = model.wte.weight.device
     prompt_ids = tokenizer.encode(prompt_style.apply(prompt))
     stop_tokens = prompt_style.stop_tokens(tokenizer)
@@ -272,73 +270,6 @@ def generate_text(
     finally:
         model.train(was_training)
     return decode_completion(tokenizer, prompt_ids, output[len(prompt_ids):].tolist(), stop_tokens, tokenizer.eos_id)
-
-
-def _unwrap(model: torch.nn.Module) -> GPT:
-    """The GPT inside a DDP wrapper or a torch.compile'd module (the cache lives on the GPT)."""
-    while True:
-        if hasattr(model, "_orig_mod"):  # torch.compile
-            model = model._orig_mod
-        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
-
-
-# ------------------------------------------------------------------------------------------ loading
-def load_model_dir(
-    checkpoint_dir: Path,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    quantize: Optional[QuantizeMode] = None,
-) -> tuple[GPT, Config, Tokenizer, PromptStyle]:
-    """Model (eval mode, frozen), config, tokenizer and prompt style of a model directory.
-
-    The prompt style is the directory's prompt_style.yaml (written by fine-tuning), else the one
-    the model's family uses. With `quantize`, the weights are loaded on the CPU and quantized onto
-    `device`, so the device only ever holds the quantized model; `dtype` is then the compute dtype.
-    """
-    from llmtrain.model import GPT
-    from llmtrain.prompts import PromptStyle, has_prompt_style, load_prompt_style
-    from llmtrain.tokenizer import Tokenizer
-
-    checkpoint_dir = Path(checkpoint_dir)
-    check_model_dir(checkpoint_dir)
-    config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
-    tokenizer = Tokenizer(checkpoint_dir)
-    if has_prompt_style(checkpoint_dir):
-        prompt_style = load_prompt_style(checkpoint_dir)
-    else:
-        prompt_style = PromptStyle.from_config(config)
-
-    device = torch.device(device)
-    with torch.device("meta"):
-        # Allocated straight in the target dtype: a bf16 model never exists in fp32.
-        model = GPT(config).to(dtype)
-    model.to_empty(device="cpu" if quantize else device)
-    layout.load_model_weights(model, checkpoint_dir)
-    model.reset_rope_cache()  # to_empty left the non-persistent RoPE tables uninitialised
-    if quantize is not None:
-        from llmtrain.quantize import quantize_model
-
-        quantize_model(model, quantize, compute_dtype=dtype, device=device)
-    model.eval().requires_grad_(False)
-    return model, config, tokenizer, prompt_style
-
-
-def check_model_dir(checkpoint_dir: Path) -> None:
-    """Fail with the missing path when `checkpoint_dir` is not a complete model directory."""
-    if not checkpoint_dir.is_dir():
-        raise FileNotFoundError(
-            f"{checkpoint_dir} is not a directory; pass a model directory such as out/pretrain/final"
-        )
-    for name in (layout.CONFIG_FILE, layout.MODEL_FILE, TOKENIZER_FILE):
-        path = checkpoint_dir / name
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"{path} does not exist: a model directory needs {layout.CONFIG_FILE}, {layout.MODEL_FILE} and "
-                f"{TOKENIZER_FILE} (training writes all three into step-NNNNNNNN/ and final/)"
-            )
 
 
 def default_precision(device: torch.device) -> str:

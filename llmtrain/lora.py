@@ -16,7 +16,8 @@ A plain model's checkpoint (`q_proj.weight`) still loads into a model with adapt
 `load_state_dict(..., strict=False)` reporting only the adapters as missing.
 
 `merge_lora` folds the update into the base weight and gives back a plain model whose state-dict
-keys are those of a plain `GPT`.
+keys are those of a plain `GPT`. Checkpoints merge through `llmtrain.checkpoint.lora.merged_state_dict`,
+layer by layer onto the CPU; both compute the update with `fold_lora`.
 
 Order for users: build model -> load weights -> [`quantize_model`] -> `apply_lora` -> `mark_only_lora_trainable`.
 """
@@ -111,18 +112,23 @@ class LoRALinear(nn.Module):
         return out + update.to(out.dtype)
 
     @torch.no_grad()
-    def merged(self) -> nn.Linear:
-        """A plain nn.Linear computing base + update: W + B @ A * scale, summed in float32.
-
-        The result has the base weight's dtype, or the compute dtype when the base is quantized.
-        """
+    def merged_weight(self) -> torch.Tensor:
+        """W + B @ A * scale (out, in), in the base weight's dtype, or the compute dtype when the base is quantized."""
         dtype = self.lora_A.dtype if is_quantized_linear(self.base) else self.base.weight.dtype
-        delta = (self.lora_B.float() @ self.lora_A.float()) * self.scaling  # (out, in)
-        weight = (dequantize_weight(self.base) + delta).to(dtype)
-        return plain_linear(weight, self.base.bias, requires_grad=self.base.weight.requires_grad)
+        return fold_lora(dequantize_weight(self.base), self.lora_A, self.lora_B, self.scaling).to(dtype)
+
+    def merged(self) -> nn.Linear:
+        """A plain nn.Linear computing base + update."""
+        return plain_linear(self.merged_weight(), self.base.bias, requires_grad=self.base.weight.requires_grad)
 
     def extra_repr(self) -> str:
         return f"r={self.r}, scaling={self.scaling:g}"
+
+
+@torch.no_grad()
+def fold_lora(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The merged weight W + B @ A * scale, summed in float32 (the one place the merge is computed)."""
+    return weight.float() + (lora_b.float() @ lora_a.float()) * scaling  # (out, in)
 
 
 # ---- applying adapters -------------------------------------------------------------------------
@@ -244,7 +250,7 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name), child_name, new)
 
 
-# ---- state-dict level: for sharded models, whose modules cannot be merged in place ---------------
+# ---- finding adapters ----------------------------------------------------------------------------
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
@@ -268,21 +274,4 @@ def plain_to_lora_keys(state_dict: dict[str, torch.Tensor], model: nn.Module) ->
         for key in ("weight", "bias"):
             if f"{name}.{key}" in out:
                 out[f"{name}.base.{key}"] = out.pop(f"{name}.{key}")
-    return out
-
-
-@torch.no_grad()
-def merged_state_dict(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """A plain model's weights from a LoRA model's full state dict: W + B @ A * scale, summed in float32.
-
-    `model` only tells which layers carry adapters and their scaling; the tensors come from
-    `state_dict` (e.g. gathered from FSDP shards on rank 0).
-    """
-    out = dict(state_dict)
-    for name, module in lora_modules(model).items():
-        weight = out.pop(f"{name}.base.weight")
-        lora_a, lora_b = out.pop(f"{name}.lora_A"), out.pop(f"{name}.lora_B")
-        out[f"{name}.weight"] = (weight.float() + (lora_b.float() @ lora_a.float()) * module.scaling).to(weight.dtype)
-        if f"{name}.base.bias" in out:
-            out[f"{name}.bias"] = out.pop(f"{name}.base.bias")
     return out

@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import torch
 
+from llmtrain.checkpoint.size import checkpoint_bytes
 from llmtrain.config import Config
 from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.flops import flops_per_token, lookup_peak_flops, num_parameters
@@ -186,19 +187,6 @@ def lora_trainable_parameters(config: Config, lora: Any) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def checkpoint_bytes(config: Config, precision: Any, trainable_parameters: Optional[int] = None) -> dict[str, int]:
-    """Bytes on disk: the model weights, and a resumable step checkpoint (weights + AdamW moments)."""
-    from llmtrain.flops import num_parameters
-
-    total = num_parameters(config)
-    trainable = total if trainable_parameters is None else trainable_parameters
-    stored = _bytes(precision.param_dtype)
-    weights = total * stored
-    if trainable < total:  # LoRA step checkpoints hold only the adapters and their moments
-        return {"weights": weights, "step": 3 * trainable * stored}
-    return {"weights": weights, "step": weights + 2 * trainable * stored}
-
-
 def _shards(step_bytes: int, plan: ParallelPlan, state_dict_type: str, lora: bool) -> str:
     """How a step checkpoint is written: one file from rank 0, or one shard per rank of a shard group (DCP writes
     a replicated shard once, so HYBRID_SHARD's replicas add nothing on disk)."""
@@ -259,7 +247,7 @@ def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_
         f"{_shards(sizes['step'], plan, fsdp.state_dict_type, trainable < total)}",
     ]
     free = shutil.disk_usage(_existing_parent(out_dir)).free
-    if free < sizes["step"]:
+    if free < sizes["needed"]:
         lines.append(f"warning      --out_dir {out_dir} has {_size(free)} free here: too little for one checkpoint")
     lines.append(_describe_time(config, plan, dry, seq_len, tokens_per_step, steps))
     print("\n".join(lines))

@@ -29,7 +29,8 @@ from typing import Any, ClassVar, NamedTuple, Optional, Union
 
 import yaml
 
-PROMPT_STYLE_FILE = "prompt_style.yaml"
+from llmtrain.checkpoint.layout import PROMPT_STYLE_FILE
+
 """Written beside the weights, so that generation and further fine-tuning use the style a model was tuned with."""
 
 Message = dict[str, str]

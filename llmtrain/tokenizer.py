@@ -15,8 +15,15 @@ from typing import Iterable, Optional, Sequence, Union
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from llmtrain.checkpoint.layout import (
+    GENERATION_CONFIG_FILE,
+    SPECIAL_TOKENS_FILE,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    TOKENIZER_FILES,
+)
+
 # Files that make a tokenizer directory self-contained, in the order `save` copies them.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 BPE_EOS_TOKEN = "<|endoftext|>"
 BPE_BOS_TOKEN = "<|bos|>"
@@ -27,7 +34,7 @@ class Tokenizer:
 
     def __init__(self, checkpoint_dir: Union[Path, str]) -> None:
         self.checkpoint_dir = Path(checkpoint_dir)
-        tokenizer_path = self.checkpoint_dir / "tokenizer.json"
+        tokenizer_path = self.checkpoint_dir / TOKENIZER_FILE
         if not tokenizer_path.is_file():
             what = "directory" if not self.checkpoint_dir.is_dir() else "file"
             missing = self.checkpoint_dir if what == "directory" else tokenizer_path
@@ -79,10 +86,10 @@ class Tokenizer:
             source = self.checkpoint_dir / name
             if source.is_file():
                 _atomic_copy(source, out_dir / name)
-        if not (self.checkpoint_dir / "tokenizer_config.json").is_file():
+        if not (self.checkpoint_dir / TOKENIZER_CONFIG_FILE).is_file():
             # NOTE: the settings may have come from generation_config.json, which belongs to the
             # model rather than the tokenizer; write them down so the copy reads the same.
-            _atomic_write_json(out_dir / "tokenizer_config.json", self._config_dict())
+            _atomic_write_json(out_dir / TOKENIZER_CONFIG_FILE, self._config_dict())
 
     def __repr__(self) -> str:
         return (
@@ -170,9 +177,9 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Union[Pa
     staging = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir(parents=True)
     try:
-        hf_tokenizer.save(str(staging / "tokenizer.json"))
-        _write_json(staging / "tokenizer_config.json", config)
-        _write_json(staging / "special_tokens_map.json", special_tokens_map)
+        hf_tokenizer.save(str(staging / TOKENIZER_FILE))
+        _write_json(staging / TOKENIZER_CONFIG_FILE, config)
+        _write_json(staging / SPECIAL_TOKENS_FILE, special_tokens_map)
         _publish_dir(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -182,7 +189,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Union[Pa
 def _read_special_token_settings(directory: Path) -> dict:
     """bos/eos tokens (as strings), their ids and add_bos_token; the first file that says wins."""
     settings: dict = {}
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+    for name in (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE):
         data = _read_json(directory / name)
         for key in ("bos_token", "eos_token"):
             token = _token_content(data.get(key))
@@ -190,7 +197,7 @@ def _read_special_token_settings(directory: Path) -> dict:
                 settings.setdefault(key, token)
         if data.get("add_bos_token") is not None:
             settings.setdefault("add_bos_token", data["add_bos_token"])
-    generation = _read_json(directory / "generation_config.json")
+    generation = _read_json(directory / GENERATION_CONFIG_FILE)
     for key in ("bos_token_id", "eos_token_id"):
         value = generation.get(key)
         if isinstance(value, list):  # several stop tokens: the first is the canonical one
@@ -245,5 +252,5 @@ def _publish_dir(staging: Path, out_dir: Path) -> None:
         pass  # out_dir exists already (an older copy, or another process won the race)
     out_dir.mkdir(parents=True, exist_ok=True)
     # NOTE: tokenizer.json goes last: its presence is what marks a directory as usable.
-    for name in sorted(os.listdir(staging), key=lambda n: n == "tokenizer.json"):
+    for name in sorted(os.listdir(staging), key=lambda n: n == TOKENIZER_FILE):
         os.replace(staging / name, out_dir / name)

@@ -22,8 +22,9 @@ import torch
 
 from llmtrain.args import EvalArgs, TrainArgs
 from llmtrain.config import Config
-from llmtrain.distributed.checkpoint import build_checkpointer, gather_full_model_state, load_checkpoint
 from llmtrain.args import FSDPArgs
+from llmtrain.checkpoint.checkpointer import build_checkpointer
+from llmtrain.checkpoint.weights import gather_full_model_state
 from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.distributed.parallelize import materialize, parallelize
 from llmtrain.distributed.runtime import Runtime
@@ -169,7 +170,7 @@ def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] 
     checkpointers = [build_checkpointer(fmt, out_dir=Path(out_dir or ".") / fmt, **arguments)
                      for fmt in checkpoint_formats]
     if resume_from is not None:
-        load_checkpoint(checkpointers[0], resume_from, state)
+        checkpointers[0].load(resume_from, state)
     recorder = Recorder()
     job = Fit(runtime=runtime, model=model, optimizer=optimizer, train_loader=loader, val_loader=None,
               train=train_args, eval=EvalArgs(initial_validation=False, final_validation=False), plan=plan,

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from llmtrain.cli import main
-from llmtrain.distributed.checkpoint import DCP_DIR
+from llmtrain.checkpoint.layout import DCP_DIR
 from llmtrain.tokenizer import train_bpe_tokenizer
 
 TINY_MODEL = dict(name="tiny-bad", vocab_size=1100, padding_multiple=64, block_size=64, n_layer=2, n_head=2,

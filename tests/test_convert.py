@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -10,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors import safe_open
 
-from llmtrain import checkpoint as layout
+from llmtrain.checkpoint import files, layout
+from llmtrain.checkpoint.checkpointer import Checkpointer
+from llmtrain.checkpoint.lora import write_lora_settings
+from llmtrain.checkpoint.weights import load_weights
 from llmtrain.config import MODEL_ZOO, Config
 from llmtrain.convert import ADAPTERS, adapter_for_config, ensure_model_dir, from_hf, read_hf_config, to_hf
 from llmtrain.convert.adapters import architecture_differences, config_from_hf, zoo_config
@@ -139,7 +140,7 @@ def assert_same_tensors(actual: dict, expected: dict) -> None:
 
 def load_llmtrain(directory: Path) -> GPT:
     model = GPT(Config.from_file(directory / layout.CONFIG_FILE)).eval()
-    layout.load_model_weights(model, directory)
+    load_weights(model, directory)
     return model
 
 
@@ -258,19 +259,18 @@ def _one_adamw_step(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def test_from_a_sharded_checkpoint(tmp_path, tokenizer_dir):
-    from llmtrain.distributed.checkpoint import ShardedCheckpointer
     from llmtrain.distributed.runtime import Runtime
     from llmtrain.train.loop import TrainState
 
     hf_dir = save_hf(build_hf_model("qwen2-tied"), tmp_path / "hf", tokenizer_dir)
     model = load_llmtrain(from_hf(hf_dir, tmp_path / "base")).train()
     optimizer = _one_adamw_step(model)
-    step_dir = ShardedCheckpointer(runtime=Runtime(), out_dir=tmp_path / "run", model=model, optimizer=optimizer,
-                                   train_loader=_NoData(), model_config=model.config,
-                                   tokenizer=Tokenizer(tokenizer_dir), hyperparameters={}).save(TrainState(step=1))
+    step_dir = Checkpointer(runtime=Runtime(), out_dir=tmp_path / "run", model=model, optimizer=optimizer,
+                            train_loader=_NoData(), model_config=model.config, tokenizer=Tokenizer(tokenizer_dir),
+                            hyperparameters={}, format="sharded").save(TrainState(step=1))
     assert (step_dir / "dcp").is_dir() and not (step_dir / layout.MODEL_FILE).exists()
-    full_dir = layout.write_model_dir(tmp_path / "full", state_dict=model.state_dict(), model_config=model.config,
-                                      hyperparameters=None, tokenizer=Tokenizer(tokenizer_dir))
+    full_dir = files.write_model_dir(tmp_path / "full", state_dict=model.state_dict(), model_config=model.config,
+                                     hyperparameters=None, tokenizer=Tokenizer(tokenizer_dir))
     assert_same_tensors(hf_tensors(to_hf(step_dir, tmp_path / "from_dcp")),
                         hf_tensors(to_hf(full_dir, tmp_path / "from_full")))
     load_transformers(tmp_path / "from_dcp")
@@ -279,7 +279,6 @@ def test_from_a_sharded_checkpoint(tmp_path, tokenizer_dir):
 def test_from_a_lora_step_checkpoint(tmp_path, llama_dirs):
     from llmtrain.distributed.runtime import Runtime
     from llmtrain.lora import LoRAArgs, apply_lora, mark_only_lora_trainable
-    from llmtrain.train.checkpointer import LoRACheckpointer
     from llmtrain.train.loop import TrainState
 
     _, base_dir = llama_dirs
@@ -292,14 +291,11 @@ def test_from_a_lora_step_checkpoint(tmp_path, llama_dirs):
             if name.endswith("lora_B"):
                 param.normal_(0.0, 0.1)  # B starts at zero; a merge of zeros would prove nothing
 
-    def write_lora_settings(directory: Path) -> None:  # as recipes/run.py's _extras_writer
-        settings = {**dataclasses.asdict(lora), "base_checkpoint_dir": str(base_dir.resolve()), "quantize": None}
-        (directory / "lora.yaml").write_text(yaml.safe_dump(settings))
-
-    checkpointer = LoRACheckpointer(runtime=Runtime(), out_dir=tmp_path / "run", model=model,
-                                    optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]),
-                                    train_loader=_NoData(), model_config=model.config, tokenizer=Tokenizer(base_dir),
-                                    hyperparameters={}, write_extras=write_lora_settings)
+    checkpointer = Checkpointer(runtime=Runtime(), out_dir=tmp_path / "run", model=model,
+                                optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]),
+                                train_loader=_NoData(), model_config=model.config, tokenizer=Tokenizer(base_dir),
+                                hyperparameters={}, format="lora",
+                                write_extras=lambda directory: write_lora_settings(directory, lora, base_dir, None))
     step_dir = checkpointer.save(TrainState(step=1))
     assert not (step_dir / layout.MODEL_FILE).exists()
     with torch.no_grad():

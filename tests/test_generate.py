@@ -4,7 +4,7 @@ import pytest
 import torch
 from test_model import build, hf_model, state_dict_from_hf, tiny
 
-from llmtrain.checkpoint import write_model_dir
+from llmtrain.checkpoint.files import write_model_dir
 from llmtrain.generate import generate, generate_text, load_model_dir, sample, setup, top_p_filter
 from llmtrain.model import GPT
 from llmtrain.prompts import ChatML, save_prompt_style

@@ -275,16 +275,15 @@ def test_fused_adamw_steps_read_nothing_from_the_device_between_log_steps(monkey
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the single-process write, in its thread
 def test_an_async_save_is_no_checkpoint_until_its_write_finished(tmp_path):
     """Killed between save() and wait(), an async save leaves only a temporary directory: resume ignores it."""
-    from llmtrain import checkpoint as layout
-    from llmtrain.distributed.checkpoint import ShardedCheckpointer
+    from llmtrain.checkpoint import layout
+    from llmtrain.checkpoint.checkpointer import Checkpointer
     from llmtrain.distributed.runtime import Runtime
     from llmtrain.train.loop import TrainState
 
     job, _ = train_tiny({"fused": True}, max_steps=1)
-    checkpointer = ShardedCheckpointer(runtime=Runtime(), out_dir=tmp_path, model=job.model,
-                                       optimizer=job.optimizer, train_loader=job.train_loader,
-                                       model_config=job.model.config, tokenizer=None, hyperparameters=None,
-                                       async_save=True)
+    checkpointer = Checkpointer(runtime=Runtime(), out_dir=tmp_path, model=job.model, optimizer=job.optimizer,
+                                train_loader=job.train_loader, model_config=job.model.config, tokenizer=None,
+                                hyperparameters=None, format="sharded", async_save=True)
     weights = {name: p.detach().clone() for name, p in job.model.named_parameters()}
     checkpointer.save(TrainState(step=1, tokens=64))
     with torch.no_grad():  # training goes on while the write runs: the checkpoint keeps the staged weights
@@ -294,9 +293,9 @@ def test_an_async_save_is_no_checkpoint_until_its_write_finished(tmp_path):
     checkpointer.wait()
     assert [step for step, _ in layout.list_checkpoints(tmp_path)] == [1]
     fresh, _ = train_tiny({"fused": True}, max_steps=1)
-    reader = ShardedCheckpointer(runtime=Runtime(), out_dir=tmp_path, model=fresh.model, optimizer=fresh.optimizer,
-                                 train_loader=fresh.train_loader, model_config=None, tokenizer=None,
-                                 hyperparameters=None)
+    reader = Checkpointer(runtime=Runtime(), out_dir=tmp_path, model=fresh.model, optimizer=fresh.optimizer,
+                          train_loader=fresh.train_loader, model_config=None, tokenizer=None, hyperparameters=None,
+                          format="sharded")
     reader.load(tmp_path / "step-00000001", TrainState())
     for name, p in fresh.model.named_parameters():
         assert torch.equal(p, weights[name]), name
@@ -308,7 +307,7 @@ def test_async_flag_needs_the_sharded_format():
     with pytest.raises(ValueError, match="--fsdp.async_save true needs --fsdp.state_dict_type sharded"):
         FSDPArgs(async_save=True)
     assert FSDPArgs(async_save=True, state_dict_type="sharded").async_save
-    from llmtrain.distributed.checkpoint import build_checkpointer
+    from llmtrain.checkpoint.checkpointer import build_checkpointer
 
     with pytest.raises(ValueError, match="--fsdp.async_save true needs --fsdp.state_dict_type sharded"):
         build_checkpointer("full", async_save=True)

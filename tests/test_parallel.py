@@ -14,10 +14,12 @@ import pytest
 import torch
 
 import dist_worker as worker
-from llmtrain import checkpoint as layout
+from llmtrain.checkpoint import layout
 from llmtrain.config import Config
-from llmtrain.distributed.checkpoint import checkpoint_format
 from llmtrain.args import FSDPArgs, TrainArgs
+from llmtrain.checkpoint.resume import checkpoint_format
+from llmtrain.checkpoint.state import load_training_state
+from llmtrain.checkpoint.weights import load_weights
 from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.distributed.parallelize import apply_activation_checkpointing, materialize, parallelize
 from llmtrain.distributed.runtime import Runtime
@@ -147,7 +149,7 @@ def test_sharded_checkpoint_layout(two, workdir):
     assert checkpoint_format(workdir / "two" / "full" / "step-00000004") == "full"
     assert layout.latest_checkpoint(out_dir) == out_dir / "step-00000008"
     assert not [p.name for p in out_dir.iterdir() if p.name.startswith(".")], "temporary directories left behind"
-    training_state = layout.load_training_state(step)
+    training_state = load_training_state(step)
     assert training_state["train_state"]["step"] == 4 and len(training_state["rng"]) == 2
     assert training_state["data"] == {"samples_consumed": 4 * worker.GLOBAL_BATCH}
 
@@ -183,7 +185,7 @@ def test_final_is_a_full_model_directory_that_loads_in_one_process(two, workdir)
     final = workdir / "two" / "sharded" / "final"
     assert checkpoint_format(final) == "full"
     model = GPT(Config.from_file(final / layout.CONFIG_FILE))
-    layout.load_model_weights(model, final)
+    load_weights(model, final)
     gathered = two["full_shard"]["weights"]
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, gathered[name]), name

@@ -114,7 +114,7 @@ def test_dry_run_plans_32_gpus_on_this_machine_quickly(tmp_path):
 
 
 def test_dry_run_for_lora_counts_only_the_adapters(tmp_path):
-    from llmtrain.checkpoint import CONFIG_FILE
+    from llmtrain.checkpoint.layout import CONFIG_FILE
 
     model_dir = tmp_path / "model"
     model_dir.mkdir()

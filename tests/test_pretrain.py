@@ -63,12 +63,12 @@ def test_debug_recipe_trains_and_writes_final(tmp_path):
     val = val_losses(out_dir)
     assert val[30] < 0.5 * val[0], val
     # final/ is a model directory other commands accept: it loads into the architecture it names.
-    from llmtrain.checkpoint import load_model_weights
+    from llmtrain.checkpoint.weights import load_weights
     from llmtrain.config import Config
     from llmtrain.model import GPT
 
     model = GPT(Config.from_file(final / "model_config.yaml"))
-    load_model_weights(model, final)
+    load_weights(model, final)
     saved = load_file(str(final / "model.safetensors"))
     torch.testing.assert_close(model.wte.weight, saved["wte.weight"], rtol=0, atol=0)
 

@@ -29,15 +29,14 @@ import yaml
 from safetensors.torch import load_file
 
 from limits import hard_limit
-from llmtrain import checkpoint as layout
+from llmtrain.checkpoint import files, layout
+from llmtrain.checkpoint.checkpointer import Checkpointer, NonFiniteWeightsError
+from llmtrain.checkpoint.resume import resolve_resume
 from llmtrain.args import EvalArgs, TrainArgs, batch_plan
 from llmtrain.config import Config
 from llmtrain.data.base import TrainLoader
-from llmtrain.distributed.checkpoint import ShardedCheckpointer
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
-from llmtrain.recipes.common import resolve_resume
-from llmtrain.train.checkpointer import FullCheckpointer, LoRACheckpointer
 from llmtrain.train.loop import Fit, NonFiniteError, TrainState, fit, plan_horizon
 from llmtrain.train.precision import Precision
 from llmtrain.train.signals import PREEMPTED_EXIT_CODE, Preempted
@@ -455,15 +454,14 @@ def test_a_save_killed_half_way_leaves_nothing_resume_would_take(tmp_path, monke
     """A save that dies after writing its weights leaves only a hidden temporary directory: resume takes
     the previous checkpoint, the next save deletes the leftover, and final/ is complete or absent."""
     out_dir = tmp_path / kind
-    cls = {"full": FullCheckpointer, "sharded": ShardedCheckpointer, "lora": LoRACheckpointer}[kind]
-    checkpointer = cls(**checkpointer_parts(out_dir, lora=kind == "lora"))
+    checkpointer = Checkpointer(**checkpointer_parts(out_dir, lora=kind == "lora"), format=kind)
     checkpointer.save(TrainState(step=1))
 
     def crash() -> None:
         raise SimulatedCrash
 
     with monkeypatch.context() as patch:
-        patch.setattr(layout, "pause_during_save", crash)
+        patch.setattr(files, "pause_during_save", crash)
         with pytest.raises(SimulatedCrash):
             checkpointer.save(TrainState(step=2))
         assert leftovers(out_dir) and not (out_dir / "step-00000002").exists()
@@ -474,7 +472,7 @@ def test_a_save_killed_half_way_leaves_nothing_resume_would_take(tmp_path, monke
     assert layout.latest_checkpoint(out_dir) == out_dir / "step-00000002"
     if kind != "full":  # sharded and LoRA write final/ anew (full links the step's files)
         with monkeypatch.context() as patch:
-            patch.setattr(layout, "pause_during_save", crash)
+            patch.setattr(files, "pause_during_save", crash)
             with pytest.raises(SimulatedCrash):
                 checkpointer.save_final(TrainState(step=2))
         assert not (out_dir / "final").exists() and leftovers(out_dir)
@@ -482,7 +480,7 @@ def test_a_save_killed_half_way_leaves_nothing_resume_would_take(tmp_path, monke
     assert layout.is_complete(out_dir / "final") and leftovers(out_dir) == []
     if kind != "full":  # rewriting final/ that dies half-way keeps the complete old one
         with monkeypatch.context() as patch:
-            patch.setattr(layout, "pause_during_save", crash)
+            patch.setattr(files, "pause_during_save", crash)
             with pytest.raises(SimulatedCrash):
                 checkpointer.save_final(TrainState(step=2))
         assert layout.is_complete(out_dir / "final")
@@ -492,12 +490,12 @@ def test_a_save_killed_half_way_leaves_nothing_resume_would_take(tmp_path, monke
 def test_weights_with_nan_are_never_written(tmp_path, kind):
     out_dir = tmp_path / kind
     parts = checkpointer_parts(out_dir, lora=kind == "lora")
-    checkpointer = {"full": FullCheckpointer, "sharded": ShardedCheckpointer, "lora": LoRACheckpointer}[kind](**parts)
+    checkpointer = Checkpointer(**parts, format=kind)
     checkpointer.save(TrainState(step=1))
     with torch.no_grad():
         next(p for p in parts["model"].parameters() if p.requires_grad)[0, 0] = float("nan")
     for save in (checkpointer.save, checkpointer.save_final):
-        with pytest.raises(layout.NonFiniteWeightsError, match="refusing to write .* hold NaN or inf"):
+        with pytest.raises(NonFiniteWeightsError, match="refusing to write .* hold NaN or inf"):
             save(TrainState(step=2))
     assert [p.name for p in out_dir.iterdir()] == ["step-00000001"]
 
@@ -515,8 +513,8 @@ def test_keep_last_deletes_older_checkpoints_once_a_newer_one_is_complete(tmp_pa
     assert all(torch.equal(final[name], newest[name]) for name in newest)
     # Only complete checkpoints count and go, and never the one just written (here: an older one).
     (out_dir / "step-00000009").mkdir()
-    assert layout.prune_checkpoints(out_dir, 1, keep=out_dir / "step-00000004") == []
-    assert layout.prune_checkpoints(out_dir, 1) == [out_dir / "step-00000004"]
+    assert files.prune_checkpoints(out_dir, 1, keep=out_dir / "step-00000004") == []
+    assert files.prune_checkpoints(out_dir, 1) == [out_dir / "step-00000004"]
     assert sorted(p.name for p in out_dir.glob("step-*")) == ["step-00000005", "step-00000009"]
 
 
@@ -548,7 +546,7 @@ def train_epochs(out_dir: Path, record: list, interrupt_at: dict) -> None:
     """3 epochs over 11 samples (accumulation 2 × micro batch 2), continuing out_dir's newest checkpoint."""
     parts = checkpointer_parts(out_dir)
     loader = parts["train_loader"] = RecordingLoader(11, record, interrupt_at)
-    checkpointer = FullCheckpointer(**parts)
+    checkpointer = Checkpointer(**parts)
     state = TrainState()
     if (latest := layout.latest_checkpoint(out_dir)) is not None:
         checkpointer.load(latest, state)

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Literal, Optional, Union
 
-from llmtrain import checkpoint as layout
+from llmtrain.checkpoint import files, layout
+from llmtrain.checkpoint.lora import merged_lora_weights
+from llmtrain.checkpoint.resume import check_dcp_metadata, checkpoint_format
 from llmtrain.config import Config
 from llmtrain.convert.adapters import (
     IGNORED_HF_TENSORS,
@@ -39,8 +41,8 @@ if TYPE_CHECKING:
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
 HF_CONFIG_FILE = "config.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
-SAFETENSORS_FILE = "model.safetensors"
+GENERATION_CONFIG_FILE = layout.GENERATION_CONFIG_FILE
+SAFETENSORS_FILE = layout.MODEL_FILE  # transformers' single weights file has the name llmtrain's has
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 HF_WEIGHT_LAYOUTS = ((SAFETENSORS_INDEX, SAFETENSORS_FILE), ("pytorch_model.bin.index.json", "pytorch_model.bin"))
 """(index, single file) of each weights layout transformers writes, the preferred first."""
@@ -70,7 +72,7 @@ def from_hf(hf_dir: Path, output_dir: Path, model_name: Optional[str] = None,
     def extras(directory: Path) -> None:
         _copy_files(hf_dir, directory, EXTRA_FILES)
 
-    return layout.write_model_dir(output_dir, state_dict=state_dict, model_config=config, hyperparameters=None,
+    return files.write_model_dir(output_dir, state_dict=state_dict, model_config=config, hyperparameters=None,
                                   tokenizer=tokenizer, write_extras=extras,
                                   marker={"kind": "model", "converted_from": str(hf_dir.resolve())})
 
@@ -226,18 +228,16 @@ class _Weights:
 
 def _open_checkpoint_weights(checkpoint_dir: Path, config: Config) -> _Weights:
     """The full weights of a model directory, a sharded checkpoint or a LoRA step checkpoint (merged)."""
-    from llmtrain.distributed.checkpoint import DCP_DIR, checkpoint_format
-    from llmtrain.train.checkpointer import LORA_FILE
-
+    dcp_dir, adapters = checkpoint_dir / layout.DCP_DIR, checkpoint_dir / layout.LORA_FILE
     if (checkpoint_dir / layout.MODEL_FILE).is_file():
         weights = _Weights.from_safetensors(checkpoint_dir / layout.MODEL_FILE)
-    elif (checkpoint_dir / DCP_DIR).is_dir() and checkpoint_format(checkpoint_dir) == "sharded":
-        weights = _Weights.from_state_dict(checkpoint_dir / DCP_DIR, _read_sharded(checkpoint_dir / DCP_DIR))
-    elif (checkpoint_dir / LORA_FILE).is_file():
-        weights = _Weights.from_state_dict(checkpoint_dir / LORA_FILE, _merge_lora(checkpoint_dir, config))
+    elif dcp_dir.is_dir() and checkpoint_format(checkpoint_dir) == "sharded":
+        weights = _Weights.from_state_dict(dcp_dir, _read_sharded(dcp_dir))
+    elif adapters.is_file():
+        weights = _Weights.from_state_dict(adapters, merged_lora_weights(checkpoint_dir))
     else:
         raise FileNotFoundError(f"{checkpoint_dir} holds no weights: expected {layout.MODEL_FILE}, a sharded "
-                                f"checkpoint's dcp/ folder or LoRA adapters ({LORA_FILE})")
+                                f"checkpoint's {layout.DCP_DIR}/ folder or LoRA adapters ({layout.LORA_FILE})")
     _check_checkpoint_weights(weights, config, checkpoint_dir / layout.CONFIG_FILE)
     return weights
 
@@ -262,8 +262,6 @@ def _read_sharded(dcp_dir: Path) -> dict[str, "torch.Tensor"]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from llmtrain.distributed.checkpoint import check_dcp_metadata
-
     check_dcp_metadata(dcp_dir)
     reader = dcp.FileSystemReader(str(dcp_dir))
     # The saved state is {"model": ..., "optimizer": ...}; allocate and read the model's tensors only.
@@ -274,47 +272,6 @@ def _read_sharded(dcp_dir: Path) -> dict[str, "torch.Tensor"]:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.load({"model": model_state}, storage_reader=reader, no_dist=True)
     return model_state
-
-
-def _merge_lora(checkpoint_dir: Path, config: Config) -> dict[str, "torch.Tensor"]:
-    """A LoRA step checkpoint's adapters merged into the base model that lora.yaml names: W + B @ A * scale."""
-    import tempfile
-
-    import torch
-    import yaml
-    from safetensors.torch import load_file
-
-    from llmtrain.lora import LoRAArgs, apply_lora, is_lora_parameter, merged_state_dict, plain_to_lora_keys
-    from llmtrain.model import GPT
-    from llmtrain.recipes.run import LORA_SETTINGS_FILE
-    from llmtrain.train.checkpointer import LORA_FILE
-
-    settings_path = checkpoint_dir / LORA_SETTINGS_FILE
-    if not settings_path.is_file():
-        raise FileNotFoundError(f"{settings_path} does not exist: the adapters in {checkpoint_dir} cannot be "
-                                "merged without the LoRA settings and the base model they name")
-    settings = yaml.safe_load(settings_path.read_text())
-    base_dir = Path(settings.pop("base_checkpoint_dir"))
-    if settings.pop("quantize", None):
-        # NOTE: QLoRA adapters were trained against the quantized base; merge_lora merges into exactly
-        # that (dequantized), which needs the quantization kernels.
-        from llmtrain.recipes.finetune import merge_lora
-
-        with tempfile.TemporaryDirectory() as scratch:
-            merge_lora(checkpoint_dir, Path(scratch) / "merged")
-            return load_file(str(Path(scratch) / "merged" / layout.MODEL_FILE))
-    base_dir = ensure_model_dir(base_dir)
-    with torch.device("meta"):
-        model = GPT(config)
-    apply_lora(model, LoRAArgs(**settings))
-    adapters = load_file(str(checkpoint_dir / LORA_FILE))
-    wanted = {name for name, _ in model.named_parameters() if is_lora_parameter(name)}
-    if set(adapters) != wanted:
-        missing, unexpected = sorted(wanted - set(adapters)), sorted(set(adapters) - wanted)
-        raise ValueError(f"{checkpoint_dir / LORA_FILE} does not hold the adapters that {settings_path} describes: "
-                         f"missing {missing[:4]}, unexpected {unexpected[:4]}")
-    base = plain_to_lora_keys(load_file(str(base_dir / layout.MODEL_FILE)), model)
-    return merged_state_dict({**base, **adapters}, model)
 
 
 def _write_hf_weights(directory: Path, adapter: Adapter, config: Config, weights: _Weights,
@@ -477,8 +434,8 @@ def _hf_shapes(adapter: Adapter, config: Config, shapes: dict[str, tuple[int, ..
 def _tokenizer_or_none(directory: Path):
     from llmtrain.tokenizer import Tokenizer
 
-    if not (directory / "tokenizer.json").is_file():
-        print(f"warning: {directory} has no tokenizer.json; the converted model has no tokenizer", file=sys.stderr)
+    if not (directory / layout.TOKENIZER_FILE).is_file():
+        print(f"warning: {directory} has no {layout.TOKENIZER_FILE}; the converted model has no tokenizer", file=sys.stderr)
         return None
     return Tokenizer(directory)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from llmtrain.checkpoint.layout import TOKENIZER_FILE
 from llmtrain.data.base import PretrainDataModule, TokenFiles
 from llmtrain.data.tokens import cache_dir, cache_key, exclusive_lock, tokenize_to_cache, whole_documents
 from llmtrain.tokenizer import Tokenizer, train_bpe_tokenizer
@@ -48,7 +49,7 @@ class BuiltinStories(PretrainDataModule):
                         TOKENIZER_TRAINING_DOCUMENTS)
         directory = cache_dir() / "tokenizers" / f"builtin-stories-{key}"
         with exclusive_lock(directory.with_name(directory.name + ".lock")):
-            if (directory / "tokenizer.json").is_file():
+            if (directory / TOKENIZER_FILE).is_file():
                 return Tokenizer(directory)
             texts = generate_stories(self.generator_seed, "train", TOKENIZER_TRAINING_DOCUMENTS)
             return train_bpe_tokenizer(texts, self.vocab_size, directory)

@@ -19,7 +19,7 @@ seed in a single process. A recipe does::
     plan = ParallelPlan.resolve(devices=..., num_nodes=..., train=..., precision=..., strategy=..., fsdp=...)
     model = parallelize(model, plan, device=runtime.device, compile=compile)
     materialize(model, runtime.device, seed, cpu_offload=plan.cpu_offload)
-    # then: load initial weights; the optimizer over model.parameters();
+    # then: llmtrain.checkpoint.weights.load_weights(model, dir) for initial weights; the optimizer over model.parameters();
     # Fit(..., autocast_enabled=not plan.mixed_precision_policy)
 
 Which wrapper and mesh a run gets is decided by :class:`llmtrain.distributed.parallel_plan.ParallelPlan`;
@@ -119,10 +119,16 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
 
 # ----------------------------------------------------------------------------------- materialize
 def unwrap(model: nn.Module) -> nn.Module:
-    """The GPT inside a DDP wrapper (FSDP2 shards in place, so there is nothing to unwrap)."""
+    """The GPT inside a DDP wrapper or a torch.compile'd module (FSDP2 shards in place: nothing to unwrap)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):  # torch.compile of the whole model
+            model = model._orig_mod
+        else:
+            return model
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int, *, cpu_offload: bool = False,

@@ -13,7 +13,7 @@ from llmtrain.distributed.parallelize import materialize, parallelize
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.lora import LoRAArgs, apply_lora, mark_only_lora_trainable, reset_lora_parameters
 from llmtrain.model import GPT
-from llmtrain.recipes.common import load_base_weights
+from llmtrain.checkpoint.weights import load_weights
 from llmtrain.tokenizer import Tokenizer
 
 
@@ -63,7 +63,7 @@ def build_model(config: Config, *, plan: ParallelPlan, runtime: Runtime, seed: i
     model = parallelize(model, plan, device=runtime.device, compile=compile)
     materialize(model, runtime.device, seed, cpu_offload=plan.cpu_offload, after_init=after_init)
     if initial_checkpoint_dir is not None:
-        load_base_weights(model, initial_checkpoint_dir)
+        load_weights(model, initial_checkpoint_dir)
     return model
 
 
@@ -77,7 +77,7 @@ def _build_quantized(config: Config, *, plan: ParallelPlan, runtime: Runtime, se
         model = GPT(config)
     materialize(model, torch.device("cpu"), seed)
     if initial_checkpoint_dir is not None:
-        load_base_weights(model, initial_checkpoint_dir)
+        load_weights(model, initial_checkpoint_dir)
     quantize_model(model, quantize, compute_dtype=plan.precision.compute_dtype, device=runtime.device)
     if lora is not None:
         apply_lora(model, lora)

@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from llmtrain import checkpoint as layout
+from llmtrain.checkpoint import layout
 from llmtrain.config import Config
 
 

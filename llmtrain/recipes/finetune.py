@@ -10,14 +10,17 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from llmtrain import checkpoint as layout
 from llmtrain.args import EvalArgs, TrainArgs
+from llmtrain.checkpoint import layout
+from llmtrain.checkpoint.lora import merge_lora_checkpoint
+from llmtrain.checkpoint.model_dir import check_model_dir
 from llmtrain.config import Config
 from llmtrain.convert.hf import ensure_model_dir
 from llmtrain.data import BuiltinInstruct
 from llmtrain.lora import LoRAArgs
 from llmtrain.plan import lora_trainable_parameters
-from llmtrain.recipes import checks, common, hparams
+from llmtrain.checkpoint.resume import resolve_resume
+from llmtrain.recipes import checks, hparams
 from llmtrain.recipes.flags import shared_flags, with_defaults
 from llmtrain.recipes.run import prepare
 from llmtrain.train.precision import Precision
@@ -125,23 +128,10 @@ def _finetune(recipe: str, checkpoint_dir: Path, prompt_style: Optional[str], fl
     checks.check_logger(flags["logger_name"])
     resume_from = None
     if not flags["dry_run"].requested:
-        resume_from = common.resolve_resume(flags["resume"], flags["out_dir"], None)
+        resume_from = resolve_resume(flags["resume"], flags["out_dir"], None)
     prepare(recipe, flags, config=config, resume_from=resume_from, initial_checkpoint_dir=checkpoint_dir,
             lora=lora, quantize=quantize, prompt_style=prompt_style, hyperparameters=hyperparameters,
             trainable_parameters=None if lora is None else lora_trainable_parameters(config, lora))
-
-
-def check_model_dir(checkpoint_dir: Path) -> Path:
-    """A model directory has the architecture, the weights and a tokenizer; say which is missing."""
-    checkpoint_dir = Path(checkpoint_dir)
-    if not checkpoint_dir.is_dir():
-        raise FileNotFoundError(f"CHECKPOINT_DIR {checkpoint_dir} does not exist")
-    for name in (layout.CONFIG_FILE, layout.MODEL_FILE, "tokenizer.json"):
-        if not (checkpoint_dir / name).is_file():
-            hint = " (a LoRA step checkpoint holds only adapters: merge it first with `llmtrain merge_lora`)" if (
-                name == layout.MODEL_FILE and (checkpoint_dir / "lora.safetensors").is_file()) else ""
-            raise FileNotFoundError(f"CHECKPOINT_DIR {checkpoint_dir} has no {name}: it is not a model directory{hint}")
-    return checkpoint_dir
 
 
 def merge_lora(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> None:
@@ -151,48 +141,5 @@ def merge_lora(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> None:
         checkpoint_dir: A finetune_lora checkpoint (`step-NNNNNNNN/` or `final/`) with lora.safetensors and lora.yaml.
         out_dir: Where the merged model directory goes. Default: CHECKPOINT_DIR with `-merged` appended.
     """
-    import torch
-    import yaml
-    from safetensors.torch import load_file
-
-    from llmtrain.lora import LoRAArgs, apply_lora, load_lora_state_dict
-    from llmtrain.lora import merge_lora as merge_modules
-    from llmtrain.model import GPT
-    from llmtrain.recipes.run import LORA_SETTINGS_FILE
-    from llmtrain.tokenizer import Tokenizer
-    from llmtrain.train.checkpointer import LORA_FILE
-
-    checkpoint_dir = Path(checkpoint_dir)
-    for name in (LORA_FILE, LORA_SETTINGS_FILE, layout.CONFIG_FILE):
-        if not (checkpoint_dir / name).is_file():
-            raise FileNotFoundError(f"{checkpoint_dir} has no {name}: it is not a finetune_lora checkpoint")
-    settings = yaml.safe_load((checkpoint_dir / LORA_SETTINGS_FILE).read_text())
-    base_dir = check_model_dir(Path(settings.pop("base_checkpoint_dir")))
-    quantize = settings.pop("quantize", None)
-    out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir.with_name(checkpoint_dir.name + "-merged")
-    config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
-    with torch.device("meta"):
-        model = GPT(config)
-    model.to_empty(device="cpu")
-    model.reset_rope_cache()
-    common.load_base_weights(model, base_dir)
-    if quantize:
-        from llmtrain.quantize import quantize_model
-
-        # The adapters were trained against the quantized base: merge into exactly that (dequantized).
-        adapters = load_file(str(checkpoint_dir / LORA_FILE))
-        quantize_model(model, quantize, compute_dtype=next(iter(adapters.values())).dtype)
-    apply_lora(model, LoRAArgs(**settings))
-    load_lora_state_dict(model, load_file(str(checkpoint_dir / LORA_FILE)))
-    merge_modules(model)
-
-    def extras(directory: Path) -> None:
-        for name in ("prompt_style.yaml",):
-            if (checkpoint_dir / name).is_file():
-                (directory / name).write_bytes((checkpoint_dir / name).read_bytes())
-
-    layout.write_model_dir(out_dir, state_dict=model.state_dict(), model_config=config,
-                           hyperparameters=layout.read_hyperparameters(checkpoint_dir) or None,
-                           tokenizer=Tokenizer(checkpoint_dir), marker={"kind": "model", "lora_merged": True},
-                           write_extras=extras)
-    print(f"merged {checkpoint_dir} into {out_dir}")
+    written = merge_lora_checkpoint(checkpoint_dir, out_dir)
+    print(f"merged {checkpoint_dir} into {written}")

@@ -8,7 +8,8 @@ from typing import Any, Optional
 from llmtrain.config import Config
 from llmtrain.convert.hf import ensure_model_dir
 from llmtrain.data import BuiltinStories
-from llmtrain.recipes import checks, common, hparams
+from llmtrain.checkpoint.resume import resolve_resume
+from llmtrain.recipes import checks, hparams
 from llmtrain.recipes.flags import shared_flags, with_defaults
 from llmtrain.recipes.run import prepare
 
@@ -48,7 +49,7 @@ def setup(
     checks.check_logger(flags["logger_name"])
     resume_from = None
     if not flags["dry_run"].requested:
-        resume_from = common.resolve_resume(flags["resume"], flags["out_dir"], initial_checkpoint_dir)
+        resume_from = resolve_resume(flags["resume"], flags["out_dir"], initial_checkpoint_dir)
     if initial_checkpoint_dir is not None:
         initial_checkpoint_dir = ensure_model_dir(Path(initial_checkpoint_dir))  # a transformers folder works too
     config = checks.resolve_model_config(model_name, model_config, initial_checkpoint_dir)

@@ -21,7 +21,10 @@ from llmtrain import plan as planning
 from llmtrain.args import EvalArgs, FSDPArgs, TrainArgs
 from llmtrain.config import Config
 from llmtrain.data.base import DataModule
-from llmtrain.distributed.checkpoint import load_checkpoint
+from llmtrain.checkpoint import layout
+from llmtrain.checkpoint.checkpointer import Checkpointer, build_checkpointer
+from llmtrain.checkpoint.lora import write_lora_settings
+from llmtrain.checkpoint.size import check_disk_space
 from llmtrain.distributed.launch import launch, plan_launch
 from llmtrain.distributed.parallel_plan import ParallelPlan, resolve_device_type
 from llmtrain.distributed.parallelize import unwrap
@@ -29,7 +32,8 @@ from llmtrain.distributed.runtime import Runtime, configure_process
 from llmtrain.flops import device_peak_flops, flops_per_token
 from llmtrain.lora import LoRAArgs
 from llmtrain.optim import OptimizerArg, build_optimizer
-from llmtrain.recipes import build, checks, common, hparams
+from llmtrain.prompts import save_prompt_style
+from llmtrain.recipes import build, checks
 from llmtrain.recipes.flags import LoggerName
 from llmtrain.train.loggers import build_loggers
 from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon
@@ -92,8 +96,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
     plan = ParallelPlan.resolve(devices=flags["devices"], num_nodes=flags["num_nodes"], train=train,
                                 precision=flags["precision"], strategy=flags["strategy"], fsdp=fsdp,
                                 accelerator=flags["accelerator"])
-    common.check_disk_space(flags["out_dir"], config, plan.precision,
-                            trainable_fraction=1.0 if trainable_parameters is None else 0.0)
+    check_disk_space(flags["out_dir"], config, plan.precision, trainable_parameters=trainable_parameters)
     flags["data"].validate()
     spec = RunSpec(recipe=recipe, config=config, out_dir=Path(flags["out_dir"]), plan=plan, data=flags["data"],
                    train=train, eval=flags["eval"], optimizer=flags["optimizer"], seq_len=seq_len,
@@ -152,7 +155,7 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
                                        train_loader=train_loader, tokenizer=tokenizer, scaler=scaler,
                                        write_extras=_extras_writer(spec, prompt_style))
     if spec.resume_from is not None:
-        load_checkpoint(checkpointer, spec.resume_from, state)
+        checkpointer.load(spec.resume_from, state)
         say(f"resumed from {spec.resume_from} at step {state.step} ({state.tokens:,} tokens)")
     say(f"{spec.recipe}: model {spec.config.name or 'custom'}, {n_params / 1e6:.2f}M parameters "
         f"({n_trainable / 1e6:.2f}M trainable), built in {time.perf_counter() - started:.1f}s, "
@@ -165,7 +168,7 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
     job = Fit(runtime=runtime, model=model, optimizer=optimizer, train_loader=train_loader, val_loader=val_loader,
               train=spec.train, eval=spec.eval, plan=plan.batch, horizon=horizon, precision=plan.precision,
               save_checkpoint=checkpointer.save, save_final=checkpointer.save_final,
-              wait_for_checkpoint=getattr(checkpointer, "wait", None),
+              wait_for_checkpoint=checkpointer.wait,
               loggers=build_loggers(spec.logger_name, spec.out_dir, state.step if spec.resume_from else None,
                                     spec.hyperparameters)
               if runtime.is_main else [],
@@ -176,7 +179,7 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
               after_validation=_example_generator(spec, model, tokenizer, prompt_style, val_loader))
     fit(job)
     say(f"done: {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.0f}s; "
-        f"final model in {spec.out_dir / 'final'}")
+        f"final model in {spec.out_dir / layout.FINAL_DIR}")
 
 
 def _connect_data(spec: RunSpec, tokenizer: Any, micro_batch_size: int) -> Any:
@@ -204,21 +207,12 @@ def _extras_writer(spec: RunSpec, prompt_style: Any) -> Optional[Callable[[Path]
         return None
 
     def write(directory: Path) -> None:
-        import yaml
-
         if prompt_style is not None:
-            from llmtrain.prompts import save_prompt_style
-
             save_prompt_style(prompt_style, directory)
         if spec.lora is not None:
-            settings = {**hparams.to_yaml(spec.lora), "base_checkpoint_dir": str(Path(spec.initial_checkpoint_dir).resolve()),
-                        "quantize": spec.quantize}
-            (directory / LORA_SETTINGS_FILE).write_text(yaml.safe_dump(settings, sort_keys=False))
+            write_lora_settings(directory, spec.lora, spec.initial_checkpoint_dir, spec.quantize)
 
     return write
-
-
-LORA_SETTINGS_FILE = "lora.yaml"
 
 
 def _example_generator(spec: RunSpec, model: Any, tokenizer: Any, prompt_style: Any,
@@ -243,12 +237,7 @@ def _example_generator(spec: RunSpec, model: Any, tokenizer: Any, prompt_style: 
     return example
 
 
-def _build_checkpointer(spec: RunSpec, **arguments: Any) -> Any:
-    from llmtrain.distributed.checkpoint import build_checkpointer
-    from llmtrain.train.checkpointer import LoRACheckpointer
-
-    arguments.update(out_dir=spec.out_dir, model_config=spec.config, hyperparameters=spec.hyperparameters,
-                     keep_last=spec.train.keep_last)
-    if spec.lora is not None:
-        return LoRACheckpointer(**arguments)
-    return build_checkpointer(spec.fsdp.state_dict_type, async_save=spec.fsdp.async_save, **arguments)
+def _build_checkpointer(spec: RunSpec, **arguments: Any) -> Checkpointer:
+    return build_checkpointer(spec.fsdp.state_dict_type, async_save=spec.fsdp.async_save, lora=spec.lora is not None,
+                              out_dir=spec.out_dir, model_config=spec.config, hyperparameters=spec.hyperparameters,
+                              keep_last=spec.train.keep_last, **arguments)

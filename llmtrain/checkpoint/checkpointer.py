@@ -1,0 +1,317 @@
+"""The checkpointer: one object that saves a run's step checkpoints, loads any of them, and writes final/.
+
+Three formats share one save path (temporary directory → tensors → training state → metadata files
+→ marker → rename) and differ only in how the tensors are written:
+
+    full     rank 0 gathers the model and optimizer and writes model.safetensors (optimizer in training_state.pt)
+    sharded  every rank writes its own shards of model and optimizer into dcp/ (torch.distributed.checkpoint);
+             loads at any world size; ``async_save`` writes in the background
+    lora     like full, but only the adapters (lora.safetensors) and their optimizer state
+
+``final/`` is always a full model directory: the last step's files (full, hard-linked), the gathered
+shards (sharded), or the merged model beside the adapters (lora). :meth:`Checkpointer.load` reads
+whatever format the checkpoint has, so a run may switch formats on resume. Every rank calls
+:meth:`~Checkpointer.save`, :meth:`~Checkpointer.wait`, :meth:`~Checkpointer.save_final` and
+:meth:`~Checkpointer.load` together; the checkpoint directory must be on a file system every rank sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from llmtrain.checkpoint import files, layout
+from llmtrain.checkpoint.lora import merged_state_dict
+from llmtrain.checkpoint.resume import CheckpointFormat, checkpoint_format, verify_checkpoint
+from llmtrain.checkpoint.state import (
+    Stateful,
+    build_training_state,
+    capture_rng_state,
+    load_training_state,
+    restore_training_state,
+)
+from llmtrain.checkpoint.weights import gather_full_model_state, is_distributed, load_full_model_state, load_weights
+from llmtrain.distributed.runtime import Runtime
+
+
+class NonFiniteWeightsError(RuntimeError):
+    """The weights hold NaN or inf; no checkpoint was written."""
+
+
+@dataclass
+class _PendingSave:
+    """A save whose tensors are written (or being written, ``future``) but which is not yet a checkpoint."""
+
+    future: Any
+    tmp: Path
+    target: Path
+    marker: dict
+
+
+class Checkpointer:
+    """Saves and loads the step checkpoints of one run in ``out_dir`` (see the module doc for the formats)."""
+
+    def __init__(self, *, runtime: Runtime, out_dir: Path, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, train_loader: Stateful, model_config: Any, tokenizer: Any,
+                 hyperparameters: Optional[dict], scaler: Optional[torch.amp.GradScaler] = None,
+                 write_extras: Optional[Callable[[Path], None]] = None, keep_last: Optional[int] = None,
+                 format: CheckpointFormat = "full", async_save: bool = False) -> None:
+        if format not in ("full", "sharded", "lora"):
+            raise ValueError(f"--fsdp.state_dict_type {format!r} must be `full` or `sharded`")
+        if async_save and format == "lora":
+            raise ValueError("--fsdp.async_save is for sharded checkpoints; LoRA checkpoints hold only the "
+                             "adapters and are written by rank 0: drop --fsdp.async_save")
+        if async_save and format == "full":
+            raise ValueError("--fsdp.async_save true needs --fsdp.state_dict_type sharded (a full checkpoint is "
+                             "gathered and written by rank 0 alone)")
+        self.runtime = runtime
+        self.out_dir = Path(out_dir)
+        self.model = model
+        self.optimizer = optimizer
+        self.train_loader = train_loader
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.hyperparameters = hyperparameters
+        self.scaler = scaler
+        self.write_extras = write_extras
+        self.keep_last = keep_last
+        self.format = format
+        self.async_save = async_save
+        self.last_saved: Optional[Path] = None
+        self._pending: Optional[_PendingSave] = None
+        self._async_group: Any = None
+        self._stager: Any = None  # keeps its host copies between async saves: no fresh allocation per save
+
+    # ------------------------------------------------------------------------------------- saving
+    def save(self, state: Any) -> Path:
+        """Write ``out_dir/step-NNNNNNNN/`` atomically: every rank's part goes into one temporary directory,
+        which rank 0 marks complete and renames (at once, or in :meth:`wait` after an async write)."""
+        target = self.out_dir / layout.step_dir_name(state.step)
+        check_finite_weights(self.model, self.runtime, target)
+        self.wait()  # one write at a time; the previous one becomes a checkpoint first
+        tmp = layout.temporary_dir(target)  # the same name on every rank: the shards of all ranks meet in it
+        if self.runtime.is_main:
+            files.remove_leftovers(self.out_dir)  # of saves that were killed, this step's included
+            tmp.mkdir(parents=True)
+        self.runtime.barrier()
+        future, optimizer_state = self._write_tensors(tmp)
+        rng_states = self.runtime.all_gather_object(capture_rng_state())
+        if self.runtime.is_main:
+            training_state = build_training_state(
+                state=state, train_loader=self.train_loader, scaler=self.scaler, rng_states=rng_states,
+                world_size=self.runtime.world_size, optimizer_state=optimizer_state,
+                include_optimizer=self.format != "sharded")
+            torch.save(training_state, tmp / layout.STATE_FILE)
+            files.write_metadata_files(tmp, model_config=self.model_config, hyperparameters=self.hyperparameters,
+                                       tokenizer=self.tokenizer, write_extras=self.write_extras)
+        marker = {"kind": "training", "format": self.format, "step": state.step, "tokens": state.tokens,
+                  "world_size": self.runtime.world_size}
+        self._pending = _PendingSave(future, tmp, target, marker)
+        if future is None:
+            self.wait()
+        return target
+
+    def _write_tensors(self, directory: Path) -> tuple[Any, dict]:
+        """Model and optimizer state into ``directory``: (the async write's future or None, the optimizer state)."""
+        if self.format == "sharded":
+            model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+            return self._write_shards(directory / layout.DCP_DIR, {"model": model_state, "optimizer": optimizer_state}), \
+                optimizer_state
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.format == "lora")
+        model_state = get_model_state_dict(self.model, options=options)
+        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        if self.runtime.is_main:
+            weights_file = layout.LORA_FILE if self.format == "lora" else layout.MODEL_FILE
+            files.save_weights(model_state, directory / weights_file)
+        return None, optimizer_state
+
+    def _write_shards(self, dcp_dir: Path, states: dict) -> Any:
+        with _single_process_quietly():
+            if not self.async_save:
+                dcp.save(states, checkpoint_id=str(dcp_dir), no_dist=not is_distributed())
+                return None
+            # NOTE: the background write's collectives get a group of their own (gloo), so they never
+            # interleave with the training's collectives on the default group.
+            if self._async_group is None and is_distributed():
+                self._async_group = torch.distributed.new_group(backend="gloo")
+            return dcp.async_save(states, checkpoint_id=str(dcp_dir), process_group=self._async_group,
+                                  async_stager=self._host_stager(), no_dist=not is_distributed())
+
+    def _host_stager(self) -> Any:
+        """Copies the state to host memory before save() returns, into the same buffers at every save.
+
+        Pinned on CUDA for a fast copy. NOTE: the copy itself is synchronous: staging in a background
+        thread would race the next optimizer step, which updates the weights in place.
+        """
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = self.runtime.device.type == "cuda"
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+        return self._stager
+
+    def wait(self) -> None:
+        """Finish the pending save, if any: wait for its write on every rank, then mark it complete and install it.
+
+        A process killed before then leaves only a temporary directory, which resume never picks.
+        """
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        if pending.future is not None:
+            pending.future.result()  # this rank's shards are written (rank 0's also wrote .metadata: all ranks are)
+            self.runtime.barrier()
+        if self.runtime.is_main:
+            files.write_marker(pending.tmp, pending.marker)
+            files.install_dir(pending.tmp, pending.target)
+        self.runtime.barrier()
+        self.last_saved = pending.target
+        if self.runtime.is_main:
+            files.prune_checkpoints(self.out_dir, self.keep_last, keep=pending.target)
+
+    def save_final(self, state: Any) -> Path:
+        """``out_dir/final/``: a full model directory of the model at ``state``, whatever the step format."""
+        self.wait()
+        if self._stager is not None:  # training is over: give the host copies back
+            self._stager.close()
+            self._stager = None
+        target = self.out_dir / layout.FINAL_DIR
+        if self.format != "sharded" and self.last_saved != self.out_dir / layout.step_dir_name(state.step):
+            self.save(state)  # full links its files, LoRA copies its adapters
+        if self.format == "full":
+            if self.runtime.is_main:
+                files.remove_leftovers(self.out_dir)
+                files.link_model_dir(self.last_saved, target)
+            self.runtime.barrier()
+            return target
+        check_finite_weights(self.model, self.runtime, target)
+        weights = self._final_weights()
+        if self.runtime.is_main:
+            files.remove_leftovers(self.out_dir)
+            marker = {"kind": "final", "format": "full", "step": state.step, "tokens": state.tokens}
+            if self.format == "lora":
+                marker["lora_merged"] = True
+            files.write_model_dir(target, state_dict=weights, model_config=self.model_config,
+                                  hyperparameters=self.hyperparameters, tokenizer=self.tokenizer, marker=marker,
+                                  write_extras=self._final_extras)
+        self.runtime.barrier()
+        return target
+
+    def _final_weights(self) -> dict[str, torch.Tensor]:
+        """The full weights on rank 0's CPU (LoRA: merged); an empty dict on the other ranks."""
+        if self.format == "sharded":
+            return gather_full_model_state(self.model)
+        if not self.runtime.is_distributed:
+            return merged_state_dict(self.model)
+        # Merged on rank 0 from the gathered full weights: no rank ever holds a second model.
+        full = gather_full_model_state(self.model)
+        return merged_state_dict(self.model, full) if self.runtime.is_main else {}
+
+    def _final_extras(self, directory: Path) -> None:
+        if self.format == "lora":  # the adapters stay usable on their own beside the merged model
+            shutil.copy2(self.last_saved / layout.LORA_FILE, directory / layout.LORA_FILE)
+        if self.write_extras is not None:
+            self.write_extras(directory)
+
+    # ------------------------------------------------------------------------------------ loading
+    def load(self, checkpoint_dir: Path, state: Any) -> None:
+        """Restore model, optimizer, counters, data position and this rank's RNG from a checkpoint of any format.
+
+        Under DDP or FSDP only rank 0 reads full weights and optimizer state and broadcasts them; DCP
+        reshards sharded ones to this world's layout. Either way the checkpoint loads at any world size.
+        """
+        checkpoint_dir = Path(checkpoint_dir)
+        verify_checkpoint(checkpoint_dir, load_state=False)
+        fmt = checkpoint_format(checkpoint_dir)
+        training_state = load_training_state(checkpoint_dir)
+        if fmt == "sharded":
+            self._load_shards(checkpoint_dir / layout.DCP_DIR)
+        else:
+            self._load_full(checkpoint_dir, fmt, training_state["optimizer"])
+        restore_training_state(training_state, state=state, train_loader=self.train_loader, scaler=self.scaler,
+                               rank=self.runtime.rank, optimizer=self.optimizer)
+        # A step directory of another format has no files for this format's final/ to reuse.
+        self.last_saved = checkpoint_dir if fmt == self.format else None
+
+    def _load_full(self, checkpoint_dir: Path, fmt: CheckpointFormat, optimizer_state: dict) -> None:
+        if fmt == "lora":
+            from safetensors.torch import load_file  # NOTE: lazy, as in every CLI path that may not load
+
+            adapters = load_file(str(checkpoint_dir / layout.LORA_FILE)) if self.runtime.is_main else {}
+            load_full_model_state(self.model, adapters, strict=False)
+        else:
+            load_weights(self.model, checkpoint_dir)
+        options = None
+        if self.runtime.is_distributed:
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            optimizer_state = optimizer_state if self.runtime.is_main else {}
+        set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
+
+    def _load_shards(self, dcp_dir: Path) -> None:
+        # The current (possibly differently sharded) state dicts are the templates DCP reads into;
+        # it reshards the saved shards to whatever this world's layout is.
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        states = {"model": model_state, "optimizer": optimizer_state}
+        with _single_process_quietly():
+            dcp.load(states, checkpoint_id=str(dcp_dir), no_dist=not is_distributed())
+        set_state_dict(self.model, self.optimizer, model_state_dict=states["model"],
+                       optim_state_dict=states["optimizer"])
+
+
+def build_checkpointer(state_dict_type: Literal["full", "sharded"], async_save: bool = False, lora: bool = False,
+                       **arguments: Any) -> Checkpointer:
+    """The checkpointer a recipe's flags ask for: ``--fsdp.state_dict_type``, ``--fsdp.async_save``, LoRA or not.
+
+    ``arguments`` are :class:`Checkpointer`'s: runtime, out_dir, model, optimizer, train_loader,
+    model_config, tokenizer, hyperparameters, scaler, write_extras, keep_last.
+    """
+    return Checkpointer(**arguments, format="lora" if lora else state_dict_type, async_save=async_save)
+
+
+def check_finite_weights(model: torch.nn.Module, runtime: Runtime, target: Path) -> None:
+    """Refuse to write ``target`` when any weight holds NaN or inf. Every rank calls it (a collective).
+
+    Each rank checks its own shards; one all-reduce of the count makes the verdict the same everywhere,
+    so all ranks raise together instead of leaving the others waiting in the save.
+    """
+    named = [(name, param.to_local() if isinstance(param, DTensor) else param)
+             for name, param in model.named_parameters()]
+    if not named:
+        return
+    finite = torch.stack([torch.isfinite(tensor.detach()).all().to(runtime.device) for _, tensor in named])
+    bad_count = (~finite).sum().double().reshape(1)
+    if runtime.all_reduce(bad_count).item() == 0:
+        return
+    local_bad = [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
+    names = sorted({name for names in runtime.all_gather_object(local_bad) for name in names})
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    raise NonFiniteWeightsError(
+        f"refusing to write {target}: {len(names)} weight tensor(s) hold NaN or inf ({shown}). The run has "
+        "diverged; resume from an earlier checkpoint (--resume PATH) with a lower learning rate, a longer "
+        "warmup or stronger clipping (--train.max_norm)")
+
+
+@contextlib.contextmanager
+def _single_process_quietly():
+    """DCP warns whenever it runs without a process group; for a single process that is the plan."""
+    with warnings.catch_warnings():
+        if not is_distributed():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield

@@ -1,0 +1,219 @@
+"""Writing checkpoint directories so that a crash leaves either a complete one or none.
+
+Every directory is written under a temporary name (``layout.temporary_dir``), fsynced and renamed
+into place; its marker (``checkpoint.json``) goes last and records every file's size, which resume
+checks (:mod:`llmtrain.checkpoint.verify`). Resume looks only at complete ``step-*`` directories;
+the next save deletes what a killed save left behind. ``--train.keep_last N`` deletes older step
+checkpoints only once a newer one is complete (:func:`prune_checkpoints`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import yaml
+
+from llmtrain.checkpoint import layout
+
+
+# ----------------------------------------------------------------------------------- housekeeping
+def remove_leftovers(out_dir: Path) -> list[Path]:
+    """Delete the temporary directories of saves that were killed (never a complete checkpoint).
+
+    Call on one rank, before a save starts, while no other save writes into ``out_dir``.
+    """
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    removed = [child for child in out_dir.iterdir() if layout.LEFTOVER_DIR.match(child.name) and child.is_dir()]
+    for child in removed:
+        shutil.rmtree(child, ignore_errors=True)
+    return removed
+
+
+def prune_checkpoints(out_dir: Path, keep_last: Optional[int], keep: Optional[Path] = None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete step checkpoints (never ``keep``, the one just written).
+
+    Each goes in two moves: a rename to a leftover name (atomic), then the deletion, so a crash in
+    between never leaves a half-deleted directory that still looks complete.
+    """
+    if keep_last is None:
+        return []
+    checkpoints = [path for _, path in layout.list_checkpoints(out_dir)]
+    doomed = [path for path in checkpoints[:-keep_last] if keep is None or path.resolve() != Path(keep).resolve()]
+    for path in doomed:
+        trash = layout.trash_dir(path, os.getpid())
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return doomed
+
+
+def pause_during_save() -> None:
+    """Test hook: sleep ``$LLMTRAIN_TEST_SLOW_SAVE`` seconds before a save's marker (see ``layout.SLOW_SAVE_ENV``)."""
+    seconds = os.environ.get(layout.SLOW_SAVE_ENV)
+    if seconds:
+        time.sleep(float(seconds))
+
+
+# --------------------------------------------------------------------------------------- syncing
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file and directory under ``path`` to disk (before the rename that publishes it)."""
+    for file in sorted(path.rglob("*")):
+        if file.is_file():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+        elif file.is_dir():
+            fsync_dir(file)
+    fsync_dir(path)
+
+
+def install_dir(tmp: Path, target: Path) -> None:
+    """Rename the complete, fsynced directory ``tmp`` to ``target``, replacing an older ``target``.
+
+    NOTE: a directory cannot replace a non-empty one in one rename. The old copy first moves to a
+    leftover name and is deleted only once the new one is in place; a crash in between leaves no
+    ``target`` and a leftover that the next save deletes (the step checkpoints are still there).
+    """
+    if target.exists():
+        trash = layout.trash_dir(target, os.getpid())
+        os.replace(target, trash)
+        os.replace(tmp, target)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+    fsync_dir(target.parent)
+
+
+# ---------------------------------------------------------------------------------------- marker
+def file_sizes(directory: Path) -> dict[str, int]:
+    """Every file under ``directory`` (DCP shards included) as relative path -> bytes; the marker excluded."""
+    directory = Path(directory)
+    return {file.relative_to(directory).as_posix(): file.stat().st_size for file in sorted(directory.rglob("*"))
+            if file.is_file() and file.name != layout.MARKER_FILE}
+
+
+def write_marker(directory: Path, fields: dict) -> None:
+    """Mark ``directory`` complete: flush everything in it, then write the marker with every file's size.
+
+    The one place a marker is written. It goes last, so its presence means the rest is on disk.
+    """
+    directory = Path(directory)
+    pause_during_save()
+    fsync_tree(directory)
+    sizes = file_sizes(directory)
+    meta = {"format_version": layout.FORMAT_VERSION, "written_at": time.time(),
+            "files": sorted(p.name for p in directory.iterdir() if p.name != layout.MARKER_FILE),
+            "sizes": sizes, **fields}
+    with open(directory / layout.MARKER_FILE, "w") as handle:
+        handle.write(json.dumps(meta, indent=2))
+        handle.flush()
+        os.fsync(handle.fileno())
+    fsync_dir(directory)
+
+
+def read_marker(directory: Path) -> dict:
+    """The marker of a complete checkpoint; a missing or unreadable one is an error that names it."""
+    path = Path(directory) / layout.MARKER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} is not a complete checkpoint: it has no {layout.MARKER_FILE}")
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}): the checkpoint is damaged; resume from an "
+                         "earlier one (--resume PATH) or delete it") from error
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} must hold a JSON object; the checkpoint is damaged")
+    return meta
+
+
+# --------------------------------------------------------------------------------------- writing
+def model_weights_for_saving(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop the second name of tied tensors (safetensors stores each storage once) and make contiguous."""
+    seen: dict[tuple[int, int], str] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if tensor.numel() and key in seen:
+            continue
+        seen[key] = name
+        out[name] = tensor.detach().contiguous()
+    return out
+
+
+def save_weights(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file  # NOTE: lazy, as in every CLI path that may not save at all
+
+    save_file(model_weights_for_saving(state_dict), str(path), metadata={"format": "pt"})
+
+
+def write_metadata_files(directory: Path, *, model_config: Any, hyperparameters: Optional[dict], tokenizer: Any,
+                         write_extras: Optional[Callable[[Path], None]] = None) -> None:
+    """What every checkpoint holds besides tensors: architecture, run config, tokenizer and extras."""
+    model_config.save(directory / layout.CONFIG_FILE)
+    if hyperparameters is not None:
+        (directory / layout.HPARAMS_FILE).write_text(yaml.safe_dump(hyperparameters, sort_keys=False))
+    if tokenizer is not None:
+        tokenizer.save(directory)
+    if write_extras is not None:
+        write_extras(directory)
+
+
+def write_model_dir(target: Path, *, state_dict: dict[str, torch.Tensor], model_config: Any,
+                    hyperparameters: Optional[dict], tokenizer: Any, marker: Optional[dict] = None,
+                    write_extras: Optional[Callable[[Path], None]] = None) -> Path:
+    """Write a complete model directory atomically at ``target`` (replacing an older one only once complete).
+
+    ``write_extras(directory)`` adds any other files (the prompt style, LoRA settings) before the marker.
+    """
+    target = Path(target)
+    tmp = layout.temporary_dir(target, os.getpid())
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_weights(state_dict, tmp / layout.MODEL_FILE)
+    write_metadata_files(tmp, model_config=model_config, hyperparameters=hyperparameters, tokenizer=tokenizer,
+                         write_extras=write_extras)
+    write_marker(tmp, marker or {})
+    install_dir(tmp, target)
+    return target
+
+
+def link_model_dir(source: Path, target: Path) -> Path:
+    """Make ``target`` a model directory with the same model files as ``source`` (hard links where possible)."""
+    source, target = Path(source), Path(target)
+    tmp = layout.temporary_dir(target, os.getpid())
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    for file in sorted(source.iterdir()):
+        if not file.is_file() or file.name in (layout.STATE_FILE, layout.MARKER_FILE):
+            continue
+        try:
+            os.link(file, tmp / file.name)
+        except OSError:
+            shutil.copy2(file, tmp / file.name)
+    meta = read_marker(source)
+    fields = {key: value for key, value in meta.items() if key not in ("format_version", "written_at", "files",
+                                                                       "sizes")}
+    write_marker(tmp, {**fields, "source": source.name, "kind": "model"})
+    install_dir(tmp, target)
+    return target
+
+
+def read_hyperparameters(checkpoint_dir: Path) -> dict:
+    path = Path(checkpoint_dir) / layout.HPARAMS_FILE
+    return yaml.safe_load(path.read_text()) if path.is_file() else {}

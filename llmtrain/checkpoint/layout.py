@@ -1,0 +1,106 @@
+"""Every file and folder name of a checkpoint, and the questions that only need names to answer.
+
+Nothing else in llmtrain spells one of these names; it imports them from here. Standard library
+only, so the tokenizer, the config and the CLI can read the layout without importing torch.
+
+An output directory (``--out_dir``)::
+
+    step-NNNNNNNN/           a training checkpoint (resumable)
+    final/                   the model at the end of the run (always a full model directory)
+    .step-NNNNNNNN.tmp*      a save under way, or one a crash interrupted (deleted by the next save)
+    .step-NNNNNNNN.old-PID   an older copy being deleted
+
+A model directory (``final/``, a full ``step-*/``, a converted transformers model)::
+
+    model.safetensors        the full weights (tied weights stored once)
+    model_config.yaml        the architecture (llmtrain.config.Config)
+    hyperparameters.yaml     the resolved command-line config of the run that wrote it
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json, generation_config.json
+    prompt_style.yaml        fine-tuning: how prompts are written out
+    lora.safetensors         LoRA: the adapters (a LoRA step checkpoint has them instead of model.safetensors)
+    lora.yaml                LoRA: the adapter settings and the base model they were trained on
+    training_state.pt        step checkpoints: counters, data position, RNG, optimizer (full format)
+    dcp/                     sharded step checkpoints: model + optimizer shards (torch.distributed.checkpoint)
+    checkpoint.json          the marker, written last: format, step, and every file's size
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+FORMAT_VERSION = 2
+"""2: the marker records every file's size (``"sizes"``). Version 1 markers (no sizes) still load."""
+
+MODEL_FILE = "model.safetensors"
+LORA_FILE = "lora.safetensors"
+CONFIG_FILE = "model_config.yaml"
+HPARAMS_FILE = "hyperparameters.yaml"
+STATE_FILE = "training_state.pt"
+MARKER_FILE = "checkpoint.json"
+LORA_SETTINGS_FILE = "lora.yaml"
+PROMPT_STYLE_FILE = "prompt_style.yaml"
+DCP_DIR = "dcp"
+DCP_METADATA_FILE = ".metadata"
+"""The index torch.distributed.checkpoint writes beside the shards (a pickle: read with care)."""
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_FILE = "special_tokens_map.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE)
+"""What ``Tokenizer.save`` copies into a checkpoint."""
+
+FINAL_DIR = "final"
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+LEFTOVER_DIR = re.compile(r"^\.(step-\d{8}|final)\.(tmp|old)")
+"""What an interrupted save leaves: its temporary directory, or the old copy it was about to delete."""
+SLOW_SAVE_ENV = "LLMTRAIN_TEST_SLOW_SAVE"
+"""Test hook: every save sleeps this many seconds before its marker, so a test can kill it half-way."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def temporary_dir(target: Path, process_id: Optional[int] = None) -> Path:
+    """Where ``target`` is written before the rename that publishes it (``LEFTOVER_DIR`` matches it).
+
+    Without ``process_id`` the name is the same on every rank, so a sharded save's ranks meet in it.
+    """
+    suffix = "tmp" if process_id is None else f"tmp-{process_id}"
+    return target.parent / f".{target.name}.{suffix}"
+
+
+def trash_dir(target: Path, process_id: int) -> Path:
+    """Where an old ``target`` goes before it is deleted (``LEFTOVER_DIR`` matches it)."""
+    return target.parent / f".{target.name}.old-{process_id}"
+
+
+def is_complete(path: Path) -> bool:
+    """A checkpoint counts only when its marker, written last, is there."""
+    return (Path(path) / MARKER_FILE).is_file()
+
+
+def is_training_checkpoint(path: Path) -> bool:
+    """Complete, and holding the training state that ``--resume`` needs."""
+    return is_complete(path) and (Path(path) / STATE_FILE).is_file()
+
+
+def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
+    """Complete ``step-*`` training checkpoints in ``out_dir``, oldest first (not checked for damage)."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    found = []
+    for child in out_dir.iterdir():
+        match = STEP_DIR.match(child.name)
+        if match and child.is_dir() and is_training_checkpoint(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(out_dir: Path) -> Optional[Path]:
+    checkpoints = list_checkpoints(out_dir)
+    return checkpoints[-1][1] if checkpoints else None

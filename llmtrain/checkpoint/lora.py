@@ -1,0 +1,150 @@
+"""LoRA checkpoints: the adapter settings file, and the one merge of adapters into their base model.
+
+A LoRA step checkpoint holds ``lora.safetensors`` (the adapters) and ``lora.yaml`` (the ``--lora_*``
+settings, the base model directory and the quantization they were trained with). Merging builds
+the base on the CPU, adds the adapters and folds them in layer by layer (:func:`merged_state_dict`),
+which is what ``final/`` of a LoRA run, ``llmtrain merge_lora`` and ``convert to_hf`` all use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+import yaml
+
+from llmtrain.checkpoint import files, layout
+from llmtrain.checkpoint.model_dir import build_model_from_dir, check_model_dir
+from llmtrain.config import Config
+from llmtrain.distributed.parallelize import unwrap
+from llmtrain.lora import LoRAArgs, LoRALinear, apply_lora, fold_lora, load_lora_state_dict, lora_modules
+from llmtrain.quantize import compute_dtype_of, dequantize_weight, is_quantized_linear, quantize_model
+from llmtrain.tokenizer import Tokenizer
+
+
+# -------------------------------------------------------------------------------------- settings
+def write_lora_settings(directory: Path, lora: LoRAArgs, base_checkpoint_dir: Path,
+                        quantize: Optional[str]) -> None:
+    settings = {**dataclasses.asdict(lora), "base_checkpoint_dir": str(Path(base_checkpoint_dir).resolve()),
+                "quantize": quantize}
+    (Path(directory) / layout.LORA_SETTINGS_FILE).write_text(yaml.safe_dump(settings, sort_keys=False))
+
+
+def read_lora_settings(checkpoint_dir: Path) -> tuple[LoRAArgs, Path, Optional[str]]:
+    """The adapters' settings, their base model directory and its quantization, from ``lora.yaml``."""
+    checkpoint_dir = Path(checkpoint_dir)
+    for name in (layout.LORA_FILE, layout.LORA_SETTINGS_FILE, layout.CONFIG_FILE):
+        if not (checkpoint_dir / name).is_file():
+            raise FileNotFoundError(f"{checkpoint_dir} has no {name}: it is not a finetune_lora checkpoint, so there "
+                                    "are no adapters to merge")
+    path = checkpoint_dir / layout.LORA_SETTINGS_FILE
+    settings = yaml.safe_load(path.read_text())
+    if not isinstance(settings, dict) or "base_checkpoint_dir" not in settings:
+        raise ValueError(f"{path} must name the base model (base_checkpoint_dir); it was written by finetune_lora")
+    base_dir = Path(settings.pop("base_checkpoint_dir"))
+    quantize = settings.pop("quantize", None)
+    try:
+        lora = LoRAArgs(**settings)
+    except TypeError as error:
+        raise ValueError(f"{path}: {error}; it holds the --lora_* settings finetune_lora wrote") from error
+    return lora, base_dir, quantize
+
+
+# ----------------------------------------------------------------------------------------- merge
+@torch.no_grad()
+def merged_state_dict(model: torch.nn.Module,
+                      full_state: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+    """A plain GPT's weights, on the CPU, from a LoRA (or QLoRA) model: each adapter folded into its layer.
+
+    Layer by layer: each merged tensor moves to the CPU as soon as it is computed, so the merged model
+    never sits on the training device next to the LoRA one. Quantized layers come out dequantized,
+    in their compute dtype. ``full_state``: a sharded model's full state dict (gathered to the CPU on
+    rank 0), merged in place of the model's own tensors.
+    """
+    model = unwrap(model)
+    if full_state is not None:
+        return _merged_from_state(model, full_state)
+    out: dict[str, torch.Tensor] = {}
+    on_cpu: dict[int, torch.Tensor] = {}  # id(tensor) -> its CPU copy: tied weights stay one tensor
+
+    def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in on_cpu:
+            on_cpu[id(tensor)] = tensor.detach().cpu()
+        return on_cpu[id(tensor)]
+
+    merged_layers: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{layer}.") for layer in merged_layers):
+            continue  # the base layer inside an adapter, already merged
+        prefix = f"{name}." if name else ""
+        if isinstance(module, LoRALinear) or is_quantized_linear(module):
+            merged_layers.append(name)
+            if isinstance(module, LoRALinear):
+                weight, bias = module.merged_weight(), module.base.bias
+            else:
+                weight, bias = dequantize_weight(module).to(compute_dtype_of(module)), module.bias
+            out[f"{prefix}weight"] = weight.cpu()
+            if bias is not None:
+                out[f"{prefix}bias"] = bias.detach().to(weight.dtype).cpu()
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            out[prefix + param_name] = to_cpu(param)
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            if buffer_name not in module._non_persistent_buffers_set:
+                out[prefix + buffer_name] = to_cpu(buffer)
+    return out
+
+
+def _merged_from_state(model: torch.nn.Module, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = dict(full_state)
+    for name, module in lora_modules(model).items():
+        weight = out.pop(f"{name}.base.weight")
+        out[f"{name}.weight"] = fold_lora(weight, out.pop(f"{name}.lora_A"), out.pop(f"{name}.lora_B"),
+                                          module.scaling).to(weight.dtype)
+        if f"{name}.base.bias" in out:
+            out[f"{name}.bias"] = out.pop(f"{name}.base.bias")
+    return out
+
+
+def merged_lora_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """A LoRA checkpoint's adapters merged into the base model that ``lora.yaml`` names, on the CPU.
+
+    QLoRA adapters were trained against the quantized base: they are merged into exactly that (dequantized).
+    """
+    from safetensors.torch import load_file  # NOTE: lazy, as everywhere a CLI path may not need it
+
+    checkpoint_dir = Path(checkpoint_dir)
+    lora, base_dir, quantize = read_lora_settings(checkpoint_dir)
+    base_dir = check_model_dir(base_dir, flag=f"the base model of {checkpoint_dir / layout.LORA_SETTINGS_FILE}")
+    config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
+    adapters = load_file(str(checkpoint_dir / layout.LORA_FILE))
+    model = build_model_from_dir(base_dir, config)
+    if quantize:
+        quantize_model(model, quantize, compute_dtype=next(iter(adapters.values())).dtype)
+    apply_lora(model, lora)
+    try:
+        load_lora_state_dict(model, adapters)
+    except (KeyError, ValueError) as error:
+        raise ValueError(f"{checkpoint_dir / layout.LORA_FILE} does not hold the adapters that "
+                         f"{checkpoint_dir / layout.LORA_SETTINGS_FILE} describes: {error}") from error
+    return merged_state_dict(model)
+
+
+def merge_lora_checkpoint(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> Path:
+    """Write the merged model of a LoRA checkpoint as a full model directory (default: ``CHECKPOINT_DIR-merged``)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir.with_name(checkpoint_dir.name + "-merged")
+    weights = merged_lora_weights(checkpoint_dir)
+
+    def extras(directory: Path) -> None:
+        if (checkpoint_dir / layout.PROMPT_STYLE_FILE).is_file():
+            shutil.copy2(checkpoint_dir / layout.PROMPT_STYLE_FILE, directory / layout.PROMPT_STYLE_FILE)
+
+    config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
+    return files.write_model_dir(out_dir, state_dict=weights, model_config=config,
+                                 hyperparameters=files.read_hyperparameters(checkpoint_dir) or None,
+                                 tokenizer=Tokenizer(checkpoint_dir), marker={"kind": "model", "lora_merged": True},
+                                 write_extras=extras)

@@ -1,0 +1,168 @@
+"""Which checkpoint a run continues from, and whether it is intact.
+
+A checkpoint is intact when its marker reads, every file has the size the marker recorded (DCP
+shards included), its safetensors headers describe the bytes that follow them, its DCP index names
+nothing a distributed checkpoint never holds, and ``training_state.pt`` loads with
+``torch.load(weights_only=True)``. :func:`resolve_resume` checks this in the launching process
+before any worker starts; the checkpointer checks again when it loads.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import torch
+
+from llmtrain.checkpoint import files, layout
+from llmtrain.checkpoint.state import DamagedCheckpointError, load_training_state
+
+CheckpointFormat = Literal["full", "sharded", "lora"]
+
+
+def checkpoint_format(checkpoint_dir: Path) -> CheckpointFormat:
+    """``"full"``, ``"sharded"`` or ``"lora"``, from the marker of a complete checkpoint."""
+    fmt = files.read_marker(checkpoint_dir).get("format", "full")
+    if fmt not in ("full", "sharded", "lora"):
+        raise ValueError(f"{Path(checkpoint_dir) / layout.MARKER_FILE}: unknown checkpoint format {fmt!r}; this "
+                         "llmtrain reads `full`, `sharded` and `lora`")
+    # Markers written before the LoRA format had its name say "full" beside the adapters.
+    if fmt == "full" and (Path(checkpoint_dir) / layout.LORA_FILE).is_file() and not (
+            Path(checkpoint_dir) / layout.MODEL_FILE).is_file():
+        return "lora"
+    return fmt
+
+
+def verify_checkpoint(checkpoint_dir: Path, load_state: bool = True) -> None:
+    """Raise :class:`DamagedCheckpointError`, naming the file, unless ``checkpoint_dir`` is intact (module doc).
+
+    ``load_state=False`` leaves ``training_state.pt`` to the caller, who is about to load it anyway.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    marker = files.read_marker(checkpoint_dir)
+    if (checkpoint_dir / layout.DCP_DIR).is_dir():
+        check_dcp_metadata(checkpoint_dir / layout.DCP_DIR)
+    for relative, recorded in marker.get("sizes", {}).items():
+        path = checkpoint_dir / relative
+        if not path.is_file():
+            raise DamagedCheckpointError(f"{path} is missing, though {layout.MARKER_FILE} lists it: the checkpoint "
+                                         f"{checkpoint_dir} is damaged")
+        if path.stat().st_size != recorded:
+            raise DamagedCheckpointError(f"{path} has {path.stat().st_size} bytes, but {layout.MARKER_FILE} recorded "
+                                         f"{recorded}: the file was truncated or changed after the save")
+    for name in (layout.MODEL_FILE, layout.LORA_FILE):
+        if (checkpoint_dir / name).is_file():
+            check_safetensors(checkpoint_dir / name)
+    if load_state and (checkpoint_dir / layout.STATE_FILE).is_file():
+        load_training_state(checkpoint_dir, mmap=True)
+
+
+def check_safetensors(path: Path) -> None:
+    """The header of a safetensors file reads and its tensors end exactly where the file does."""
+    size = path.stat().st_size
+    damaged = f"{path} is damaged"
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        header_size = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 < header_size <= size - 8:
+            raise DamagedCheckpointError(f"{damaged}: its safetensors header is unreadable")
+        try:
+            header = json.loads(handle.read(header_size))
+            data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"),
+                           default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            raise DamagedCheckpointError(f"{damaged}: its safetensors header is unreadable") from None
+    if 8 + header_size + data_end != size:
+        raise DamagedCheckpointError(f"{damaged}: its header describes {8 + header_size + data_end} bytes, the file "
+                                     f"has {size} (truncated or changed after the save)")
+
+
+# What a DCP ``.metadata`` pickle may name. torch's FileSystemReader unpickles that file with plain
+# ``pickle.load``, so a sharded checkpoint from elsewhere could run code; we read it first with an unpickler
+# that knows only these names and refuse anything else.
+_DCP_METADATA_GLOBALS = {
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
+}
+_DCP_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+
+
+class _AllowlistUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (module, name) in _DCP_METADATA_GLOBALS or module in _DCP_METADATA_MODULES or (
+            module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                            torch.memory_format)))
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def check_dcp_metadata(dcp_dir: Path) -> None:
+    """Refuse a DCP folder whose ``.metadata`` pickle names anything a distributed checkpoint never holds."""
+    path = Path(dcp_dir) / layout.DCP_METADATA_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{dcp_dir} has no {layout.DCP_METADATA_FILE} file, so it is not a complete "
+                                "distributed checkpoint")
+    try:
+        _AllowlistUnpickler(io.BytesIO(path.read_bytes())).load()
+    except Exception as error:  # any failure means we will not hand the file to pickle.load
+        raise DamagedCheckpointError(
+            f"{path} names {error}, which a distributed checkpoint never holds; llmtrain will not unpickle it, as "
+            "it could run code. Use a checkpoint written by llmtrain or torch.distributed.checkpoint") from None
+
+
+# ------------------------------------------------------------------------------------------ resume
+def resolve_resume(resume: Union[bool, str, Path, None], out_dir: Path,
+                   initial_checkpoint_dir: Optional[Path]) -> Optional[Path]:
+    """Which checkpoint to continue from, or None for a fresh run. Damaged checkpoints are never picked.
+
+    ``auto`` and ``true`` take the newest intact checkpoint in ``out_dir``, warning about newer damaged
+    ones; an explicit path that is damaged is an error naming the file.
+    """
+    if resume not in (False, None) and initial_checkpoint_dir is not None:
+        raise ValueError("--resume and --initial_checkpoint_dir contradict each other: resume continues this run's "
+                         "own checkpoint, initial_checkpoint_dir starts a new run from weights; pass only one")
+    checkpoints = [path for _, path in layout.list_checkpoints(out_dir)]
+    if resume is False or resume is None:
+        if checkpoints:
+            raise ValueError(f"--out_dir {out_dir} already holds checkpoints of a run (newest: {checkpoints[-1].name}); "
+                             "pass --resume auto to continue it, or choose another --out_dir")
+        return None
+    if resume == "auto" or resume is True:
+        flag = "--resume auto" if resume == "auto" else "--resume true"
+        if not checkpoints:
+            if resume is True:
+                raise FileNotFoundError(f"--resume true: no complete checkpoint in --out_dir {out_dir}; "
+                                        "use --resume auto to start fresh when there is none")
+            return None
+        return newest_intact(checkpoints, flag)
+    path = Path(resume)
+    if not layout.is_training_checkpoint(path):
+        raise FileNotFoundError(f"--resume {path} is not a complete training checkpoint "
+                                f"(it needs {layout.STATE_FILE} and {layout.MARKER_FILE})")
+    try:
+        verify_checkpoint(path)
+    except (DamagedCheckpointError, OSError) as error:
+        raise DamagedCheckpointError(f"--resume {path}: {error}. Resume from an earlier checkpoint (--resume auto "
+                                     "takes the newest intact one)") from None
+    return path
+
+
+def newest_intact(checkpoints: list[Path], flag: str) -> Path:
+    """The newest of ``checkpoints`` (oldest first) that :func:`verify_checkpoint` accepts; warn about the others."""
+    newest_problem = None
+    for path in reversed(checkpoints):
+        try:
+            verify_checkpoint(path)
+        except (DamagedCheckpointError, OSError) as error:
+            newest_problem = newest_problem or error
+            warnings.warn(f"{flag}: skipping {path.name}: {error}")
+            continue
+        return path
+    raise DamagedCheckpointError(f"{flag}: no intact checkpoint among {len(checkpoints)} in "
+                                 f"{checkpoints[0].parent}; the newest: {newest_problem}")

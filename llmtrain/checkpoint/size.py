@@ -1,0 +1,44 @@
+"""How many bytes a run's checkpoints take on disk: the one estimate, for the dry run and the disk check."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from llmtrain.config import Config
+from llmtrain.flops import num_parameters
+
+
+def checkpoint_bytes(config: Config, precision: Any, trainable_parameters: Optional[int] = None) -> dict[str, int]:
+    """Bytes on disk of the model weights, of one resumable step checkpoint, and what a run needs free.
+
+    A step checkpoint holds the weights and AdamW's two moments, stored in the parameter dtype as
+    torch.optim keeps them; LoRA step checkpoints hold only the adapters and their moments, and a LoRA
+    run's final/ holds the merged model too. ``trainable_parameters`` below the total means LoRA.
+    """
+    total = num_parameters(config)
+    trainable = total if trainable_parameters is None else trainable_parameters
+    stored = precision.param_dtype.itemsize
+    weights = total * stored
+    if trainable < total:
+        step = 3 * trainable * stored
+        return {"weights": weights, "step": step, "needed": weights + step}
+    step = weights + 2 * trainable * stored
+    return {"weights": weights, "step": step, "needed": step}  # final/ shares the last step's files
+
+
+def check_disk_space(out_dir: Path, config: Config, precision: Any, trainable_parameters: Optional[int] = None) -> None:
+    """Refuse to start when --out_dir's disk cannot hold one checkpoint (and a LoRA run's merged final/).
+
+    Estimated from the model size, so the message comes before hours of training, not at the first save.
+    """
+    parent = Path(out_dir)
+    while not parent.exists():
+        parent = parent.parent
+    needed = int(checkpoint_bytes(config, precision, trainable_parameters)["needed"] * 1.05)
+    free = shutil.disk_usage(parent).free
+    if free < needed:
+        raise OSError(f"--out_dir {out_dir}: {free / 2**30:.1f} GiB free on its disk, but one checkpoint of "
+                      f"{config.name or 'this model'} ({num_parameters(config) / 1e6:.0f}M parameters) needs about "
+                      f"{needed / 2**30:.1f} GiB; free space or choose an --out_dir on a larger disk")

@@ -1,0 +1,114 @@
+"""Model weights in and out of a plain, LoRA, DDP or FSDP model: gather them whole, load them from a file.
+
+Under FSDP only rank 0 reads or holds the full weights; it broadcasts them and every rank keeps
+its shard, so a model directory loads at any world size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from llmtrain.checkpoint import layout
+from llmtrain.distributed.parallelize import unwrap
+from llmtrain.lora import is_lora_parameter, plain_to_lora_keys
+
+
+def is_distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def is_main_process() -> bool:
+    return not is_distributed() or torch.distributed.get_rank() == 0
+
+
+def gather_full_model_state(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The full (unsharded) weights on CPU on rank 0, an empty dict elsewhere. A collective under FSDP.
+
+    ``trainable_only``: only the parameters that train (LoRA's adapters), not the frozen base.
+    """
+    # NOTE: torch.distributed.checkpoint takes 2 s to import; `generate --help` should not wait for it.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not is_distributed():
+        return {name: tensor.detach().cpu() for name, tensor in get_model_state_dict(
+            model, options=StateDictOptions(ignore_frozen_params=trainable_only)).items()}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    return get_model_state_dict(model, options=options)
+
+
+def load_full_model_state(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Load full weights into a plain, DDP or FSDP model. Distributed, only rank 0's ``state_dict`` is read.
+
+    Tied weights stored once (``lm_head.weight`` is ``wte.weight``) are filled in from their twin.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # NOTE: slow, as above
+
+    state_dict = _with_tied_names(model, state_dict)
+    if not is_distributed():
+        set_model_state_dict(model, state_dict, options=StateDictOptions(strict=strict))
+        return
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    set_model_state_dict(model, state_dict if is_main_process() else {}, options=options)
+
+
+def load_weights(model: torch.nn.Module, checkpoint_dir: Path) -> None:
+    """Load a model directory's ``model.safetensors`` into a plain, LoRA, DDP or FSDP model; rank 0 reads it.
+
+    Every weight of the model except LoRA adapters must be in the file, with the right shape; a
+    plain model's names (``q_proj.weight``) find the base layers of a LoRA model (``q_proj.base.weight``).
+    """
+    from safetensors.torch import load_file  # NOTE: lazy: most CLI paths never load weights
+
+    path = Path(checkpoint_dir) / layout.MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; a model directory needs {layout.MODEL_FILE}")
+    gpt = unwrap(model)
+    weights: dict = {}
+    if is_main_process():
+        weights = plain_to_lora_keys(load_file(str(path)), gpt)
+        check_weights_match(weights, gpt, path)
+    load_full_model_state(model, weights, strict=False)
+
+
+def check_weights_match(weights: dict[str, torch.Tensor], model: torch.nn.Module, path: Path) -> None:
+    """Every non-adapter weight of ``model`` is in ``weights`` with its shape, and nothing else is."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if not is_lora_parameter(name)}
+    tied = tied_names(model)
+    missing = [k for k in expected if k not in weights and k not in tied]
+    unexpected = [k for k in weights if k not in expected]
+    if missing or unexpected:
+        raise ValueError(f"{path} does not match the model config: missing keys {missing[:5]}, "
+                         f"unexpected keys {unexpected[:5]}")
+    for name, tensor in weights.items():
+        if tuple(tensor.shape) != expected[name]:
+            raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, the model config expects "
+                             f"{expected[name]}")
+
+
+def tied_names(model: torch.nn.Module) -> set[str]:
+    """Names that refer to a parameter already registered under another name."""
+    seen: set[int] = set()
+    tied = set()
+    for name, param in unwrap(model).named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name)
+        seen.add(id(param))
+    return tied
+
+
+def _with_tied_names(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Add the second name of each tied parameter (safetensors stores it once)."""
+    if not state_dict:
+        return state_dict
+    first_name: dict[int, str] = {}
+    out = dict(state_dict)
+    for name, param in unwrap(model).named_parameters(remove_duplicate=False):
+        if id(param) in first_name:
+            twin = first_name[id(param)]
+            if name not in out and twin in out:
+                out[name] = out[twin]
+        else:
+            first_name[id(param)] = name
+    return out

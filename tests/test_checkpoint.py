@@ -1,0 +1,258 @@
+"""The checkpoint package: sizes in the marker, damaged checkpoints on resume, the LoRA merge.
+
+The resume tests run the real CLI (``python -m llmtrain pretrain``, one process) on a tiny model; the
+others drive the checkpointer and the merge in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from llmtrain.checkpoint import files, layout
+from llmtrain.checkpoint.checkpointer import Checkpointer
+from llmtrain.checkpoint.lora import merge_lora_checkpoint, merged_state_dict, write_lora_settings
+from llmtrain.checkpoint.model_dir import load_model_dir
+from llmtrain.checkpoint.resume import resolve_resume, verify_checkpoint
+from llmtrain.checkpoint.state import DamagedCheckpointError, load_training_state
+from llmtrain.config import Config
+from llmtrain.data.base import TrainLoader
+from llmtrain.distributed.runtime import Runtime
+from llmtrain.lora import LoRAArgs, apply_lora, lora_modules, mark_only_lora_trainable
+from llmtrain.model import GPT
+from llmtrain.train.loop import TrainState
+
+TINY = dict(name="tiny-checkpoint", vocab_size=1100, padding_multiple=64, block_size=64, n_layer=2, n_head=2,
+            n_embd=64, n_query_groups=1, intermediate_size=128)
+
+
+class _RunsCode:
+    """A pickle that, if anything ever unpickled it, would leave a file behind."""
+
+    def __init__(self, sentinel: Path) -> None:
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return (Path.touch, (self.sentinel,))
+
+
+def _batches(indices) -> dict:
+    rows = torch.stack([torch.arange(i, i + 9) % TINY["vocab_size"] for i in indices])
+    return {"input_ids": rows[:, :-1], "labels": rows[:, 1:]}
+
+
+def _checkpointer(out_dir: Path, fmt: str = "full", model: GPT | None = None) -> Checkpointer:
+    torch.manual_seed(0)
+    if model is None:
+        model = GPT(Config(**TINY))
+        model.init_weights()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return Checkpointer(runtime=Runtime(), out_dir=out_dir, model=model, optimizer=optimizer,
+                        train_loader=TrainLoader(8, _batches, 2), model_config=model.config, tokenizer=None,
+                        hyperparameters={}, format=fmt)
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as handle:
+        handle.truncate(path.stat().st_size // 2)
+
+
+# ------------------------------------------------------------------------------ marker and verify
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_the_marker_records_every_file_size_and_resume_checks_them(tmp_path, fmt):
+    checkpointer = _checkpointer(tmp_path, fmt)
+    first, second = (checkpointer.save(TrainState(step=step)) for step in (1, 2))
+    sizes = files.read_marker(second)["sizes"]
+    on_disk = {p.relative_to(second).as_posix(): p.stat().st_size for p in second.rglob("*")
+               if p.is_file() and p.name != layout.MARKER_FILE}
+    assert sizes == on_disk and layout.STATE_FILE in sizes
+    if fmt == "sharded":
+        assert any(name.startswith(f"{layout.DCP_DIR}/") and name.endswith(".distcp") for name in sizes)
+    verify_checkpoint(second)
+
+    damaged = second / (layout.MODEL_FILE if fmt == "full" else next(n for n in sizes if n.endswith(".distcp")))
+    _truncate(damaged)
+    with pytest.raises(DamagedCheckpointError, match=str(damaged)):
+        verify_checkpoint(second)
+    with pytest.warns(UserWarning, match=f"skipping {second.name}: {damaged}"):
+        assert resolve_resume("auto", tmp_path, None) == first
+    with pytest.warns(UserWarning, match=str(damaged)):
+        assert resolve_resume(True, tmp_path, None) == first
+    with pytest.raises(DamagedCheckpointError, match=f"--resume {second}: {damaged}"):
+        resolve_resume(second, tmp_path, None)
+    with pytest.raises(DamagedCheckpointError, match=str(damaged)):
+        checkpointer.load(second, TrainState())  # checked again when a worker loads it
+
+
+def test_a_safetensors_header_that_lies_is_found_without_the_marker_sizes(tmp_path):
+    step = _checkpointer(tmp_path).save(TrainState(step=1))
+    marker = files.read_marker(step)
+    del marker["sizes"]  # as a version-1 marker
+    (step / layout.MARKER_FILE).write_text(json.dumps(marker))
+    _truncate(step / layout.MODEL_FILE)
+    with pytest.raises(DamagedCheckpointError, match=f"{step / layout.MODEL_FILE} is damaged"):
+        verify_checkpoint(step)
+    (step / layout.MODEL_FILE).write_bytes(b"\xff" * 16)
+    with pytest.raises(DamagedCheckpointError, match="safetensors header is unreadable"):
+        verify_checkpoint(step)
+
+
+def test_a_training_state_that_would_run_code_is_never_unpickled(tmp_path):
+    checkpointer = _checkpointer(tmp_path)
+    first, second = (checkpointer.save(TrainState(step=step)) for step in (1, 2))
+    sentinel = tmp_path / "code-ran"
+    torch.save({"train_state": _RunsCode(sentinel)}, second / layout.STATE_FILE)
+    with pytest.raises(DamagedCheckpointError, match=f"{second / layout.STATE_FILE} holds objects that "
+                                                     r"torch.load\(weights_only=True\) refuses"):
+        load_training_state(second)
+    with pytest.warns(UserWarning, match=str(second / layout.STATE_FILE)):
+        assert resolve_resume("auto", tmp_path, None) == first
+    assert not sentinel.exists()
+    (second / layout.STATE_FILE).write_bytes(b"not a zip file")
+    with pytest.raises(DamagedCheckpointError, match=f"{second / layout.STATE_FILE} cannot be read"):
+        load_training_state(second)
+
+
+def test_no_intact_checkpoint_left_is_an_error_not_a_fresh_start(tmp_path):
+    step = _checkpointer(tmp_path).save(TrainState(step=1))
+    _truncate(step / layout.STATE_FILE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(DamagedCheckpointError, match=f"no intact checkpoint .* {step / layout.STATE_FILE}"):
+            resolve_resume("auto", tmp_path, None)
+
+
+# ------------------------------------------------------------------------------------ the CLI
+def _pretrain(model_file: Path, out_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    argv = ["pretrain", "--model_config", str(model_file), "--out_dir", str(out_dir), "--data", "BuiltinStories",
+            "--data.num_documents", "200", "--data.num_val_documents", "20", "--train.global_batch_size", "4",
+            "--train.micro_batch_size", "2", "--train.max_seq_length", "32", "--train.lr_warmup_steps", "1",
+            "--train.log_interval", "1", "--eval.interval", "100", "--eval.max_iters", "1",
+            "--train.save_interval", "2", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "llmtrain", *argv], capture_output=True, text=True, timeout=300,
+                          env=env)
+
+
+@pytest.fixture(scope="module")
+def damaged_runs(tmp_path_factory):
+    """A run with step checkpoints 2 and 4, copied twice: model.safetensors of step 4 truncated in one,
+    training_state.pt of step 4 replaced by a pickle that would run code in the other."""
+    root = tmp_path_factory.mktemp("damaged")
+    os.environ.setdefault("LLMTRAIN_CACHE_DIR", str(root / "cache"))
+    model_file = root / "tiny.yaml"
+    model_file.write_text(yaml.safe_dump(TINY))
+    done = _pretrain(model_file, root / "run", "--train.max_steps", "4")
+    assert done.returncode == 0, done.stderr
+    truncated, evil = root / "truncated", root / "evil"
+    for copy in (truncated, evil):
+        subprocess.run(["cp", "-a", str(root / "run"), str(copy)], check=True)
+    _truncate(truncated / "step-00000004" / layout.MODEL_FILE)
+    torch.save({"train_state": _RunsCode(root / "code-ran")}, evil / "step-00000004" / layout.STATE_FILE)
+    return model_file, truncated, evil, root / "code-ran"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "evil"])
+def test_resume_auto_skips_a_damaged_newest_checkpoint_and_finishes(damaged_runs, damage):
+    model_file, truncated, evil, sentinel = damaged_runs
+    out_dir = truncated if damage == "truncated" else evil
+    bad_file = out_dir / "step-00000004" / (layout.MODEL_FILE if damage == "truncated" else layout.STATE_FILE)
+    done = _pretrain(model_file, out_dir, "--train.max_steps", "6", "--resume", "auto")
+    assert done.returncode == 0, done.stderr
+    output = done.stdout + done.stderr
+    assert f"skipping step-00000004: {bad_file}" in output
+    assert f"resumed from {out_dir / 'step-00000002'} at step 2" in output
+    assert layout.latest_checkpoint(out_dir) == out_dir / "step-00000006"
+    verify_checkpoint(out_dir / "step-00000004")  # written anew on the way
+    assert layout.is_complete(out_dir / layout.FINAL_DIR)
+    assert not sentinel.exists()
+
+
+def test_resume_of_a_named_damaged_checkpoint_exits_2_with_one_message(damaged_runs):
+    model_file, truncated, evil, sentinel = damaged_runs
+    for out_dir, bad_name in ((truncated, layout.MODEL_FILE), (evil, layout.STATE_FILE)):
+        step = out_dir / "step-00000004"  # damaged again: resume auto may have written it anew
+        if bad_name == layout.MODEL_FILE:
+            _truncate(step / bad_name)
+        else:
+            torch.save({"train_state": _RunsCode(sentinel)}, step / bad_name)
+        done = _pretrain(model_file, out_dir, "--train.max_steps", "6", "--resume", str(step))
+        assert done.returncode == 2, done.stderr
+        message = done.stderr.strip()
+        assert "Traceback" not in message and message.startswith(f"error: --resume {step}: {step / bad_name}")
+        assert len([p for p in message.split("\n\n") if p.strip()]) == 1, message
+    assert not sentinel.exists()
+
+
+# ----------------------------------------------------------------------------------- LoRA merge
+LORA = LoRAArgs(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_projection=True, lora_mlp=True)
+
+
+def _plain_model() -> GPT:
+    torch.manual_seed(0)
+    model = GPT(Config(**TINY))
+    model.init_weights()
+    return model.eval()
+
+
+def _with_adapters(model: GPT) -> GPT:
+    apply_lora(model, LORA)
+    mark_only_lora_trainable(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B"):
+                param.normal_(0.0, 0.1)  # B starts at zero; a merge of zeros would prove nothing
+    return model.eval()
+
+
+def test_merged_weights_are_the_effective_weights_and_give_the_same_logits():
+    model = _with_adapters(_plain_model())
+    merged = merged_state_dict(model)
+    assert all(tensor.device.type == "cpu" for tensor in merged.values())
+    for name, module in lora_modules(model).items():
+        effective = module.base.weight + module.lora_B @ module.lora_A * module.scaling
+        torch.testing.assert_close(merged[f"{name}.weight"], effective)
+        assert f"{name}.lora_A" not in merged and f"{name}.base.weight" not in merged
+    plain = GPT(Config(**TINY)).eval()
+    assert list(merged) == list(plain.state_dict())
+    plain.load_state_dict(merged, strict=True)
+    tokens = torch.randint(0, TINY["vocab_size"], (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(tokens), model(tokens), rtol=1e-5, atol=1e-5)
+    # The gathered-state path (rank 0 under FSDP) merges to the same tensors.
+    from_state = merged_state_dict(model, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    assert sorted(from_state) == sorted(merged)
+    for name, tensor in merged.items():
+        torch.testing.assert_close(from_state[name], tensor, rtol=0, atol=0)
+
+
+def test_a_lora_runs_final_and_merge_lora_give_the_lora_models_logits(tmp_path):
+    from llmtrain.data import BuiltinStories
+
+    tokenizer = BuiltinStories().default_tokenizer()
+    base = _plain_model()
+    base_dir = files.write_model_dir(tmp_path / "base", state_dict=base.state_dict(), model_config=base.config,
+                                     hyperparameters=None, tokenizer=tokenizer)
+    model = _with_adapters(base)
+    checkpointer = _checkpointer(tmp_path / "run", "lora", model=model)
+    checkpointer.tokenizer = tokenizer
+    checkpointer.write_extras = lambda directory: write_lora_settings(directory, LORA, base_dir, None)
+    step = checkpointer.save(TrainState(step=1))
+    assert (step / layout.LORA_FILE).is_file() and not (step / layout.MODEL_FILE).exists()
+    final = checkpointer.save_final(TrainState(step=1))
+    merged_dir = merge_lora_checkpoint(step, tmp_path / "merged")
+    tokens = torch.randint(0, TINY["vocab_size"], (2, 16))
+    with torch.no_grad():
+        expected = model(tokens)
+        for directory in (final, merged_dir):
+            merged_model = load_model_dir(directory)[0]
+            torch.testing.assert_close(merged_model(tokens), expected, rtol=1e-5, atol=1e-5)
+    assert (final / layout.LORA_FILE).is_file() and files.read_marker(final)["lora_merged"]
