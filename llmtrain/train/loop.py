@@ -42,7 +42,7 @@ import torch
 
 from llmtrain.args import BatchPlan, EvalArgs, TrainArgs
 from llmtrain.distributed.runtime import Runtime
-from llmtrain.model import IGNORE_INDEX
+from llmtrain.loss import IGNORE_INDEX
 from llmtrain.train.loggers import Console
 from llmtrain.train.precision import Precision
 from llmtrain.train.schedule import WarmupDecaySchedule
