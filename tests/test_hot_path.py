@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import faults
 from llmtrain.config import Config
 from llmtrain.loss import IGNORE_INDEX, head_loss_sum
 from llmtrain.model import GPT
@@ -237,9 +238,10 @@ def test_fused_adamw_steps_read_nothing_from_the_device_between_log_steps(monkey
     from llmtrain.train import loop
     from llmtrain.train.schedule import WarmupDecaySchedule
 
-    monkeypatch.setenv(loop.NAN_STEPS_ENV, "2")
+    nan_at_step_2 = faults.NanLoss([2])
     reference, _ = train_tiny({"foreach": True})
-    loop.fit(reference)
+    with faults.installed(nan_at_step_2):
+        loop.fit(reference)
     job, rows = train_tiny({"fused": True})
     assert loop._skips_on_device(job.optimizer, None) and not loop._skips_on_device(reference.optimizer, None)
 
@@ -260,7 +262,8 @@ def test_fused_adamw_steps_read_nothing_from_the_device_between_log_steps(monkey
             return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    loop.fit(job)
+    with faults.installed(nan_at_step_2):
+        loop.fit(job)
     monkeypatch.undo()
 
     assert [step for step in range(1, 9) if reads.get(step)] == [4, 8], reads
