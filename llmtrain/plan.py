@@ -115,10 +115,10 @@ def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, check
 
 
 def head_chunk_tokens(config: Config) -> int:
-    """Tokens per loss chunk (llmtrain.model.head_loss_sum): the logits of more never exist at once."""
-    from llmtrain.model import HEAD_CHUNK_BYTES
+    """Tokens per loss chunk (llmtrain.loss.head_loss_sum): the logits of more never exist at once."""
+    from llmtrain import loss
 
-    return max(256, HEAD_CHUNK_BYTES // (4 * config.padded_vocab_size))
+    return loss.head_chunk_tokens(config.padded_vocab_size)
 
 
 def _block_parameters(config: Config) -> int:

@@ -18,12 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-import llmtrain.model as model_module  # noqa: E402
 from llmtrain.config import Config  # noqa: E402
+from llmtrain.model import GPT  # noqa: E402
 
 
 class GenericHead(torch.nn.Linear):
-    """A Linear that is not exactly nn.Linear, so head_loss_sum takes its generic path."""
+    """A Linear that is not exactly nn.Linear, so llmtrain.loss.head_loss_sum takes its generic path."""
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     config = Config.from_name(args.model)
-    model = model_module.GPT(config)
+    model = GPT(config)
     if args.precision == "bf16-true":
         model = model.to(torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)

@@ -7,8 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import faults
 from llmtrain.config import Config
-from llmtrain.model import GPT, IGNORE_INDEX, head_loss_sum
+from llmtrain.loss import IGNORE_INDEX, head_loss_sum
+from llmtrain.model import GPT
 from llmtrain.optim import build_optimizer
 
 CONFIG = dict(name="hot", vocab_size=1000, padding_multiple=8, block_size=64, n_layer=2, n_head=2, n_embd=32,
@@ -84,11 +86,11 @@ def test_fused_head_loss_matches_autograd_through_full_logits(case):
 
 
 def test_fused_head_loss_is_taken_only_for_a_plain_linear_head_with_gradients(monkeypatch):
-    import llmtrain.model as model_module
+    import llmtrain.loss as loss_module
 
     calls = []
-    real = model_module.LinearCrossEntropy.apply
-    monkeypatch.setattr(model_module.LinearCrossEntropy, "apply", lambda *a: calls.append(1) or real(*a))
+    real = loss_module.LinearCrossEntropy.apply
+    monkeypatch.setattr(loss_module.LinearCrossEntropy, "apply", lambda *a: calls.append(1) or real(*a))
     hidden, labels = torch.randn(1, 8, 16, requires_grad=True), torch.randint(0, 32, (1, 8))
     head_loss_sum(torch.nn.Linear(16, 32), hidden, labels)
     assert calls == [1]
@@ -100,7 +102,7 @@ def test_fused_head_loss_is_taken_only_for_a_plain_linear_head_with_gradients(mo
 
 PEAK_SCRIPT = """
 import sys, torch, torch.nn.functional as F
-from llmtrain.model import head_loss_sum
+from llmtrain.loss import head_loss_sum
 torch.manual_seed(0)
 head = torch.nn.Linear(64, 32768, bias=False)
 hidden = torch.randn(1, 2048, 64, requires_grad=True)
@@ -236,9 +238,10 @@ def test_fused_adamw_steps_read_nothing_from_the_device_between_log_steps(monkey
     from llmtrain.train import loop
     from llmtrain.train.schedule import WarmupDecaySchedule
 
-    monkeypatch.setenv(loop.NAN_STEPS_ENV, "2")
+    nan_at_step_2 = faults.NanLoss([2])
     reference, _ = train_tiny({"foreach": True})
-    loop.fit(reference)
+    with faults.installed(nan_at_step_2):
+        loop.fit(reference)
     job, rows = train_tiny({"fused": True})
     assert loop._skips_on_device(job.optimizer, None) and not loop._skips_on_device(reference.optimizer, None)
 
@@ -259,7 +262,8 @@ def test_fused_adamw_steps_read_nothing_from_the_device_between_log_steps(monkey
             return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    loop.fit(job)
+    with faults.installed(nan_at_step_2):
+        loop.fit(job)
     monkeypatch.undo()
 
     assert [step for step in range(1, 9) if reads.get(step)] == [4, 8], reads

@@ -28,6 +28,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+import faults
 from limits import hard_limit
 from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint.checkpointer import Checkpointer, NonFiniteWeightsError
@@ -39,6 +40,7 @@ from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
 from llmtrain.train.loop import Fit, NonFiniteError, TrainState, fit, plan_horizon
 from llmtrain.train.precision import Precision
+from llmtrain.train import callbacks
 from llmtrain.train.signals import PREEMPTED_EXIT_CODE, Preempted
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,7 +242,7 @@ def test_kill_9_at_any_moment_then_resume_auto_matches_an_uninterrupted_run(laun
     assert resumed_from is not None and step_of(resumed_from) >= 4
 
     # Every save of this run sleeps after writing its weights: the kill lands half-way through one.
-    third = launcher.start(out_dir, "--resume", "auto", env={layout.SLOW_SAVE_ENV: "60"})
+    third = launcher.start(out_dir, "--resume", "auto", env=faults.environment(slow_save_s=60))
     weights = third.wait_for_files(out_dir, ".step-*.tmp*/model.safetensors")
     third.kill_9()
     partial = weights[0].parent
@@ -265,7 +267,7 @@ def test_kill_9_during_a_sharded_save_then_resume(launcher, reference, tmp_path)
     resumed_from = layout.latest_checkpoint(out_dir)
     assert resumed_from is not None and (resumed_from / "dcp").is_dir()
 
-    second = launcher.start(out_dir, *sharded, env={layout.SLOW_SAVE_ENV: "60"})
+    second = launcher.start(out_dir, *sharded, env=faults.environment(slow_save_s=60))
     shards = second.wait_for_files(out_dir, ".step-*.tmp/dcp/*.distcp", count=2)  # both ranks wrote theirs
     second.kill_9()
     assert not (shards[0].parents[1] / layout.MARKER_FILE).exists()
@@ -314,7 +316,7 @@ def test_torchrun_restarts_a_crashed_group_which_resumes_by_itself(launcher, ref
     """torchrun --max-restarts 1: rank 1 dies before step 7 on the first attempt; the restarted workers
     find the step-4 checkpoint through --resume auto and finish as if nothing had happened."""
     out_dir = tmp_path / "elastic"
-    run = launcher.start(out_dir, "--resume", "auto", env={"LLMTRAIN_TEST_CRASH_AT_STEP": "7"},
+    run = launcher.start(out_dir, "--resume", "auto", env=faults.environment(crash_before_step=7),
                          torchrun=["--nproc_per_node", "2", "--max-restarts", "1", "--master_addr", "127.0.0.1",
                                    "--master_port", str(free_port())])
     assert run.finish() == 0, run.output
@@ -329,7 +331,7 @@ def test_nan_on_one_rank_is_skipped_by_every_rank_and_too_many_stop_the_run(laun
     logged, and three in a row end the run with a message; no checkpoint holds NaN."""
     out_dir = tmp_path / "nan"
     run = launcher.start(out_dir, "--train.max_nonfinite_steps", "3",
-                         env={"LLMTRAIN_TEST_INJECT_NAN_STEPS": "3,6,7,8"})
+                         env=faults.environment(nan_steps=[3, 6, 7, 8]))
     code = run.finish()
     assert code != 0 and code != PREEMPTED_EXIT_CODE, run.output
     assert re.search(r"step 3 \| skipped: the gradient norm is nan, no update \(1 in a row", run.output), run.output
@@ -342,13 +344,13 @@ def test_nan_on_one_rank_is_skipped_by_every_rank_and_too_many_stop_the_run(laun
     assert not (out_dir / "final").exists()
 
 
-def test_skipped_steps_change_no_weight_and_no_optimizer_state(tmp_path, model_file, monkeypatch):
+def test_skipped_steps_change_no_weight_and_no_optimizer_state(tmp_path, model_file):
     from llmtrain.cli import main
 
-    monkeypatch.setenv("LLMTRAIN_TEST_INJECT_NAN_STEPS", "3,4")
     out_dir = tmp_path / "skip"
-    main([*tiny_args(model_file, out_dir), "--train.max_steps", "6", "--train.save_interval", "2",
-          "--train.global_batch_size", "4"])
+    with faults.installed(faults.NanLoss([3, 4])):
+        main([*tiny_args(model_file, out_dir), "--train.max_steps", "6", "--train.save_interval", "2",
+              "--train.global_batch_size", "4"])
     before, after = out_dir / "step-00000002", out_dir / "step-00000004"
     for name, tensor in load_file(str(before / "model.safetensors")).items():
         assert torch.equal(load_file(str(after / "model.safetensors"))[name], tensor), name
@@ -364,27 +366,28 @@ def test_skipped_steps_change_no_weight_and_no_optimizer_state(tmp_path, model_f
         assert torch.isfinite(tensor).all()
 
 
-def test_too_many_nonfinite_steps_in_a_row_stop_before_the_next_save(tmp_path, model_file, monkeypatch):
+def test_too_many_nonfinite_steps_in_a_row_stop_before_the_next_save(tmp_path, model_file):
     from llmtrain.cli import main
 
-    monkeypatch.setenv("LLMTRAIN_TEST_INJECT_NAN_STEPS", "2,3")
     out_dir = tmp_path / "stop"
-    with pytest.raises(NonFiniteError, match=r"in 2 optimizer steps in a row \(steps 2-3; --train.max_nonfinite"):
-        main([*tiny_args(model_file, out_dir), "--train.max_steps", "6", "--train.save_interval", "1",
-              "--train.global_batch_size", "4", "--train.max_nonfinite_steps", "2"])
+    too_many = r"in 2 optimizer steps in a row \(steps 2-3; --train.max_nonfinite"
+    with faults.installed(faults.NanLoss([2, 3])):
+        with pytest.raises(NonFiniteError, match=too_many):
+            main([*tiny_args(model_file, out_dir), "--train.max_steps", "6", "--train.save_interval", "1",
+                  "--train.global_batch_size", "4", "--train.max_nonfinite_steps", "2"])
     assert [step_of(p) for _, p in layout.list_checkpoints(out_dir)] == [1, 2]
     assert not (out_dir / "final").exists()
 
 
-def test_fp16_overflow_is_the_loss_scalers_business(tmp_path, model_file, monkeypatch):
+def test_fp16_overflow_is_the_loss_scalers_business(tmp_path, model_file):
     """With 16-mixed a non-finite step backs the loss scale off instead of counting toward the stop,
     while the scale can still be blamed (it starts at 65536)."""
     from llmtrain.cli import main
 
-    monkeypatch.setenv("LLMTRAIN_TEST_INJECT_NAN_STEPS", "2,3,4")
     out_dir = tmp_path / "fp16"
-    main([*tiny_args(model_file, out_dir), "--train.max_steps", "5", "--train.global_batch_size", "4",
-          "--precision", "16-mixed", "--train.max_nonfinite_steps", "2"])
+    with faults.installed(faults.NanLoss([2, 3, 4])):
+        main([*tiny_args(model_file, out_dir), "--train.max_steps", "5", "--train.global_batch_size", "4",
+              "--precision", "16-mixed", "--train.max_nonfinite_steps", "2"])
     scaler = torch.load(out_dir / "step-00000005" / layout.STATE_FILE, weights_only=True)["scaler"]
     assert scaler["scale"] == 65536.0 / 2**3
     rows = list(csv.DictReader(open(out_dir / "metrics.csv")))
@@ -457,11 +460,11 @@ def test_a_save_killed_half_way_leaves_nothing_resume_would_take(tmp_path, monke
     checkpointer = Checkpointer(**checkpointer_parts(out_dir, lora=kind == "lora"), format=kind)
     checkpointer.save(TrainState(step=1))
 
-    def crash() -> None:
-        raise SimulatedCrash
+    class CrashMidSave(callbacks.Callback):
+        def on_checkpoint_written(self, directory: Path) -> None:
+            raise SimulatedCrash
 
-    with monkeypatch.context() as patch:
-        patch.setattr(files, "pause_during_save", crash)
+    with faults.installed(CrashMidSave()):
         with pytest.raises(SimulatedCrash):
             checkpointer.save(TrainState(step=2))
         assert leftovers(out_dir) and not (out_dir / "step-00000002").exists()
@@ -471,16 +474,14 @@ def test_a_save_killed_half_way_leaves_nothing_resume_would_take(tmp_path, monke
     assert leftovers(out_dir) == []
     assert layout.latest_checkpoint(out_dir) == out_dir / "step-00000002"
     if kind != "full":  # sharded and LoRA write final/ anew (full links the step's files)
-        with monkeypatch.context() as patch:
-            patch.setattr(files, "pause_during_save", crash)
+        with faults.installed(CrashMidSave()):
             with pytest.raises(SimulatedCrash):
                 checkpointer.save_final(TrainState(step=2))
         assert not (out_dir / "final").exists() and leftovers(out_dir)
     checkpointer.save_final(TrainState(step=2))
     assert layout.is_complete(out_dir / "final") and leftovers(out_dir) == []
     if kind != "full":  # rewriting final/ that dies half-way keeps the complete old one
-        with monkeypatch.context() as patch:
-            patch.setattr(files, "pause_during_save", crash)
+        with faults.installed(CrashMidSave()):
             with pytest.raises(SimulatedCrash):
                 checkpointer.save_final(TrainState(step=2))
         assert layout.is_complete(out_dir / "final")

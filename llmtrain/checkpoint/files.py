@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from llmtrain.checkpoint import layout
+from llmtrain.train import callbacks
 
 
 # ----------------------------------------------------------------------------------- housekeeping
@@ -54,14 +55,6 @@ def prune_checkpoints(out_dir: Path, keep_last: Optional[int], keep: Optional[Pa
     return doomed
 
 
-def pause_during_save() -> None:
-    """Test hook: sleep ``$LLMTRAIN_TEST_SLOW_SAVE`` seconds before a save's marker (see ``layout.SLOW_SAVE_ENV``)."""
-    seconds = os.environ.get(layout.SLOW_SAVE_ENV)
-    if seconds:
-        time.sleep(float(seconds))
-
-
-# --------------------------------------------------------------------------------------- syncing
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -112,7 +105,7 @@ def write_marker(directory: Path, fields: dict) -> None:
     The one place a marker is written. It goes last, so its presence means the rest is on disk.
     """
     directory = Path(directory)
-    pause_during_save()
+    callbacks.active().on_checkpoint_written(directory)  # e.g. a test that kills the run mid-save
     fsync_tree(directory)
     sizes = file_sizes(directory)
     meta = {"format_version": layout.FORMAT_VERSION, "written_at": time.time(),

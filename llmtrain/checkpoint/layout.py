@@ -56,7 +56,6 @@ FINAL_DIR = "final"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 LEFTOVER_DIR = re.compile(r"^\.(step-\d{8}|final)\.(tmp|old)")
 """What an interrupted save leaves: its temporary directory, or the old copy it was about to delete."""
-SLOW_SAVE_ENV = "LLMTRAIN_TEST_SLOW_SAVE"
 """Test hook: every save sleeps this many seconds before its marker, so a test can kill it half-way."""
 
 

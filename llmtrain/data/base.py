@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from llmtrain.data.tokens import open_tokens
-from llmtrain.model import IGNORE_INDEX  # the label value the loss skips
+from llmtrain.loss import IGNORE_INDEX  # the label value the loss skips
 from llmtrain.tokenizer import Tokenizer
 
 Batch = dict[str, torch.Tensor]

@@ -4,34 +4,36 @@ A step gathers ``grad_accum_steps`` micro-batches, counts their target tokens ov
 data-parallel rank, and scales each micro-batch's summed loss by that count, so padding,
 accumulation and the number of ranks never change the gradient.
 
-Faults. The token-count all-reduce at the start of each step also carries every rank's stop vote
-(SIGTERM or SIGUSR1 received, see :mod:`llmtrain.train.signals`), so the ranks agree to stop after
-the same step without a collective of their own; they checkpoint and raise ``Preempted`` (exit 75).
-A step whose global gradient norm is NaN or inf (a NaN loss makes NaN gradients) changes nothing:
-no optimizer step, gradients zeroed, the fp16 loss scale backed off; it is logged, and
-``--train.max_nonfinite_steps`` of them in a row stop the run. The norm is already reduced over all
-ranks (the DDP gradients are, the FSDP norm is all-reduced by clipping), so every rank decides alike.
+The parts, one job each: :class:`TrainStep` (forward and backward over the micro-batches, clipping,
+the optimizer), :class:`NonFiniteSteps` (what a NaN or inf gradient norm does), :class:`LogInterval`
+(the numbers of a log line), :class:`StopPolicy` (when to stop and when to save); :class:`Trainer`
+drives them. Code from outside llmtrain (a test's fault injector, a profiler) hooks in through
+:mod:`llmtrain.train.callbacks`.
 
-Host-device synchronisation. A generic optimizer must be told on the host whether to step, so once
-per step, after clipping, the host reads three numbers (whether the norm is finite, the step's token
-count, the stop votes); the counts travel to the device asynchronously from pinned memory, so that
-read is the step's only synchronisation, plus more at log, eval and checkpoint intervals.
-Optimizers that take ``found_inf`` (fused Adam/AdamW, the default, without an fp16 loss scaler) read
-nothing from the device between those intervals: the optimizer skips a non-finite step on the device
-(its step counter too), the loss sums mask it out, and the norms of the steps since the last read are
-read together at the next log or checkpoint step, where skipped steps are logged with their step
-numbers and ``--train.max_nonfinite_steps`` is enforced (before any save, so the limit still holds
-at every checkpoint; a skipped step leaves the weights finite anyway). The input-token counts, stop
-votes and ``--train.max_time`` votes, known on the host, meet in an all-reduce over a CPU (gloo)
-group after each step, so every rank still stops after the same step without waiting for the device.
+Faults. After each step the ranks sum what their hosts know (input tokens, stop votes for SIGTERM
+or SIGUSR1 received, see :mod:`llmtrain.train.signals`, and ``--train.max_time`` votes) in one
+all-reduce over a CPU (gloo) group, so they agree to stop after the same step without waiting for
+the device; on a signal they checkpoint and raise ``Preempted`` (exit 75). A step whose global
+gradient norm is NaN or inf (a NaN loss makes NaN gradients) changes nothing: no optimizer step,
+gradients zeroed, the fp16 loss scale backed off; it is logged, and ``--train.max_nonfinite_steps``
+of them in a row stop the run. The norm is already reduced over all ranks (the DDP gradients are,
+the FSDP norm is all-reduced by clipping), so every rank decides alike.
+
+Host-device synchronisation. Optimizers that take ``found_inf`` (fused Adam/AdamW, the default,
+without an fp16 loss scaler) read nothing from the device between log, eval and checkpoint steps:
+the optimizer skips a non-finite step on the device (its step counter too), the loss sums mask it
+out, and the norms of the steps since the last read are read together at the next log or checkpoint
+step, where skipped steps are logged with their step numbers and ``--train.max_nonfinite_steps`` is
+enforced (before any save, so the limit still holds at every checkpoint; a skipped step leaves the
+weights finite anyway). Any other optimizer must be told on the host whether to step, so once per
+step, after clipping, the host reads whether the norm is finite: the step's only synchronisation.
+Either way the step's target-token count travels to the device asynchronously from pinned memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
-import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -42,7 +44,8 @@ import torch
 
 from llmtrain.args import BatchPlan, EvalArgs, TrainArgs
 from llmtrain.distributed.runtime import Runtime
-from llmtrain.model import IGNORE_INDEX
+from llmtrain.loss import IGNORE_INDEX
+from llmtrain.train import callbacks
 from llmtrain.train.loggers import Console
 from llmtrain.train.precision import Precision
 from llmtrain.train.schedule import WarmupDecaySchedule
@@ -166,7 +169,7 @@ def fit(job: Fit) -> TrainState:
     """
     with catch_stop_signals() as stop_request:
         try:
-            return _train(job, stop_request)
+            return Trainer(job, stop_request).train()
         except (Preempted, NonFiniteError):  # every rank raises these alike, so every rank can still wait
             if job.wait_for_checkpoint is not None:
                 job.wait_for_checkpoint()
@@ -178,165 +181,138 @@ def fit(job: Fit) -> TrainState:
                 logger.close()
 
 
-def _train(job: Fit, stop_request: StopRequest) -> TrainState:
-    runtime, state, horizon = job.runtime, job.state, job.horizon
-    model, optimizer = job.model, job.optimizer
-    schedule = WarmupDecaySchedule(optimizer, warmup_steps=horizon.warmup_steps,
-                                   total_steps=horizon.total_steps, min_lr=job.train.min_lr,
-                                   decay=job.train.lr_decay)
-    scaler = job.scaler
-    console = job.console = job.console or Console(horizon.total_steps, state.step, enabled=runtime.is_main)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if runtime.device.type == "cuda" and hasattr(job.train_loader, "pin_memory"):
-        job.train_loader.pin_memory = True  # prefetched batches arrive pinned: their copies below do not block
-    train_iter = iter(job.train_loader)
-    faults = InjectedFaults.from_env()
+class Trainer:
+    """One ``fit()``: builds its parts once, then drives them step after step until a stop condition holds."""
 
-    if job.eval.initial_validation and job.val_loader is not None and state.step == 0:
-        val_loss = validate(job)
-        _log(job, {"step": 0, "tokens": 0, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))},
-             console, line=f"step 0 | val_loss {val_loss:.4f}")
+    def __init__(self, job: Fit, stop_request: StopRequest) -> None:
+        self.job = job
+        job.console = job.console or Console(job.horizon.total_steps, job.state.step, enabled=job.runtime.is_main)
+        self.hooks = callbacks.active()
+        self.hooks.on_fit_start(job)
+        self.schedule = WarmupDecaySchedule(job.optimizer, warmup_steps=job.horizon.warmup_steps,
+                                            total_steps=job.horizon.total_steps, min_lr=job.train.min_lr,
+                                            decay=job.train.lr_decay)
+        self.skips = NonFiniteSteps.for_job(job)
+        self.train_step = TrainStep(job, self.skips, self.hooks)
+        self.interval = LogInterval(job)
+        self.stops = StopPolicy(job, stop_request)
 
-    model.train()
-    loss_sum = torch.zeros((), device=runtime.device)  # summed token losses of the updates since the last log
-    target_sum = torch.zeros((), device=runtime.device)
-    interval_updates = torch.zeros((), device=runtime.device)  # optimizer steps taken since the last log
-    interval_start, interval_tokens = time.perf_counter(), 0
-    interval_data_wait = 0.0  # seconds spent waiting for batches since the last log
-    run_start, elapsed_at_start = time.perf_counter(), state.elapsed_s
-    last_saved_step = state.step if state.step else None
-    max_norm = job.train.max_norm if job.train.max_norm is not None else float("inf")
-    skipped_in_a_row = 0
-    stop_signal = ""  # why some rank asked to stop, once the ranks have agreed on it
-    on_device = _skips_on_device(optimizer, scaler)
-    host_group = _host_group(runtime) if on_device else None
-    unread: list[tuple] = []  # on_device: (step, tokens, epoch, grad norm) of the steps whose norm is unread
-    time_over: Optional[bool] = None  # on_device: the ranks' agreed --train.max_time vote after the last step
+    def train(self) -> TrainState:
+        job, state = self.job, self.job.state
+        if job.runtime.device.type == "cuda" and hasattr(job.train_loader, "pin_memory"):
+            job.train_loader.pin_memory = True  # prefetched batches arrive pinned: their copies do not block
+        batches = iter(job.train_loader)
+        if job.eval.initial_validation and job.val_loader is not None and state.step == 0:
+            _validate_and_log(job)
+        job.model.train()
+        while not (reason := self.stops.reason()):
+            self.hooks.on_step_start(state.step + 1)
+            lr = self.schedule.set_step(state.step)
+            micro_batches = self.interval.fetch(batches, job.plan.grad_accum_steps)
+            result = self.train_step(state.step + 1, micro_batches)
+            state.step += 1
+            job.console.advance(state.step)
+            step_tokens = self.stops.after_step(sum(batch["input_ids"].numel() for batch in micro_batches))
+            state.tokens += step_tokens
+            self.interval.add(result, step_tokens)
+            self.skips.record(state.step, state.tokens, job.train_loader.epoch, result.grad_norm)
+            self._after_step(lr, result.grad_norm)
+        return self._finish(reason)
 
-    def read_skips() -> None:
-        nonlocal skipped_in_a_row
-        skipped_in_a_row = _read_skipped(job, unread, skipped_in_a_row, console)
+    def _after_step(self, lr: float, grad_norm: torch.Tensor) -> None:
+        """What falls on this step: the report of skipped steps, the log line, validation, a checkpoint."""
+        job, step = self.job, self.job.state.step
+        log_now, save_now = step % job.train.log_interval == 0, self.stops.save_due()
+        if log_now or save_now:
+            self.skips.settle()  # before a save: the limit on skipped steps holds at every checkpoint
+        if log_now:
+            self.interval.log(lr, grad_norm)
+        if job.val_loader is not None and step % job.eval.interval == 0:
+            _validate_and_log(job)
+        if save_now:
+            self.stops.save()
 
-    while not (reason := _stop_reason(job, state, time_over) or stop_signal):
-        faults.crash_before(state.step + 1, runtime)
-        lr = schedule.set_step(state.step)
-        fetch_start = time.perf_counter()
-        micro_batches = [next(train_iter) for _ in range(job.plan.grad_accum_steps)]
-        interval_data_wait += time.perf_counter() - fetch_start
-        local_input_tokens = sum(b["input_ids"].numel() for b in micro_batches)
-        # The step's one all-reduce before the forward: target tokens, input tokens, and stop votes.
-        host_counts = torch.tensor([0.0, local_input_tokens, float(stop_request.requested)], dtype=torch.float64)
-        host_counts[0] = sum((b["labels"] != IGNORE_INDEX).sum() for b in micro_batches)  # no read: a tensor
-        counts = _to_device(host_counts, runtime.device)
-        runtime.all_reduce(counts)
+    def _finish(self, reason: str) -> TrainState:
+        """On a stop signal, a checkpoint and Preempted; otherwise the final validation, checkpoint and model."""
+        job, state = self.job, self.job.state
+        self.skips.settle()  # before any save below, and so that every skipped step is logged
+        state.stop_reason = reason
+        job.console.print(f"stopping after step {state.step}: {reason}")
+        if reason == self.stops.signal:
+            self.stops.save()
+            job.console.print(f"checkpoint of step {state.step} written; exit code {PREEMPTED_EXIT_CODE}: run the "
+                              "same command with --resume auto to continue")
+            raise Preempted(state.step, self.stops.request.name)
+        if job.eval.final_validation and job.val_loader is not None and state.step % job.eval.interval != 0:
+            _validate_and_log(job)
+        self.stops.save()
+        job.save_final(state)
+        return state
+
+
+# ------------------------------------------------------------------------------------ the step
+@dataclass
+class StepResult:
+    """What one optimizer step leaves on the device for the log; none of it has been read."""
+
+    loss_sum: torch.Tensor
+    """This rank's summed token losses over the step's micro-batches (fp32, not scaled)."""
+    target_tokens: torch.Tensor
+    """Target tokens of the step over all ranks."""
+    stepped: torch.Tensor
+    """Whether the optimizer stepped (bool; False for a skipped non-finite step)."""
+    grad_norm: torch.Tensor
+    """The global gradient norm before clipping."""
+
+
+class TrainStep:
+    """One optimizer step: forward and backward over the micro-batches, clipping, then the optimizer or a skip.
+
+    Each micro-batch's loss is its summed token losses over the target tokens of the whole step (all
+    micro-batches, all ranks): padding, accumulation and the number of ranks never change the gradient.
+    """
+
+    def __init__(self, job: Fit, skips: "NonFiniteSteps", hooks: callbacks.Callback) -> None:
+        self.job, self.skips, self.hooks = job, skips, hooks
+        self.params = [p for p in job.model.parameters() if p.requires_grad]
+        self.max_norm = job.train.max_norm if job.train.max_norm is not None else float("inf")
+
+    def __call__(self, step: int, micro_batches: list[dict]) -> StepResult:
+        job = self.job
+        target_tokens = self.target_tokens(micro_batches)
         # Each rank's loss is its share of (sum over the step's tokens) / (token count of the step);
         # DDP and FSDP average gradients over ranks, hence the factor data_parallel_size.
-        loss_scale = runtime.data_parallel_size / counts[0].clamp(min=1).float()
-        step_loss = torch.zeros((), device=runtime.device)
+        loss_scale = job.runtime.data_parallel_size / target_tokens.clamp(min=1).float()
+        loss_sum = self.forward_backward(step, micro_batches, loss_scale)
+        if job.scaler:
+            job.scaler.unscale_(job.optimizer)
+        grad_norm = _replicated(torch.nn.utils.clip_grad_norm_(self.params, self.max_norm))
+        stepped = self.skips.step(grad_norm)
+        job.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss_sum, target_tokens, stepped, grad_norm.detach())
+
+    def target_tokens(self, micro_batches: list[dict]) -> torch.Tensor:
+        """The step's target tokens over all ranks: its one collective before the forward (nothing is read)."""
+        local = sum((batch["labels"] != IGNORE_INDEX).sum() for batch in micro_batches)  # a host tensor
+        counts = _to_device(local.to(torch.float64).reshape(1), self.job.runtime.device)
+        self.job.runtime.all_reduce(counts)
+        return counts[0]
+
+    def forward_backward(self, step: int, micro_batches: list[dict], loss_scale: torch.Tensor) -> torch.Tensor:
+        """Accumulate the gradients of the micro-batches; returns their summed token losses (not scaled)."""
+        job, scaler = self.job, self.job.scaler
+        loss_sum = torch.zeros((), device=job.runtime.device)
         for index, batch in enumerate(micro_batches):
-            input_ids = batch["input_ids"].to(runtime.device, non_blocking=True)
-            labels = batch["labels"].to(runtime.device, non_blocking=True)
+            input_ids = batch["input_ids"].to(job.runtime.device, non_blocking=True)
+            labels = batch["labels"].to(job.runtime.device, non_blocking=True)
             last = index == len(micro_batches) - 1
-            with gradient_sync(model, last or not job.grad_sync_only_last):
-                with job.precision.autocast(runtime.device, job.autocast_enabled):
-                    token_loss_sum = model(input_ids, labels=labels)  # chunked: no full fp32 logits
-                loss = token_loss_sum * loss_scale
-                if last and faults.poisons(state.step + 1, runtime):
-                    loss = loss * float("nan")
+            with gradient_sync(job.model, last or not job.grad_sync_only_last):
+                with job.precision.autocast(job.runtime.device, job.autocast_enabled):
+                    token_loss_sum = job.model(input_ids, labels=labels)  # chunked: no full fp32 logits
+                loss = self.hooks.on_loss(step, token_loss_sum * loss_scale)
                 (scaler.scale(loss) if scaler else loss).backward()
-            step_loss += token_loss_sum.detach()
-        if scaler:
-            scaler.unscale_(optimizer)
-        grad_norm = _replicated(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        if on_device:
-            # No read (module docstring): the norm, reduced over all ranks, skips the step on the device.
-            finite = torch.isfinite(grad_norm)
-            optimizer.found_inf = (~finite).float()
-            optimizer.step()
-            loss_sum += torch.where(finite, step_loss, 0.0)
-            target_sum += torch.where(finite, counts[0].float(), 0.0)
-            interval_updates += finite
-        else:
-            # NOTE: the step's one host-device synchronisation (module docstring). The norm is already
-            # reduced over all ranks, so every rank takes the same decision without another collective.
-            finite, step_tokens, stop_votes = torch.cat(
-                [torch.isfinite(grad_norm).reshape(1).to(counts), counts[1:]]).tolist()
-            if finite:
-                if scaler:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-                loss_sum += step_loss
-                target_sum += counts[0].float()
-                interval_updates += 1
-                skipped_in_a_row = 0
-            else:
-                skipped_in_a_row += _skip_update(scaler)
-        optimizer.zero_grad(set_to_none=True)
-
-        state.step += 1
-        console.advance(state.step)
-        state.elapsed_s = elapsed_at_start + time.perf_counter() - run_start
-        if on_device:
-            time_limit = horizon.max_time
-            step_tokens, stop_votes, time_votes = _host_sum(
-                [local_input_tokens, float(stop_request.requested),
-                 float(time_limit is not None and state.elapsed_s >= time_limit)], host_group)
-            time_over = time_votes > 0
-        state.tokens += int(step_tokens)
-        interval_tokens += int(step_tokens)
-        if stop_votes > 0:
-            stop_signal = f"got {stop_request.name}" if stop_request.requested else "another rank got a stop signal"
-        if on_device:
-            unread.append((state.step, state.tokens, job.train_loader.epoch, grad_norm.detach()))
-        elif not finite:
-            _report_skipped(job, state.step, state.tokens, job.train_loader.epoch, float(grad_norm),
-                            skipped_in_a_row, console)
-
-        save_now = bool(job.train.save_interval and state.step % job.train.save_interval == 0)
-        if state.step % job.train.log_interval == 0 or save_now:
-            read_skips()
-        if state.step % job.train.log_interval == 0:
-            runtime.all_reduce(loss_sum)
-            if interval_updates.item():  # the same on every rank: the skip decision is
-                loss_value = (loss_sum / target_sum.clamp(min=1)).item()
-                seconds = time.perf_counter() - interval_start
-                metrics = _step_metrics(job, state, loss_value, lr, float(grad_norm), interval_tokens / seconds)
-                metrics["data_wait_fraction"] = interval_data_wait / seconds
-                _log(job, metrics, console)
-            loss_sum.zero_()
-            target_sum.zero_()
-            interval_updates.zero_()
-            interval_start, interval_tokens = time.perf_counter(), 0
-            interval_data_wait = 0.0
-        if job.val_loader is not None and state.step % job.eval.interval == 0:
-            val_loss = validate(job)
-            _log(job, {"step": state.step, "tokens": state.tokens, "val_loss": val_loss,
-                       "val_ppl": math.exp(min(val_loss, 50))}, console,
-                 line=f"step {state.step} | val_loss {val_loss:.4f}")
-            model.train()
-        if save_now:
-            job.save_checkpoint(state)
-            last_saved_step = state.step
-
-    read_skips()  # before any save below, and so that every skipped step is logged
-    state.stop_reason = reason
-    console.print(f"stopping after step {state.step}: {reason}")
-    if reason == stop_signal:
-        if last_saved_step != state.step:
-            job.save_checkpoint(state)
-        console.print(f"checkpoint of step {state.step} written; exit code {PREEMPTED_EXIT_CODE}: run the same "
-                      "command with --resume auto to continue")
-        raise Preempted(state.step, stop_request.name)
-    if job.eval.final_validation and job.val_loader is not None and state.step % job.eval.interval != 0:
-        val_loss = validate(job)
-        _log(job, {"step": state.step, "tokens": state.tokens, "val_loss": val_loss,
-                   "val_ppl": math.exp(min(val_loss, 50))}, console, line=f"step {state.step} | val_loss {val_loss:.4f}")
-    if last_saved_step != state.step:
-        job.save_checkpoint(state)
-    job.save_final(state)
-    return state
+            loss_sum += token_loss_sum.detach()
+        return loss_sum
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -347,12 +323,251 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.to(device)
 
 
+def _replicated(grad_norm: torch.Tensor) -> torch.Tensor:
+    """The global gradient norm as a plain tensor (FSDP2 returns it as a replicated DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+
+
+# ------------------------------------------------------------------------- non-finite steps
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a NaN or inf gradient norm."""
+
+
+class NonFiniteSteps:
+    """What a step whose global gradient norm is NaN or inf does: nothing to the weights or the optimizer
+    state; it is logged, and ``--train.max_nonfinite_steps`` of them in a row raise :class:`NonFiniteError`.
+
+    The loop calls ``step(grad_norm)`` in place of ``optimizer.step()``, ``record(...)`` once the step's
+    counters are known, and ``settle()`` at log and checkpoint steps and at the end, which reports the
+    skips not yet reported and enforces the limit. :meth:`for_job` picks where the skip is decided
+    (module docstring): on the device (:class:`SkipOnDevice`) or on the host (:class:`SkipOnHost`).
+    """
+
+    def __init__(self, job: Fit) -> None:
+        self.job = job
+        self.in_a_row = 0
+        """Skipped steps in a row that count toward the limit."""
+
+    @staticmethod
+    def for_job(job: Fit) -> "NonFiniteSteps":
+        return SkipOnDevice(job) if _skips_on_device(job.optimizer, job.scaler) else SkipOnHost(job)
+
+    def step(self, grad_norm: torch.Tensor) -> torch.Tensor:
+        """Step the optimizer unless ``grad_norm`` is NaN or inf; returns whether it stepped (a device bool)."""
+        raise NotImplementedError
+
+    def record(self, step: int, tokens: int, epoch: float, grad_norm: torch.Tensor) -> None:
+        """The counters after step ``step``, for the report if it was skipped."""
+        raise NotImplementedError
+
+    def settle(self) -> None:
+        """Report the skipped steps recorded and not yet reported; raise NonFiniteError after too many in a row."""
+
+    def _report(self, step: int, tokens: int, epoch: float, grad_norm: float, counts: bool) -> None:
+        """Log a skipped step (a console line, a metrics row with ``skipped`` 1); stop after too many in a row."""
+        self.in_a_row += counts
+        limit = self.job.train.max_nonfinite_steps
+        _log(self.job, {"step": step, "tokens": tokens, "epoch": epoch, "grad_norm": grad_norm, "skipped": 1,
+                        "elapsed_s": self.job.state.elapsed_s},
+             line=f"step {step} | skipped: the gradient norm is {grad_norm}, no update "
+                  f"({self.in_a_row} in a row; --train.max_nonfinite_steps {limit})")
+        if self.in_a_row >= limit:
+            raise NonFiniteError(
+                f"the gradient norm was NaN or inf in {limit} optimizer steps in a row (steps "
+                f"{step - limit + 1}-{step}; --train.max_nonfinite_steps {limit}), so training stopped. "
+                "Those steps changed no weights and every checkpoint holds finite ones. Lower the learning rate "
+                "or lengthen the warmup, look at the data of these steps, then continue with --resume auto")
+
+
 def _skips_on_device(optimizer: torch.optim.Optimizer, scaler: Optional[torch.amp.GradScaler]) -> bool:
     """Whether the optimizer skips a step itself given ``found_inf`` (as for GradScaler: fused Adam, AdamW, SGD).
 
     With an fp16 scaler the loop keeps the host decision: the scale is backed off on every rank alike.
     """
     return scaler is None and bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+class SkipOnDevice(NonFiniteSteps):
+    """The optimizer skips a non-finite step itself (``found_inf``), its step counter too: no read until settle()."""
+
+    def __init__(self, job: Fit) -> None:
+        super().__init__(job)
+        self.unread: list[tuple] = []  # (step, tokens, epoch, grad norm) of the steps whose norm is unread
+
+    def step(self, grad_norm: torch.Tensor) -> torch.Tensor:
+        finite = torch.isfinite(grad_norm)
+        self.job.optimizer.found_inf = (~finite).float()
+        self.job.optimizer.step()
+        return finite
+
+    def record(self, step: int, tokens: int, epoch: float, grad_norm: torch.Tensor) -> None:
+        self.unread.append((step, tokens, epoch, grad_norm))
+
+    def settle(self) -> None:
+        if not self.unread:
+            return
+        norms = torch.stack([record[3] for record in self.unread]).tolist()  # all the norms in one read
+        records, self.unread = self.unread, []
+        for (step, tokens, epoch, _), norm in zip(records, norms):
+            if math.isfinite(norm):
+                self.in_a_row = 0
+            else:
+                self._report(step, tokens, epoch, norm, counts=True)
+
+
+class SkipOnHost(NonFiniteSteps):
+    """The host reads whether the norm is finite and steps or not: one read per step, the step's only one.
+
+    With an fp16 loss scaler a skip backs the scale off, the same on every rank.
+    """
+
+    def __init__(self, job: Fit) -> None:
+        super().__init__(job)
+        self.finite = True  # whether the last step's norm was finite
+        self.counts = False  # whether the last step, skipped, counts toward the limit
+
+    def step(self, grad_norm: torch.Tensor) -> torch.Tensor:
+        job, scaler = self.job, self.job.scaler
+        finite = torch.isfinite(grad_norm)
+        # NOTE: the step's one host-device synchronisation (module docstring). The norm is already
+        # reduced over all ranks, so every rank takes the same decision without another collective.
+        self.finite = bool(finite)
+        if not self.finite:
+            self.counts = _skip_update(scaler)
+        elif scaler:
+            scaler.step(job.optimizer)
+            scaler.update()
+        else:
+            job.optimizer.step()
+        return finite
+
+    def record(self, step: int, tokens: int, epoch: float, grad_norm: torch.Tensor) -> None:
+        if self.finite:
+            self.in_a_row = 0
+        else:
+            self._report(step, tokens, epoch, float(grad_norm), counts=self.counts)
+
+
+def _skip_update(scaler: Optional[torch.amp.GradScaler]) -> bool:
+    """Leave weights and optimizer state alone (the caller zeroes the gradients); back the fp16 loss scale off.
+
+    Returns whether the step counts toward --train.max_nonfinite_steps. NOTE: with fp16 an overflow is
+    how the scaler finds its scale, so it counts only once the scale is below 1 and can no longer be
+    blamed. The scale is set here, the same on every rank, rather than from each rank's own inf check.
+    """
+    if scaler is None:
+        return True
+    scale = scaler.get_scale()
+    scaler.update(scale * scaler.get_backoff_factor())
+    return scale < 1.0
+
+
+# ------------------------------------------------------------------------------------ logging
+class LogInterval:
+    """The numbers of one log line, summed step by step on the device and read once, at the log step."""
+
+    def __init__(self, job: Fit) -> None:
+        self.job = job
+        device = job.runtime.device
+        self.loss_sum = torch.zeros((), device=device)  # summed token losses of the steps taken (not skipped)
+        self.target_sum = torch.zeros((), device=device)
+        self.updates = torch.zeros((), device=device)  # optimizer steps taken
+        self._restart()
+
+    def _restart(self) -> None:
+        self.loss_sum.zero_()
+        self.target_sum.zero_()
+        self.updates.zero_()
+        self.started, self.tokens = time.perf_counter(), 0
+        self.data_wait = 0.0  # seconds spent waiting for batches
+
+    def fetch(self, batches: Iterator[dict], count: int) -> list[dict]:
+        """The next ``count`` micro-batches, timing the wait for them."""
+        started = time.perf_counter()
+        micro_batches = [next(batches) for _ in range(count)]
+        self.data_wait += time.perf_counter() - started
+        return micro_batches
+
+    def add(self, result: StepResult, tokens: int) -> None:
+        """Count a step in (its losses only if the optimizer stepped) and its input tokens over all ranks."""
+        self.loss_sum += torch.where(result.stepped, result.loss_sum, 0.0)
+        self.target_sum += torch.where(result.stepped, result.target_tokens.float(), 0.0)
+        self.updates += result.stepped
+        self.tokens += tokens
+
+    def log(self, lr: float, grad_norm: torch.Tensor) -> None:
+        """Log the mean loss and throughput since the last log (if any step was taken); start the next interval."""
+        job = self.job
+        job.runtime.all_reduce(self.loss_sum)
+        if self.updates.item():  # the same on every rank: the skip decision is
+            loss = (self.loss_sum / self.target_sum.clamp(min=1)).item()
+            seconds = time.perf_counter() - self.started
+            metrics = _step_metrics(job, loss, lr, float(grad_norm), self.tokens / seconds)
+            metrics["data_wait_fraction"] = self.data_wait / seconds
+            _log(job, metrics)
+        self._restart()
+
+
+# ------------------------------------------------------------------------ stopping and saving
+class StopPolicy:
+    """When the run stops and when it saves: the horizon's limits, --train.max_time, stop signals, the save interval.
+
+    After each step the ranks sum what their hosts know in one all-reduce over a CPU (gloo) group,
+    which waits for no device: their input tokens, stop votes (SIGTERM or SIGUSR1 received, see
+    :mod:`llmtrain.train.signals`) and --train.max_time votes, so every rank stops after the same step.
+    """
+
+    def __init__(self, job: Fit, request: StopRequest) -> None:
+        self.job, self.request = job, request
+        self.group = _host_group(job.runtime)
+        self.signal = ""
+        """Why some rank asked to stop, once the ranks have agreed on it."""
+        self.last_saved_step = job.state.step or None
+        self.started, self.elapsed_at_start = time.perf_counter(), job.state.elapsed_s
+        self.time_over = False
+        if job.horizon.max_time is not None:  # a resumed run can be out of time before its first step
+            self.time_over = _host_sum([float(self._time_is_up())], self.group)[0] > 0
+
+    def after_step(self, input_tokens: int) -> int:
+        """Advance the clock and agree with the other ranks; returns the step's input tokens over all ranks."""
+        state = self.job.state
+        state.elapsed_s = self.elapsed_at_start + time.perf_counter() - self.started
+        tokens, stop_votes, time_votes = _host_sum(
+            [input_tokens, float(self.request.requested), float(self._time_is_up())], self.group)
+        self.time_over = time_votes > 0
+        if stop_votes > 0:
+            self.signal = f"got {self.request.name}" if self.request.requested else "another rank got a stop signal"
+        return int(tokens)
+
+    def _time_is_up(self) -> bool:
+        max_time = self.job.horizon.max_time
+        return max_time is not None and self.job.state.elapsed_s >= max_time
+
+    def reason(self) -> str:
+        """The first stop condition that holds, in words; empty while training should go on."""
+        horizon, state = self.job.horizon, self.job.state
+        if horizon.max_steps is not None and state.step >= horizon.max_steps:
+            return f"reached --train.max_steps {horizon.max_steps}"
+        if horizon.max_tokens is not None and state.tokens >= horizon.max_tokens:
+            return f"reached --train.max_tokens {horizon.max_tokens}"
+        if horizon.epochs is not None and self.job.train_loader.epoch >= horizon.epochs:
+            return f"reached --train.epochs {horizon.epochs}"
+        if self.time_over:
+            return f"reached --train.max_time {horizon.max_time}s"
+        return self.signal
+
+    def save_due(self) -> bool:
+        interval = self.job.train.save_interval
+        return bool(interval and self.job.state.step % interval == 0)
+
+    def save(self) -> None:
+        """Write a training checkpoint of this step (all ranks call it), unless one is written already."""
+        state = self.job.state
+        if self.last_saved_step != state.step:
+            self.job.save_checkpoint(state)
+            self.last_saved_step = state.step
 
 
 def _host_group(runtime: Runtime) -> Any:
@@ -375,117 +590,14 @@ def _host_sum(values: list[float], group: Any) -> list[float]:
     return buffer.tolist()
 
 
-def _read_skipped(job: Fit, unread: list[tuple], in_a_row: int, console: Console) -> int:
-    """Read the norms of the steps in ``unread`` at once, report the skipped ones; returns the run of skips."""
-    if not unread:
-        return in_a_row
-    norms = torch.stack([record[3] for record in unread]).tolist()
-    records = [(*record[:3], norm) for record, norm in zip(unread, norms)]
-    unread.clear()
-    for step, tokens, epoch, norm in records:
-        if math.isfinite(norm):
-            in_a_row = 0
-            continue
-        in_a_row += 1
-        _report_skipped(job, step, tokens, epoch, norm, in_a_row, console)
-    return in_a_row
-
-
-def _replicated(grad_norm: torch.Tensor) -> torch.Tensor:
-    """The global gradient norm as a plain tensor (FSDP2 returns it as a replicated DTensor)."""
-    from torch.distributed.tensor import DTensor
-
-    return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-
-
-def _skip_update(scaler: Optional[torch.amp.GradScaler]) -> int:
-    """Leave weights and optimizer state alone (the caller zeroes the gradients); back the fp16 loss scale off.
-
-    Returns 1 when the step counts toward --train.max_nonfinite_steps. NOTE: with fp16 an overflow is
-    how the scaler finds its scale, so it counts only once the scale is below 1 and can no longer be
-    blamed. The scale is set here, the same on every rank, rather than from each rank's own inf check.
-    """
-    if scaler is None:
-        return 1
-    scale = scaler.get_scale()
-    scaler.update(scale * scaler.get_backoff_factor())
-    return int(scale < 1.0)
-
-
-class NonFiniteError(RuntimeError):
-    """Too many optimizer steps in a row had a NaN or inf gradient norm."""
-
-
-def _report_skipped(job: Fit, step: int, tokens: int, epoch: float, grad_norm: float, in_a_row: int,
-                    console: Console) -> None:
-    """Log a skipped step (a console line, a metrics row with ``skipped`` 1); stop after too many in a row."""
-    limit = job.train.max_nonfinite_steps
-    _log(job, {"step": step, "tokens": tokens, "epoch": epoch, "grad_norm": grad_norm, "skipped": 1,
-               "elapsed_s": job.state.elapsed_s}, console,
-         line=f"step {step} | skipped: the gradient norm is {grad_norm}, no update "
-              f"({in_a_row} in a row; --train.max_nonfinite_steps {limit})")
-    if in_a_row >= limit:
-        raise NonFiniteError(
-            f"the gradient norm was NaN or inf in {limit} optimizer steps in a row (steps "
-            f"{step - limit + 1}-{step}; --train.max_nonfinite_steps {limit}), so training stopped. "
-            "Those steps changed no weights and every checkpoint holds finite ones. Lower the learning rate or "
-            "lengthen the warmup, look at the data of these steps, then continue with --resume auto")
-
-
-NAN_STEPS_ENV = "LLMTRAIN_TEST_INJECT_NAN_STEPS"
-CRASH_STEP_ENV = "LLMTRAIN_TEST_CRASH_AT_STEP"
-
-
-@dataclass(frozen=True)
-class InjectedFaults:
-    """Test hooks, read once per ``fit()``; both act on the last rank only, so the others must follow.
-
-    ``LLMTRAIN_TEST_INJECT_NAN_STEPS="3,4"``: the loss of those steps is multiplied by NaN before the
-    backward pass. ``LLMTRAIN_TEST_CRASH_AT_STEP=k``: the process ends with ``os._exit(1)`` before
-    step k, on the first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0).
-    """
-
-    nan_steps: frozenset = frozenset()
-    crash_step: Optional[int] = None
-
-    @classmethod
-    def from_env(cls) -> "InjectedFaults":
-        nan_steps = os.environ.get(NAN_STEPS_ENV, "")
-        crash_step = os.environ.get(CRASH_STEP_ENV)
-        return cls(nan_steps=frozenset(int(step) for step in nan_steps.split(",") if step.strip()),
-                   crash_step=int(crash_step) if crash_step else None)
-
-    def poisons(self, step: int, runtime: Runtime) -> bool:
-        return step in self.nan_steps and runtime.rank == runtime.world_size - 1
-
-    def crash_before(self, step: int, runtime: Runtime) -> None:
-        if (step == self.crash_step and runtime.rank == runtime.world_size - 1
-                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-            print(f"[rank {runtime.rank}] {CRASH_STEP_ENV}: crashing before step {step}", file=sys.stderr, flush=True)
-            os._exit(1)
-
-
-def _stop_reason(job: Fit, state: TrainState, time_over: Optional[bool] = None) -> str:
-    """The first stop condition that holds, in words; empty while training should go on.
-
-    ``time_over``: the ranks' agreed --train.max_time vote, where the caller has one (else a collective here).
-    """
-    horizon = job.horizon
-    if horizon.max_steps is not None and state.step >= horizon.max_steps:
-        return f"reached --train.max_steps {horizon.max_steps}"
-    if horizon.max_tokens is not None and state.tokens >= horizon.max_tokens:
-        return f"reached --train.max_tokens {horizon.max_tokens}"
-    if horizon.epochs is not None and job.train_loader.epoch >= horizon.epochs:
-        return f"reached --train.epochs {horizon.epochs}"
-    if horizon.max_time is not None and time_over is not None:
-        if time_over:
-            return f"reached --train.max_time {horizon.max_time}s"
-    elif horizon.max_time is not None:
-        # Ranks must agree, or one would wait forever for the others' next collective.
-        over = torch.tensor([float(state.elapsed_s >= horizon.max_time)], device=job.runtime.device)
-        if job.runtime.all_reduce(over, op="max").item() > 0:
-            return f"reached --train.max_time {horizon.max_time}s"
-    return ""
+# --------------------------------------------------------------------------------- validation
+def _validate_and_log(job: Fit) -> None:
+    """Validate (every rank), log the loss, and put the model back in training mode."""
+    state = job.state
+    val_loss = validate(job)
+    _log(job, {"step": state.step, "tokens": state.tokens, "val_loss": val_loss,
+               "val_ppl": math.exp(min(val_loss, 50))}, line=f"step {state.step} | val_loss {val_loss:.4f}")
+    job.model.train()
 
 
 def validate(job: Fit) -> float:
@@ -516,8 +628,8 @@ def _validation_loss(job: Fit) -> float:
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
-def _step_metrics(job: Fit, state: TrainState, loss: float, lr: float, grad_norm: float,
-                  tokens_per_sec: float) -> dict:
+def _step_metrics(job: Fit, loss: float, lr: float, grad_norm: float, tokens_per_sec: float) -> dict:
+    state = job.state
     per_device = tokens_per_sec / job.runtime.world_size
     mfu = None
     if job.flops_per_token and job.peak_flops_per_device:
@@ -530,15 +642,16 @@ def _step_metrics(job: Fit, state: TrainState, loss: float, lr: float, grad_norm
             "elapsed_s": state.elapsed_s, "eta_s": remaining * seconds_per_step}
 
 
-def _log(job: Fit, metrics: dict, console: Console, line: Optional[str] = None) -> None:
+def _log(job: Fit, metrics: dict, line: Optional[str] = None) -> None:
+    """Rank 0 hands ``metrics`` to every logger, and prints ``line`` or updates the progress line."""
     if not job.runtime.is_main:
         return
     for logger in job.loggers:
         logger.log(metrics)
     if line is not None:
-        console.print(line)
+        job.console.print(line)
     else:
-        console.update(metrics, metrics["step"])
+        job.console.update(metrics, metrics["step"])
 
 
 def peak_memory_gb(device: torch.device) -> float:

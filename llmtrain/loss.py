@@ -1,0 +1,115 @@
+"""The training loss: summed cross-entropy of the output head, a chunk of tokens at a time.
+
+``GPT.forward(idx, labels=...)`` ends in :func:`head_loss_sum`, which never holds the logits of the
+whole batch: the tokens go through the head in chunks of :func:`head_chunk_tokens` tokens. The memory
+estimate (:mod:`llmtrain.plan`) asks the same function, so the plan and the loss agree on the chunk.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+HEAD_CHUNK_BYTES = 2**30  # fp32 logits of one loss chunk: the logits of more tokens never exist at once
+
+
+def head_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per loss chunk for a head with ``vocab_size`` outputs (the padded vocabulary of a model).
+
+    About HEAD_CHUNK_BYTES of fp32 logits, and at least 256 tokens.
+    """
+    return max(256, HEAD_CHUNK_BYTES // (4 * vocab_size))
+
+
+def head_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                  chunk_tokens: Optional[int] = None) -> torch.Tensor:
+    """Summed cross-entropy of ``head(hidden)`` against ``labels`` without the whole batch's logits.
+
+    Full logits cost (compute + 12) bytes per token and vocabulary entry once upcast, log-softmaxed and
+    differentiated: 8 GB for 16k tokens of a 128k vocabulary. Here the tokens go through the head in
+    chunks of :func:`head_chunk_tokens`, so only one chunk's logits exist at a time.
+
+    A plain ``nn.Linear`` head takes the fused path (``LinearCrossEntropy``): the forward also computes
+    the gradients of hidden, weight and bias, chunk by chunk, and the backward only scales them. That
+    is the same three matmuls as autograd's, no recomputation, and about half the elementwise passes
+    over the logits of log_softmax + nll_loss and their backward. Any other head (LoRA, quantized)
+    takes the generic path: each chunk under activation checkpointing, recomputed in backward.
+    """
+    hidden, labels = hidden.flatten(0, 1), labels.flatten()  # (B * T, C), (B * T,)
+    vocab = head.out_features if hasattr(head, "out_features") else head.weight.size(0)
+    chunk_tokens = chunk_tokens or head_chunk_tokens(vocab)
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    if type(head) is nn.Linear and needs_grad:
+        return LinearCrossEntropy.apply(hidden, head.weight, head.bias, labels, chunk_tokens)
+    from torch.utils.checkpoint import checkpoint
+
+    recompute = needs_grad and hidden.size(0) > chunk_tokens  # one chunk, or no backward: nothing to save
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for hidden_chunk, label_chunk in zip(hidden.split(chunk_tokens), labels.split(chunk_tokens)):
+        if recompute:
+            total = total + checkpoint(_chunk_loss_sum, head, hidden_chunk, label_chunk, use_reentrant=False)
+        else:
+            total = total + _chunk_loss_sum(head, hidden_chunk, label_chunk)
+    return total
+
+
+def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``hidden @ weight.T + bias`` whose forward also computes the gradients.
+
+    Per chunk of tokens: fp32 logits; their max, target logit and sum of exponentials (the loss); then,
+    in place, softmax minus the one-hot target (the logits' gradient, zero for IGNORE_INDEX rows),
+    multiplied into the gradients of hidden and of weight and bias. The backward scales those by the
+    incoming gradient. The matmuls run in the compute dtype (autocast's, under mixed precision).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                labels: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+        want_hidden, want_weight = hidden.requires_grad, weight.requires_grad
+        want_bias = bias is not None and bias.requires_grad
+        total = hidden.new_zeros((), dtype=torch.float32)
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias else None
+        for start in range(0, hidden.size(0), chunk_tokens):
+            hidden_chunk = hidden[start:start + chunk_tokens]  # (n, C)
+            label_chunk = labels[start:start + chunk_tokens]  # (n,)
+            logits = F.linear(hidden_chunk, weight, bias).float()  # (n, V) fp32, a fresh tensor
+            valid = label_chunk != IGNORE_INDEX
+            targets = torch.where(valid, label_chunk, 0).unsqueeze(1)  # (n, 1)
+            target_logit = logits.gather(1, targets).squeeze(1)
+            row_max = logits.amax(dim=1, keepdim=True)
+            exp_sum = logits.sub_(row_max).exp_().sum(dim=1, keepdim=True)  # logits now hold exp(x - max)
+            token_loss = exp_sum.log().squeeze(1) + row_max.squeeze(1) - target_logit
+            total = total + torch.where(valid, token_loss, 0.0).sum()
+            # softmax - one-hot; an ignored row divides by inf and gets no -1: all zeros.
+            grad_logits = logits.div_(torch.where(valid.unsqueeze(1), exp_sum, float("inf")))
+            grad_logits.scatter_add_(1, targets, -valid.unsqueeze(1).float())
+            grad_logits = grad_logits.to(hidden.dtype if not torch.is_autocast_enabled(hidden.device.type)
+                                         else torch.get_autocast_dtype(hidden.device.type))
+            if want_hidden:
+                grad_hidden[start:start + chunk_tokens] = grad_logits.mm(weight.to(grad_logits.dtype))
+            if want_weight:
+                grad_weight += grad_logits.t().mm(hidden_chunk.to(grad_logits.dtype)).float()
+            if want_bias:
+                grad_bias += grad_logits.float().sum(0)
+            del logits, grad_logits
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.weight_dtype = weight.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        scale = grad_total.float()
+        out_hidden = (grad_hidden * scale.to(grad_hidden.dtype)) if grad_hidden is not None else None
+        out_weight = (grad_weight * scale).to(ctx.weight_dtype) if grad_weight is not None else None
+        out_bias = (grad_bias * scale).to(ctx.bias_dtype) if grad_bias is not None else None
+        return out_hidden, out_weight, out_bias, None, None

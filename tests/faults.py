@@ -1,0 +1,104 @@
+"""Faults that the tests inject into training runs, as llmtrain callbacks (llmtrain.train.callbacks).
+
+In the test's own process, install them with ``installed(...)`` around the call that trains. In the
+processes of a run that a test starts (spawned workers, torchrun), pass ``environment(...)`` to the
+command: ``LLMTRAIN_CALLBACKS`` names :func:`from_env`, which builds the faults described in
+``TEST_FAULTS`` (JSON), and ``PYTHONPATH`` gains this folder so that those processes import this module.
+
+NanLoss and CrashBeforeStep act on the last rank only, so the other ranks must follow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+from llmtrain.train import callbacks
+
+FAULTS_ENV = "TEST_FAULTS"
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+class LastRankFault(callbacks.Callback):
+    """A fault that only the last rank commits."""
+
+    rank, last_rank = 0, True  # until fit() starts: a single process
+
+    def on_fit_start(self, job) -> None:
+        self.rank = job.runtime.rank
+        self.last_rank = job.runtime.rank == job.runtime.world_size - 1
+
+
+class NanLoss(LastRankFault):
+    """The loss of the given optimizer steps is multiplied by NaN before its backward pass."""
+
+    def __init__(self, steps: Iterable[int]) -> None:
+        self.steps = frozenset(steps)
+
+    def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * float("nan") if self.last_rank and step in self.steps else loss
+
+
+class CrashBeforeStep(LastRankFault):
+    """The process ends with ``os._exit(1)`` before the given step, on the first attempt only
+    (TORCHELASTIC_RESTART_COUNT unset or 0), so that a restarted group gets through."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_start(self, step: int) -> None:
+        if (step == self.step and self.last_rank
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+            print(f"[rank {self.rank}] test fault: crashing before step {step}", file=sys.stderr, flush=True)
+            os._exit(1)
+
+
+class SlowSave(callbacks.Callback):
+    """Every save sleeps after its files are written and before its marker, so that a test can kill the run
+    in the middle of a save."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_checkpoint_written(self, directory: Path) -> None:
+        time.sleep(self.seconds)
+
+
+def from_env() -> callbacks.Callbacks:
+    """The faults that ``$TEST_FAULTS`` describes (see :func:`environment`); what LLMTRAIN_CALLBACKS names."""
+    spec = json.loads(os.environ.get(FAULTS_ENV, "{}"))
+    faults: list[callbacks.Callback] = []
+    if spec.get("nan_steps"):
+        faults.append(NanLoss(spec["nan_steps"]))
+    if spec.get("crash_before_step") is not None:
+        faults.append(CrashBeforeStep(spec["crash_before_step"]))
+    if spec.get("slow_save_s") is not None:
+        faults.append(SlowSave(spec["slow_save_s"]))
+    return callbacks.Callbacks(faults)
+
+
+def environment(nan_steps: Iterable[int] = (), crash_before_step: Optional[int] = None,
+                slow_save_s: Optional[float] = None) -> dict[str, str]:
+    """Environment variables that install these faults in every training process of a run started with them."""
+    spec = {"nan_steps": sorted(nan_steps), "crash_before_step": crash_before_step, "slow_save_s": slow_save_s}
+    return {callbacks.CALLBACKS_ENV: "faults:from_env", FAULTS_ENV: json.dumps(spec),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
+
+
+@contextlib.contextmanager
+def installed(*faults: callbacks.Callback) -> Iterator[None]:
+    """Install the faults in this process for the duration of the block."""
+    for fault in faults:
+        callbacks.register(fault)
+    try:
+        yield
+    finally:
+        for fault in faults:
+            callbacks.unregister(fault)
