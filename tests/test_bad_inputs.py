@@ -18,14 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
 
 from llmtrain.cli import main
 from llmtrain.distributed.checkpoint import DCP_DIR
 from llmtrain.tokenizer import train_bpe_tokenizer
 
-TINY_MODEL = dict(name="tiny-bad", vocab_size=1100, padding_multiple=64, block_size=64, n_layer=2, n_head=2,
-                  n_embd=64, n_query_groups=1, intermediate_size=128)
+from conftest import write_tiny_model
 
 
 @dataclass
@@ -145,9 +143,9 @@ def _readonly_dir(inputs: Path) -> Path:
 
 
 def _make_inputs(inputs: Path) -> None:
-    (inputs / "tiny.yaml").write_text(yaml.safe_dump(TINY_MODEL))
-    (inputs / "bad_heads.yaml").write_text(yaml.safe_dump({**TINY_MODEL, "n_embd": 65}))
-    (inputs / "other.yaml").write_text(yaml.safe_dump({**TINY_MODEL, "name": "tiny-other", "n_layer": 3}))
+    write_tiny_model(inputs / "tiny.yaml")
+    write_tiny_model(inputs / "bad_heads.yaml", n_embd=65)
+    write_tiny_model(inputs / "other.yaml", name="tiny-other", n_layer=3)
     (inputs / "broken.yaml").write_text("train:\n  max_steps: [3\n")
     (inputs / "empty-texts").mkdir()
     (inputs / "empty.json").write_text("")

@@ -11,22 +11,15 @@ from safetensors.torch import load_file
 
 from llmtrain.cli import main
 
+from conftest import write_tiny_model
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY_MODEL = dict(name="tiny-test", vocab_size=1100, padding_multiple=64, block_size=64, n_layer=2, n_head=2,
-                  n_embd=64, n_query_groups=1, intermediate_size=128)
 
 
 @pytest.fixture(autouse=True)
 def shared_cache(tmp_path_factory, monkeypatch):
     """One cache for the module: the built-in tokenizer and token files are made once."""
     monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "llmtrain-cache"))
-
-
-@pytest.fixture
-def tiny_model_file(tmp_path):
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(TINY_MODEL))
-    return path
 
 
 def tiny_args(model_file, out_dir, *extra):
@@ -185,8 +178,7 @@ def test_seq_length_beyond_block_size(tmp_path, tiny_model_file):
 
 
 def test_tokenizer_larger_than_vocab(tmp_path):
-    small = tmp_path / "small.yaml"
-    small.write_text(yaml.safe_dump({**TINY_MODEL, "vocab_size": 256, "padding_multiple": 64}))
+    small = write_tiny_model(tmp_path / "small.yaml", vocab_size=256, padding_multiple=64)
     with pytest.raises(ValueError, match="embedding rows"):
         main(tiny_args(small, tmp_path / "o", "--train.max_steps", "1"))
 

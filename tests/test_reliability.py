@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from limits import hard_limit
@@ -42,9 +41,9 @@ from llmtrain.train.loop import Fit, NonFiniteError, TrainState, fit, plan_horiz
 from llmtrain.train.precision import Precision
 from llmtrain.train.signals import PREEMPTED_EXIT_CODE, Preempted
 
+from conftest import write_tiny_model
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY_MODEL = dict(name="tiny-reliable", vocab_size=1100, padding_multiple=64, block_size=64, n_layer=2, n_head=2,
-                  n_embd=64, n_query_groups=1, intermediate_size=128)
 MAX_STEPS = 20
 SAVE_INTERVAL = 4
 TEST_LIMIT_S = 150
@@ -75,9 +74,7 @@ def tiny_args(model_file: Path, out_dir: Path, *extra: str) -> list[str]:
 
 @pytest.fixture
 def model_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.getbasetemp() / "tiny-reliable.yaml"
-    path.write_text(yaml.safe_dump(TINY_MODEL))
-    return path
+    return write_tiny_model(tmp_path_factory.getbasetemp() / "tiny-reliable.yaml")
 
 
 # ------------------------------------------------------------------------------ running processes
@@ -398,7 +395,7 @@ def test_fine_tuning_resumed_ends_with_bit_identical_weights(tmp_path, model_fil
 
     base = tmp_path / "base"
     longer = tmp_path / "tiny-128.yaml"  # instructions need a longer context
-    longer.write_text(yaml.safe_dump({**TINY_MODEL, "block_size": 128}))
+    write_tiny_model(longer, block_size=128)
     main([*tiny_args(longer, base), "--train.max_steps", "2", "--train.global_batch_size", "4"])
 
     def finetune(out_dir: Path, *extra: str) -> None:
