@@ -33,6 +33,13 @@ def free_port_number() -> int:
         return sock.getsockname()[1]
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that asks for ``dist_env`` starts processes of its own: it belongs to the multiproc tier."""
+    for item in items:
+        if "dist_env" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.multiproc)
+
+
 @pytest.fixture
 def free_port() -> Callable[[], int]:
     """Call it for a port that is free on 127.0.0.1 right now (a new one each call)."""
