@@ -1,7 +1,7 @@
 """A real SLURM cluster on this machine, for tests: two fake nodes with two CPUs each.
 
 ``ensure_cluster()`` installs Debian's ``slurmctld slurmd slurm-client munge`` when they are missing
-(and raises with apt's output when it cannot: a missing cluster is a failure, never a skip), writes a
+(and raises with apt's output when it cannot), writes a
 private configuration under ``/tmp/llmtrain-slurm`` (``$LLMTRAIN_SLURM_DIR``), starts its own munged,
 slurmctld and one ``slurmd -N NODE`` per fake node, and waits until both nodes are idle. A cluster
 that an earlier call started with the same configuration is reused.
@@ -10,6 +10,9 @@ The fake nodes are separate slurmd daemons on 127.0.0.1 with their own ports, so
 task its own node id, local id and node name exactly as on real machines. Their names resolve to
 127.0.0.1 (an ``/etc/hosts`` entry is added when they do not), as node names do on a real cluster.
 Nothing here needs systemd or cgroups: processes are tracked through /proc and tasks are not bound.
+
+``skip_reason()`` says whether the tests may try: as root with apt-get at hand they do, elsewhere they
+skip, and ``LLMTRAIN_TEST_SLURM=1`` makes them run anyway, so that a missing prerequisite is a failure.
 """
 
 from __future__ import annotations
@@ -31,6 +34,22 @@ CONTROLLER_PORT = 26817  # away from SLURM's defaults (6817/6818) so a system cl
 NODE_PORTS = (26818, 26819)
 FINISHED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                    "BOOT_FAIL", "DEADLINE"}
+
+
+FORCE_ENV = "LLMTRAIN_TEST_SLURM"
+
+
+def skip_reason() -> Optional[str]:
+    """Why the SLURM tests skip on this machine, or None when they run."""
+    forced = os.environ.get(FORCE_ENV)
+    if forced == "1":
+        return None
+    if forced == "0":
+        return f"{FORCE_ENV}=0"
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return (f"the SLURM tests need root and apt-get (they install slurmctld, slurmd, slurm-client and munge "
+                f"and add the fake node names to /etc/hosts); {FORCE_ENV}=1 runs them anyway")
+    return None
 
 
 class SlurmError(RuntimeError):
