@@ -35,7 +35,7 @@ SEQ_LEN = 16
 GLOBAL_BATCH = 8
 MAX_STEPS = 8
 SAVE_INTERVAL = 4
-COLLECTIVE_TIMEOUT_S = 45
+COLLECTIVE_TIMEOUT_S = 300
 
 
 def tiny_config(**overrides) -> Config:
@@ -194,7 +194,7 @@ def worker_main(suite: str, workdir: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ launcher
-def launch(world_size: int, suite: str, workdir: Path, timeout_s: float = 150.0) -> dict:
+def launch(world_size: int, suite: str, workdir: Path, timeout_s: float = 900.0) -> dict:
     """Run ``suite`` on ``world_size`` local ranks; fail fast when any rank fails, and after timeout_s at most."""
     workdir = Path(workdir)
     # The shell's own launcher variables (torchrun, SLURM) must not leak into the ranks.

@@ -60,7 +60,7 @@ def default_state_dir() -> Path:
     return Path(os.environ.get("LLMTRAIN_SLURM_DIR", "/tmp/llmtrain-slurm"))
 
 
-def ensure_cluster(state_dir: Optional[Path] = None, ready_timeout_s: float = 60.0) -> "SlurmCluster":
+def ensure_cluster(state_dir: Optional[Path] = None, ready_timeout_s: float = 300.0) -> "SlurmCluster":
     """A running cluster: the one already up under ``state_dir``, or a fresh one."""
     install_packages()
     ensure_node_names_resolve()
@@ -206,9 +206,9 @@ class SlurmCluster:
                       f"--pid-file={self.dir / 'munged.pid'}", f"--log-file={self.dir / 'log/munged.log'}",
                       f"--seed-file={self.dir / 'munge/seed'}", "--force"])
         self._poll(lambda: subprocess.run(["munge", "-S", str(self.munge_socket), "-n"], capture_output=True,
-                                          timeout=10).returncode == 0, 15, "munged to answer")
+                                          timeout=60).returncode == 0, 120, "munged to answer")
         self._daemon(["slurmctld", "-f", str(self.conf), "-c", "-i"])
-        self._poll(lambda: "UP" in self.run("scontrol", "ping", check=False).stdout, 30, "slurmctld to answer")
+        self._poll(lambda: "UP" in self.run("scontrol", "ping", check=False).stdout, 120, "slurmctld to answer")
         for name in NODE_NAMES:
             self._daemon(["slurmd", "-f", str(self.conf), "-N", name])
 
@@ -250,7 +250,7 @@ class SlurmCluster:
 
     # -- jobs ---------------------------------------------------------------------------------------
 
-    def run(self, *command: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
+    def run(self, *command: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
         done = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout)
         if check and done.returncode != 0:
             raise SlurmError(f"`{' '.join(command)}` failed (exit {done.returncode}):\n{done.stdout}{done.stderr}")
@@ -265,7 +265,7 @@ class SlurmCluster:
         output = output or self.dir / "jobs" / "slurm-%j.out"
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         command = ["sbatch", "--parsable", f"--output={output}", *options, str(script), *args]
-        done = subprocess.run(command, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=30)
+        done = subprocess.run(command, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise SlurmError(f"sbatch failed (exit {done.returncode}): {done.stderr}{done.stdout}")
         return int(done.stdout.strip().split(";")[0])
@@ -312,7 +312,7 @@ class SlurmCluster:
 
     def _daemon(self, command: list[str]) -> None:
         """Start a daemon that forks into the background; it must report success."""
-        done = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=30)
+        done = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise SlurmError(f"`{' '.join(command)}` failed (exit {done.returncode}):\n"
                              f"{done.stdout}{done.stderr}\n{self.logs()}")

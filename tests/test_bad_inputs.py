@@ -214,7 +214,7 @@ def results(tmp_path_factory):
         argv = [a.replace("{in}", str(inputs)).replace("{out}", str(out)).replace("{readonly}", str(readonly))
                 for a in case.argv]
         done = subprocess.run([sys.executable, "-m", "llmtrain", *argv], capture_output=True, text=True,
-                              timeout=120, env=env)
+                              timeout=600, env=env)
         return case.name, (done, out)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -255,6 +255,6 @@ def test_no_input_or_earlier_checkpoint_was_touched(results):
 
 def test_debug_shows_the_traceback(tmp_path):
     done = subprocess.run([sys.executable, "-m", "llmtrain", "pretrain", "pythia-70", "--out_dir",
-                           str(tmp_path / "o"), "--debug"], capture_output=True, text=True, timeout=120)
+                           str(tmp_path / "o"), "--debug"], capture_output=True, text=True, timeout=600)
     assert done.returncode != 0 and "Traceback" in done.stderr
     assert not (tmp_path / "o").exists()

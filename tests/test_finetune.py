@@ -153,7 +153,7 @@ def test_fsdp_lora_on_two_processes_matches_one(tmp_path, base_model, dist_env, 
     def run(out_dir, *extra):
         command = [sys.executable, "-m", "llmtrain", *finetune_args("finetune_lora", base_model, out_dir,
                                                                     "--train.max_steps", "4", *extra)]
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         return result.stdout
 

@@ -116,7 +116,7 @@ def test_batch_logs_get_one_line_per_log_interval(tmp_path):
     out_dir = tmp_path / "run"
     command = [sys.executable, "-m", "llmtrain", *tiny_run(tmp_path, out_dir, "--train.max_steps", "6",
                                                           "--train.log_interval", "2", "--eval.interval", "100")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("step ") and "| loss " in line]
@@ -143,7 +143,7 @@ def test_a_terminal_gets_a_progress_bar_with_loss_speed_and_eta(tmp_path):
         if not chunk:
             break
         output += chunk
-    assert process.wait(timeout=120) == 0
+    assert process.wait(timeout=600) == 0
     os.close(controller)
     text = output.decode(errors="replace")
     assert "\r" in text  # the bar redraws in place

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_cli(tiny_model_file, dist_env, tmp_path_factory):
     env = dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "dist-cache"))
 
-    def run(out_dir, *extra, timeout=180):
+    def run(out_dir, *extra, timeout=600):
         command = [sys.executable, "-m", "llmtrain", "pretrain", "--model_config", str(tiny_model_file),
                    "--out_dir", str(out_dir), "--data", "BuiltinStories", "--data.num_documents", "400",
                    "--data.num_val_documents", "40", "--train.global_batch_size", "8",
@@ -74,7 +74,7 @@ def test_mismatched_devices_under_torchrun_fail_fast(tmp_path, dist_env, free_po
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_port", str(free_port()), "-m", "llmtrain", "pretrain", "llama-debug",
                "--devices", "4", "--out_dir", str(tmp_path / "o"), "--train.max_steps", "1"]
-    result = subprocess.run(command, env=dist_env, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    result = subprocess.run(command, env=dist_env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode != 0
     assert "--devices 4" in result.stdout + result.stderr
 
@@ -102,7 +102,7 @@ def test_two_nodes_as_two_torchrun_commands_use_hybrid_shard(tmp_path, run_cli, 
     outputs = []
     try:
         for node in nodes:
-            outputs.append(node.communicate(timeout=240)[0])
+            outputs.append(node.communicate(timeout=600)[0])
     finally:
         for node in nodes:
             node.kill()

@@ -110,6 +110,6 @@ def test_document_runs_verbatim(name, tmp_path, tmp_path_factory):
             command = [sys.executable, "-c", body]
         else:
             raise AssertionError(f"{name} block {number}: cannot run a ```{lang} block")
-        done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, (f"{name} block {number} failed:\n{body}\n--- stdout\n{done.stdout[-3000:]}\n"
                                       f"--- stderr\n{done.stderr[-3000:]}")

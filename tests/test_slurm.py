@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN_SBATCH = ROOT / "scripts/slurm/pretrain.sbatch"
 FINETUNE_SBATCH = ROOT / "scripts/slurm/finetune.sbatch"
 NODELIST = "llmtrain-node[1-2]"
-TEST_LIMIT_S = 150
-CLUSTER_LIMIT_S = 240
-JOB_TIMEOUT_S = 120
+TEST_LIMIT_S = 1800
+CLUSTER_LIMIT_S = 900
+JOB_TIMEOUT_S = 600
 # The templates ask for GPUs and a day; the fake nodes have 2 CPUs and no GPUs.
 CPU_OPTIONS = ["--nodes=2", "--gpus-per-node=0", "--time=4"]
 
@@ -135,7 +135,7 @@ def fake_llmtrain(tmp_path):
     return fake, marks
 
 
-def wait_for_files(paths, timeout_s=60):
+def wait_for_files(paths, timeout_s=300):
     deadline = time.monotonic() + timeout_s
     while not all(p.exists() for p in paths):
         assert time.monotonic() < deadline, f"never appeared: {[str(p) for p in paths if not p.exists()]}"
