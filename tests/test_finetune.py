@@ -176,7 +176,7 @@ def test_lora_tuned_model_answers_more_builtin_items_than_its_base(tmp_path):
     from llmtrain.evaluate import builtin_instruct_accuracy
 
     tasks = ["count_letters", "first_letter", "larger"]
-    model_file = write_tiny_model(tmp_path / "model.yaml", n_head=4, n_query_groups=2, n_embd=128,
+    model_file = write_tiny_model(tmp_path / "model.yaml", block_size=128, n_head=4, n_query_groups=2, n_embd=128,
                                   intermediate_size=256)
     main(["pretrain", "--model_config", str(model_file), "--out_dir", str(tmp_path / "base"), "--data",
           "BuiltinStories", "--data.num_documents", "2000", "--train.global_batch_size", "16",
