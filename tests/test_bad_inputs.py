@@ -228,6 +228,7 @@ def test_there_are_at_least_25_cases():
     assert len({case.name for case in CASES}) == len(CASES) >= 25
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_bad_input_is_one_paragraph_and_changes_nothing(case, results):
     outcome, _, _ = results
@@ -243,6 +244,7 @@ def test_bad_input_is_one_paragraph_and_changes_nothing(case, results):
         assert not out.exists(), f"{case.name} created {out}"
 
 
+@pytest.mark.slow
 def test_no_input_or_earlier_checkpoint_was_touched(results):
     outcome, before, after = results
     assert before == after

@@ -21,6 +21,7 @@ def run_benchmark(*flags, cwd):
                           timeout=600, env=ENV, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_short_benchmark_reports_sane_numbers_and_compares_with_the_baseline(tmp_path, capsys):
     done = run_benchmark("--short", "true", "--out_dir", str(tmp_path / "bench"), cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -58,6 +59,7 @@ def far_below_the_baseline(tmp_path, *flags):
     return done, key
 
 
+@pytest.mark.slow
 def test_short_benchmark_reports_a_low_ratio_without_failing(tmp_path):
     """Inside the test suite speed is reported, never a reason to fail: a busy machine is not a regression."""
     done, _ = far_below_the_baseline(tmp_path)
@@ -65,6 +67,7 @@ def test_short_benchmark_reports_a_low_ratio_without_failing(tmp_path):
     assert "tokens/s vs baseline: 0.00x" in done.stdout
 
 
+@pytest.mark.slow
 def test_short_benchmark_fails_far_below_the_baseline_and_still_records(tmp_path):
     """The separate regression check: `llmtrain benchmark --short true --fail_below 0.3`."""
     done, key = far_below_the_baseline(tmp_path, "--fail_below", "0.3")
@@ -128,6 +131,7 @@ def test_steps_after_a_save_give_the_stall_and_stay_out_of_the_step_times():
     assert _step_timing(rows, [0.0] * 7, warmup=1)["checkpoint_stall_s"] is None
 
 
+@pytest.mark.slow
 def test_async_and_sync_saves_report_their_stall(tmp_path):
     records = []
     for mode in ("false", "true"):

@@ -38,6 +38,7 @@ def greedy_transformers(hf_dir, prompt_ids, new_tokens):
     return out[0, len(prompt_ids):].tolist()
 
 
+@pytest.mark.slow
 def test_debug_run_converts_and_transformers_generates_the_same_tokens(tmp_path):
     from transformers import AutoTokenizer
 

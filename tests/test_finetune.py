@@ -167,6 +167,7 @@ def test_fsdp_lora_on_two_processes_matches_one(tmp_path, base_model, dist_env, 
         torch.testing.assert_close(two[name], one[name], rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_lora_tuned_model_answers_more_builtin_items_than_its_base(tmp_path):
     """Measured, not assumed: greedy answers on held-out items of the built-in set, checked exactly.
 

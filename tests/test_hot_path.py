@@ -133,6 +133,7 @@ def peak_growth(mode: str) -> int:
     return int(done.stdout.strip())
 
 
+@pytest.mark.slow
 def test_chunked_loss_never_holds_the_full_logits():
     """A 32k vocabulary over 2048 tokens: 256 MiB of fp32 logits, which the chunked loss never allocates."""
     logits_bytes = 2048 * 32768 * 4

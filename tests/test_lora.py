@@ -225,6 +225,7 @@ def test_plain_checkpoint_loads_into_a_model_built_with_adapters_on_meta():
 # ---- QLoRA: quantized base weights (bitsandbytes CPU backend) ------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "neox"])
 @pytest.mark.parametrize("mode", QUANTIZE_MODES)
 def test_qlora_trains_adapters_and_merges_to_a_plain_model(mode, name):

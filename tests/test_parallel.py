@@ -75,6 +75,7 @@ def assert_same_training(result: dict, reference: dict, steps=range(1, worker.MA
 
 
 # ------------------------------------------------------------------------------------ parity
+@pytest.mark.slow
 def test_reference_run_learns(single):
     """Guard: the reference loss really moves, so agreeing on it means something."""
     assert single["losses"][worker.MAX_STEPS] < single["losses"][1] - 0.3

@@ -50,6 +50,7 @@ SETTINGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,precision,micro_batch,seq_len,checkpointing", SETTINGS)
 def test_memory_estimate_is_within_25_percent_of_the_measured_peak(name, precision, micro_batch, seq_len,
                                                                     checkpointing):

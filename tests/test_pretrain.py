@@ -43,6 +43,7 @@ def val_losses(out_dir):
     return {int(r["step"]): float(r["val_loss"]) for r in read_metrics(out_dir) if r["val_loss"]}
 
 
+@pytest.mark.slow
 def test_debug_recipe_trains_and_writes_final(tmp_path):
     """The README's main job, shortened to 30 steps: val loss falls well below the start."""
     out_dir = tmp_path / "debug"
@@ -66,6 +67,7 @@ def test_debug_recipe_trains_and_writes_final(tmp_path):
     torch.testing.assert_close(model.wte.weight, saved["wte.weight"], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_resume_reproduces_uninterrupted_losses(tmp_path, tiny_model_file):
     """Stop at step 10 of 20, resume, and steps 11-20 equal the uninterrupted run's."""
     full = tmp_path / "full"
@@ -210,6 +212,7 @@ def test_unwritable_out_dir(tmp_path, tiny_model_file):
         locked.chmod(0o700)
 
 
+@pytest.mark.slow
 def test_stops_on_epochs(tmp_path, tiny_model_file):
     out_dir = tmp_path / "epochs"
     main(tiny_args(tiny_model_file, out_dir, "--train.epochs", "0.01"))

@@ -389,6 +389,7 @@ def test_fp16_overflow_is_the_loss_scalers_business(tmp_path, model_file, monkey
     assert [int(r["step"]) for r in rows if r["skipped"] == "1"] == [2, 3, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["finetune_full", "finetune_lora"])
 def test_fine_tuning_resumed_ends_with_bit_identical_weights(tmp_path, model_file, recipe):
     from llmtrain.cli import main
@@ -560,6 +561,7 @@ def samples_consumed(checkpoint) -> int:
     return torch.load(checkpoint / layout.STATE_FILE, weights_only=True)["data"]["samples_consumed"] if checkpoint else 0
 
 
+@pytest.mark.slow
 def test_every_sample_of_an_epoch_is_trained_exactly_once_however_often_the_run_stops(tmp_path):
     """Signals mid-epoch and at an epoch boundary, a crash after a checkpoint: the micro-batches of the
     checkpointed steps, joined over all attempts, are the uninterrupted run's, each epoch a permutation of

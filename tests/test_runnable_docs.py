@@ -90,6 +90,7 @@ def test_tiny_overrides_training_commands_only():
     assert shrunk.splitlines()[1] == "llmtrain generate out --prompt hi"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(DOCS))
 def test_document_runs_verbatim(name, tmp_path, tmp_path_factory):
     folder = tmp_path / "work"
