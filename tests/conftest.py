@@ -1,12 +1,23 @@
-"""Shared fixtures: free ports and a clean environment for multi-process tests."""
+"""Shared helpers: tiny models, tokenizers and loaders; free ports and clean environments for multi-process tests.
+
+Plain helpers (``TINY_MODEL``, ``tiny_config``, ``build_model``, ``ListLoader``) are imported by name
+(``from conftest import build_model``); the rest are fixtures.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterable
 
 import pytest
+import torch
+import yaml
+
+from llmtrain.config import Config
+from llmtrain.model import GPT
+from llmtrain.tokenizer import Tokenizer, train_bpe_tokenizer
 
 # Variables by which a launcher tells a process who it is; a test that starts processes must not
 # pass on those of the shell it runs in (torchrun, srun), or the children would believe them.
@@ -15,16 +26,24 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "LLMTRAIN_")
 
 
-def _free_port() -> int:
+def free_port_number() -> int:
+    """A port that is free on 127.0.0.1 right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that asks for ``dist_env`` starts processes of its own: it belongs to the multiproc tier."""
+    for item in items:
+        if "dist_env" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.multiproc)
+
+
 @pytest.fixture
 def free_port() -> Callable[[], int]:
     """Call it for a port that is free on 127.0.0.1 right now (a new one each call)."""
-    return _free_port
+    return free_port_number
 
 
 @pytest.fixture
@@ -42,3 +61,81 @@ def clean_launch_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name in LAUNCHER_VARS or name.startswith(LAUNCHER_PREFIXES):
             monkeypatch.delenv(name)
+
+
+# ---- tiny models ---------------------------------------------------------------------------------
+
+# A 2-layer Llama-style model for CLI runs (`--model_config`): a few seconds per run on one core.
+TINY_MODEL = dict(name="tiny", vocab_size=1100, padding_multiple=64, block_size=64, n_layer=2, n_head=2,
+                  n_embd=64, n_query_groups=1, intermediate_size=128)
+
+
+def write_tiny_model(path: Path, **overrides) -> Path:
+    """TINY_MODEL with ``overrides`` as a `--model_config` YAML file at ``path``."""
+    path.write_text(yaml.safe_dump({**TINY_MODEL, **overrides}))
+    return path
+
+
+@pytest.fixture
+def tiny_model_file(tmp_path: Path) -> Path:
+    """TINY_MODEL as a `--model_config` file in this test's tmp_path."""
+    return write_tiny_model(tmp_path / "tiny.yaml")
+
+
+def tiny_config(name: str, **overrides) -> Config:
+    """A zoo debug config made even smaller for fast tests."""
+    return Config.from_name(name, **{"block_size": 64, "vocab_size": 128, **overrides})
+
+
+def build_model(config: Config, seed: int = 0) -> GPT:
+    """The model of ``config`` with weights initialised from ``seed``, in eval mode."""
+    model = GPT(config)
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model.eval()
+
+
+# ---- tiny tokenizers and data --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Tokenizer]:
+    """Call it with texts for a byte-level BPE tokenizer trained on them, in a folder of its own."""
+    def train(texts: Iterable[str], vocab_size: int = 400) -> Tokenizer:
+        return train_bpe_tokenizer(iter(texts), vocab_size=vocab_size, out_dir=tmp_path_factory.mktemp("tok") / "tok")
+
+    return train
+
+
+class ListLoader:
+    """A fixed list of (input_ids, labels) samples served as micro-batches, sharded like llmtrain.data's
+    TrainLoader: one global position; in each micro-step rank r takes the r-th contiguous slice of
+    micro_batch_size samples."""
+
+    def __init__(self, samples, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> None:
+        self.samples, self.micro_batch_size = samples, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.samples_consumed = 0
+
+    @property
+    def epoch(self) -> float:
+        return self.samples_consumed / len(self.samples)
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return len(self.samples)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        start = self.samples_consumed + self.dp_rank * self.micro_batch_size
+        chunk = [self.samples[(start + i) % len(self.samples)] for i in range(self.micro_batch_size)]
+        self.samples_consumed += self.dp_size * self.micro_batch_size
+        return {"input_ids": torch.stack([c[0] for c in chunk]), "labels": torch.stack([c[1] for c in chunk])}
+
+    def state_dict(self) -> dict:
+        return {"samples_consumed": self.samples_consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.samples_consumed = state["samples_consumed"]

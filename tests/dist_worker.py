@@ -9,7 +9,6 @@ the scenarios of ``suite`` with the real ``fit()`` and rank 0 saves their result
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -32,12 +31,14 @@ from llmtrain.model import GPT
 from llmtrain.train.loop import IGNORE_INDEX, Fit, TrainState, fit, plan_horizon
 from llmtrain.train.precision import Precision
 
+from conftest import LAUNCHER_PREFIXES, LAUNCHER_VARS, ListLoader, free_port_number
+
 SEED = 1234
 SEQ_LEN = 16
 GLOBAL_BATCH = 8
 MAX_STEPS = 8
 SAVE_INTERVAL = 4
-COLLECTIVE_TIMEOUT_S = 45
+COLLECTIVE_TIMEOUT_S = 300
 
 
 def tiny_config(**overrides) -> Config:
@@ -67,39 +68,6 @@ def make_samples(count: int = 96, length: int = SEQ_LEN, seed: int = 0) -> list[
         labels[1 + (index * 7) % length:] = IGNORE_INDEX
         samples.append((sequence[:-1], labels))
     return samples
-
-
-class ShardedListLoader:
-    """A fixed sample list sharded like llmtrain.data's TrainLoader: one global position; in each
-    micro-step rank r takes the r-th contiguous slice of micro_batch_size samples."""
-
-    def __init__(self, samples, micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
-        self.samples, self.micro_batch_size = samples, micro_batch_size
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.samples_consumed = 0
-
-    @property
-    def epoch(self) -> float:
-        return self.samples_consumed / len(self.samples)
-
-    @property
-    def samples_per_epoch(self) -> int:
-        return len(self.samples)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        start = self.samples_consumed + self.dp_rank * self.micro_batch_size
-        chunk = [self.samples[(start + i) % len(self.samples)] for i in range(self.micro_batch_size)]
-        self.samples_consumed += self.dp_size * self.micro_batch_size
-        return {"input_ids": torch.stack([c[0] for c in chunk]), "labels": torch.stack([c[1] for c in chunk])}
-
-    def state_dict(self) -> dict:
-        return {"samples_consumed": self.samples_consumed}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.samples_consumed = state["samples_consumed"]
 
 
 @dataclass
@@ -162,8 +130,8 @@ def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] 
     train_args = TrainArgs(global_batch_size=GLOBAL_BATCH, micro_batch_size=micro_batch_size, max_steps=MAX_STEPS,
                            lr_warmup_steps=2, save_interval=SAVE_INTERVAL if out_dir else None, max_norm=1.0)
     plan = info.batch
-    loader = ShardedListLoader(make_samples(), plan.micro_batch_size, runtime.data_parallel_rank,
-                               runtime.data_parallel_size)
+    loader = ListLoader(make_samples(), plan.micro_batch_size, runtime.data_parallel_rank,
+                        runtime.data_parallel_size)
     state = TrainState()
     arguments = dict(runtime=runtime, model=model, optimizer=optimizer, train_loader=loader,
                      model_config=tiny_config(), tokenizer=None, hyperparameters={"test": True})
@@ -248,23 +216,13 @@ def worker_main(suite: str, workdir: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ launcher
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                  "MASTER_ADDR", "MASTER_PORT")
-
-
-def launch(world_size: int, suite: str, workdir: Path, timeout_s: float = 150.0) -> dict:
+def launch(world_size: int, suite: str, workdir: Path, timeout_s: float = 900.0) -> dict:
     """Run ``suite`` on ``world_size`` local ranks; fail fast when any rank fails, and after timeout_s at most."""
     workdir = Path(workdir)
     # The shell's own launcher variables (torchrun, SLURM) must not leak into the ranks.
     inherited = {name: value for name, value in os.environ.items()
-                 if name not in _LAUNCHER_VARS and not name.startswith(("SLURM_", "TORCHELASTIC_", "LLMTRAIN_"))}
-    env = {**inherited, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
+                 if name not in LAUNCHER_VARS and not name.startswith(LAUNCHER_PREFIXES)}
+    env = {**inherited, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port_number()), "WORLD_SIZE": str(world_size),
            "LOCAL_WORLD_SIZE": str(world_size), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
     logs = [workdir / f"{suite}-rank{rank}.log" for rank in range(world_size)]

@@ -18,14 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
 
 from llmtrain.cli import main
 from llmtrain.checkpoint.layout import DCP_DIR
 from llmtrain.tokenizer import train_bpe_tokenizer
 
-TINY_MODEL = dict(name="tiny-bad", vocab_size=1100, padding_multiple=64, block_size=64, n_layer=2, n_head=2,
-                  n_embd=64, n_query_groups=1, intermediate_size=128)
+from conftest import write_tiny_model
 
 
 @dataclass
@@ -145,9 +143,9 @@ def _readonly_dir(inputs: Path) -> Path:
 
 
 def _make_inputs(inputs: Path) -> None:
-    (inputs / "tiny.yaml").write_text(yaml.safe_dump(TINY_MODEL))
-    (inputs / "bad_heads.yaml").write_text(yaml.safe_dump({**TINY_MODEL, "n_embd": 65}))
-    (inputs / "other.yaml").write_text(yaml.safe_dump({**TINY_MODEL, "name": "tiny-other", "n_layer": 3}))
+    write_tiny_model(inputs / "tiny.yaml")
+    write_tiny_model(inputs / "bad_heads.yaml", n_embd=65)
+    write_tiny_model(inputs / "other.yaml", name="tiny-other", n_layer=3)
     (inputs / "broken.yaml").write_text("train:\n  max_steps: [3\n")
     (inputs / "empty-texts").mkdir()
     (inputs / "empty.json").write_text("")
@@ -216,7 +214,7 @@ def results(tmp_path_factory):
         argv = [a.replace("{in}", str(inputs)).replace("{out}", str(out)).replace("{readonly}", str(readonly))
                 for a in case.argv]
         done = subprocess.run([sys.executable, "-m", "llmtrain", *argv], capture_output=True, text=True,
-                              timeout=120, env=env)
+                              timeout=600, env=env)
         return case.name, (done, out)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -230,6 +228,7 @@ def test_there_are_at_least_25_cases():
     assert len({case.name for case in CASES}) == len(CASES) >= 25
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_bad_input_is_one_paragraph_and_changes_nothing(case, results):
     outcome, _, _ = results
@@ -245,6 +244,7 @@ def test_bad_input_is_one_paragraph_and_changes_nothing(case, results):
         assert not out.exists(), f"{case.name} created {out}"
 
 
+@pytest.mark.slow
 def test_no_input_or_earlier_checkpoint_was_touched(results):
     outcome, before, after = results
     assert before == after
@@ -257,6 +257,6 @@ def test_no_input_or_earlier_checkpoint_was_touched(results):
 
 def test_debug_shows_the_traceback(tmp_path):
     done = subprocess.run([sys.executable, "-m", "llmtrain", "pretrain", "pythia-70", "--out_dir",
-                           str(tmp_path / "o"), "--debug"], capture_output=True, text=True, timeout=120)
+                           str(tmp_path / "o"), "--debug"], capture_output=True, text=True, timeout=600)
     assert done.returncode != 0 and "Traceback" in done.stderr
     assert not (tmp_path / "o").exists()

@@ -18,9 +18,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 def run_benchmark(*flags, cwd):
     return subprocess.run([sys.executable, "-m", "llmtrain", "benchmark", *flags], capture_output=True, text=True,
-                          timeout=240, env=ENV, cwd=cwd)
+                          timeout=600, env=ENV, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_short_benchmark_reports_sane_numbers_and_compares_with_the_baseline(tmp_path, capsys):
     done = run_benchmark("--short", "true", "--out_dir", str(tmp_path / "bench"), cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -48,12 +49,28 @@ def test_short_benchmark_reports_sane_numbers_and_compares_with_the_baseline(tmp
     assert [p.name for p in (tmp_path / "bench").iterdir()] == ["benchmarks.jsonl"]  # the training run is gone
 
 
-def test_short_benchmark_fails_far_below_the_baseline_and_still_records(tmp_path):
-    flags = ["--short", "true", "--micro_batch_size", "1", "--seq_len", "32", "--steps", "1", "--warmup", "1"]
+def far_below_the_baseline(tmp_path, *flags):
+    """A tiny --short run against a baseline of 1e9 tokens/s: its ratio is 0.00x."""
     key = "llama-debug|32-true|1|32|1|False|1"
     (tmp_path / "baseline.json").write_text(json.dumps({key: {"tokens_per_sec_per_device": 1e9, "commit": "x"}}))
-    done = run_benchmark(*flags, "--baseline", str(tmp_path / "baseline.json"), "--results",
-                         str(tmp_path / "r.jsonl"), "--out_dir", str(tmp_path / "bench"), cwd=tmp_path)
+    done = run_benchmark("--short", "true", "--micro_batch_size", "1", "--seq_len", "32", "--steps", "1", "--warmup",
+                         "1", "--baseline", str(tmp_path / "baseline.json"), "--results", str(tmp_path / "r.jsonl"),
+                         "--out_dir", str(tmp_path / "bench"), *flags, cwd=tmp_path)
+    return done, key
+
+
+@pytest.mark.slow
+def test_short_benchmark_reports_a_low_ratio_without_failing(tmp_path):
+    """Inside the test suite speed is reported, never a reason to fail: a busy machine is not a regression."""
+    done, _ = far_below_the_baseline(tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tokens/s vs baseline: 0.00x" in done.stdout
+
+
+@pytest.mark.slow
+def test_short_benchmark_fails_far_below_the_baseline_and_still_records(tmp_path):
+    """The separate regression check: `llmtrain benchmark --short true --fail_below 0.3`."""
+    done, key = far_below_the_baseline(tmp_path, "--fail_below", "0.3")
     assert done.returncode == 1, done.stderr[-3000:]
     assert "tokens/s vs baseline: 0.00x" in done.stdout
     assert "below 0.3x" in done.stderr and "performance regression" in done.stderr
@@ -114,6 +131,7 @@ def test_steps_after_a_save_give_the_stall_and_stay_out_of_the_step_times():
     assert _step_timing(rows, [0.0] * 7, warmup=1)["checkpoint_stall_s"] is None
 
 
+@pytest.mark.slow
 def test_async_and_sync_saves_report_their_stall(tmp_path):
     records = []
     for mode in ("false", "true"):

@@ -12,7 +12,7 @@ ENTRY = re.compile(r"^  (-[-\w.]+)(.*)$")
 def help_entries(command: list[str]) -> dict[str, str]:
     """Each option of `llmtrain COMMAND --help` with its help text (the lines up to the next option)."""
     done = subprocess.run([sys.executable, "-m", "llmtrain", *command, "--help"], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=300)
     assert done.returncode == 0, done.stderr
     entries: dict[str, str] = {}
     current = None
@@ -47,7 +47,7 @@ def test_every_flag_has_help_and_its_default(command):
 def test_flags_are_grouped_by_their_dataclass():
     """The fields of --train, --eval, --fsdp and --dry_run each sit under a heading of their own."""
     done = subprocess.run([sys.executable, "-m", "llmtrain", "pretrain", "--help"], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=300)
     heading, headings = None, {}
     for line in done.stdout.splitlines():
         if line and not line.startswith(" ") and line.endswith(":"):
@@ -62,7 +62,7 @@ def test_flags_are_grouped_by_their_dataclass():
 
 def test_pretrain_list_shows_the_zoo_with_parameter_counts():
     done = subprocess.run([sys.executable, "-m", "llmtrain", "pretrain", "list"], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=300)
     sizes = dict(line.split() for line in done.stdout.splitlines())
     assert sizes["tiny-llama-1.1b"] == "1100.0M" and sizes["pythia-160m"] == "162.3M"
     assert sizes["Llama-3.1-8B"].startswith("8030")

@@ -19,7 +19,7 @@ from llmtrain.config import MODEL_ZOO, Config
 from llmtrain.convert import ADAPTERS, adapter_for_config, ensure_model_dir, from_hf, read_hf_config, to_hf
 from llmtrain.convert.adapters import architecture_differences, config_from_hf, zoo_config
 from llmtrain.model import GPT
-from llmtrain.tokenizer import TOKENIZER_FILES, Tokenizer, train_bpe_tokenizer
+from llmtrain.tokenizer import TOKENIZER_FILES, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,12 +89,10 @@ def case_config(case: str) -> tuple[str, Config]:
 
 
 @pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory) -> Path:
+def tokenizer_dir(tiny_tokenizer) -> Path:
     texts = ["The quick brown fox jumps over the lazy dog.", "A model directory holds weights and a tokenizer.",
              "Transformers folders hold config.json and safetensors shards."] * 20
-    directory = tmp_path_factory.mktemp("tokenizer") / "tokenizer"
-    train_bpe_tokenizer(texts, vocab_size=300, out_dir=directory)
-    return directory
+    return tiny_tokenizer(texts, vocab_size=300).checkpoint_dir
 
 
 def build_hf_model(case: str, seed: int = 0):

@@ -28,8 +28,8 @@ def isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    return train_bpe_tokenizer(iter(DOCUMENTS * 5), vocab_size=400, out_dir=tmp_path_factory.mktemp("tok") / "tok")
+def tokenizer(tiny_tokenizer) -> Tokenizer:
+    return tiny_tokenizer(DOCUMENTS * 5)
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 from llmtrain.cli import main
 
+from conftest import write_tiny_model
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY_MODEL = dict(name="tiny-ft", vocab_size=1100, padding_multiple=64, block_size=128, n_layer=2, n_head=2,
-                  n_embd=64, n_query_groups=1, intermediate_size=128)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +36,7 @@ def base_model(tmp_path_factory, cache_dir):
 
     os.environ["LLMTRAIN_CACHE_DIR"] = str(cache_dir)
     root = tmp_path_factory.mktemp("base")
-    model_file = root / "tiny.yaml"
-    model_file.write_text(yaml.safe_dump(TINY_MODEL))
+    model_file = write_tiny_model(root / "tiny.yaml", block_size=128)
     main(["pretrain", "--model_config", str(model_file), "--out_dir", str(root / "run"), "--data", "BuiltinStories",
           "--data.num_documents", "300", "--data.num_val_documents", "20", "--train.global_batch_size", "4",
           "--train.micro_batch_size", "2", "--train.max_seq_length", "64", "--train.max_steps", "3",
@@ -154,7 +153,7 @@ def test_fsdp_lora_on_two_processes_matches_one(tmp_path, base_model, dist_env, 
     def run(out_dir, *extra):
         command = [sys.executable, "-m", "llmtrain", *finetune_args("finetune_lora", base_model, out_dir,
                                                                     "--train.max_steps", "4", *extra)]
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         return result.stdout
 
@@ -168,6 +167,7 @@ def test_fsdp_lora_on_two_processes_matches_one(tmp_path, base_model, dist_env, 
         torch.testing.assert_close(two[name], one[name], rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_lora_tuned_model_answers_more_builtin_items_than_its_base(tmp_path):
     """Measured, not assumed: greedy answers on held-out items of the built-in set, checked exactly.
 
@@ -177,9 +177,8 @@ def test_lora_tuned_model_answers_more_builtin_items_than_its_base(tmp_path):
     from llmtrain.evaluate import builtin_instruct_accuracy
 
     tasks = ["count_letters", "first_letter", "larger"]
-    model_file = tmp_path / "model.yaml"
-    model_file.write_text(yaml.safe_dump(dict(TINY_MODEL, n_head=4, n_query_groups=2, n_embd=128,
-                                              intermediate_size=256)))
+    model_file = write_tiny_model(tmp_path / "model.yaml", block_size=128, n_head=4, n_query_groups=2, n_embd=128,
+                                  intermediate_size=256)
     main(["pretrain", "--model_config", str(model_file), "--out_dir", str(tmp_path / "base"), "--data",
           "BuiltinStories", "--data.num_documents", "2000", "--train.global_batch_size", "16",
           "--train.micro_batch_size", "16", "--train.max_seq_length", "128", "--train.max_steps", "60",

@@ -2,21 +2,22 @@ import shutil
 
 import pytest
 import torch
-from test_model import build, hf_model, state_dict_from_hf, tiny
+from test_model import hf_model, state_dict_from_hf
 
 from llmtrain.checkpoint.files import write_model_dir
 from llmtrain.generate import generate, generate_text, load_model_dir, sample, setup, top_p_filter
 from llmtrain.model import GPT
 from llmtrain.prompts import ChatML, save_prompt_style
-from llmtrain.tokenizer import train_bpe_tokenizer
+
+from conftest import build_model, tiny_config
 
 CACHE_CASES = {
-    "mha": tiny("llama-debug", n_query_groups=4),
-    "gqa": tiny("llama-debug"),  # 4 heads, 2 groups
-    "mqa": tiny("llama-debug", n_query_groups=1),
-    "gpt-neox-partial-rope": tiny("gpt-neox-debug"),
-    "sliding-window": tiny("mistral-debug", sliding_window=5),
-    "gemma": tiny("gemma-debug"),
+    "mha": tiny_config("llama-debug", n_query_groups=4),
+    "gqa": tiny_config("llama-debug"),  # 4 heads, 2 groups
+    "mqa": tiny_config("llama-debug", n_query_groups=1),
+    "gpt-neox-partial-rope": tiny_config("gpt-neox-debug"),
+    "sliding-window": tiny_config("mistral-debug", sliding_window=5),
+    "gemma": tiny_config("gemma-debug"),
 }
 
 
@@ -29,7 +30,7 @@ class ScriptedModel(GPT):
     """A GPT whose next token is always the next one of `script`, whatever the input."""
 
     def __init__(self, script: list[int]) -> None:
-        super().__init__(tiny("llama-debug", n_layer=1))
+        super().__init__(tiny_config("llama-debug", n_layer=1))
         self.script = script
 
     def forward(self, idx, input_pos=None):
@@ -75,7 +76,7 @@ def test_cached_logits_match_the_full_forward(case):
 
 
 def test_kv_cache_is_not_state_and_leaves_training_forward_alone():
-    model = build(tiny("llama-debug"))
+    model = build_model(tiny_config("llama-debug"))
     idx = torch.randint(0, 128, (1, 12))
     before = model(idx)
     keys = set(model.state_dict())
@@ -128,7 +129,7 @@ def test_sample_draws_only_from_the_nucleus_and_top_k():
 
 @pytest.fixture(scope="module")
 def model():
-    return random_weights(GPT(tiny("llama-debug")))
+    return random_weights(GPT(tiny_config("llama-debug")))
 
 
 def test_greedy_generate_equals_the_argmax_loop_without_cache(model):
@@ -180,7 +181,7 @@ def test_prompt_too_long_errors_and_output_stops_at_block_size(model):
 
 @pytest.mark.parametrize("name", ["llama-debug", "gpt-neox-debug"])
 def test_greedy_generate_matches_transformers(name):
-    config = tiny(name, n_layer=2)
+    config = tiny_config(name, n_layer=2)
     torch.manual_seed(0)
     hf = random_weights(hf_model(config))
     hf.generation_config.eos_token_id = None  # random weights: let both run the full 20 tokens
@@ -198,11 +199,11 @@ def test_greedy_generate_matches_transformers(name):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def model_dir(tmp_path_factory, tiny_tokenizer):
     root = tmp_path_factory.mktemp("generate")
     texts = ["Llamas eat grass and hay. " * 4, "What food do llamas eat? They eat leaves.", "Alpacas hum. " * 3]
-    tokenizer = train_bpe_tokenizer(texts, vocab_size=300, out_dir=root / "tokenizer")
-    config = tiny("llama-debug", n_layer=2, block_size=256, vocab_size=tokenizer.vocab_size)
+    tokenizer = tiny_tokenizer(texts, vocab_size=300)
+    config = tiny_config("llama-debug", n_layer=2, block_size=256, vocab_size=tokenizer.vocab_size)
     model = random_weights(GPT(config), std=0.05)
     return write_model_dir(root / "final", state_dict=model.state_dict(), model_config=config,
                            hyperparameters=None, tokenizer=tokenizer)

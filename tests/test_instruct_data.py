@@ -12,7 +12,7 @@ from llmtrain.data import (
 )
 from llmtrain.data.builtin_instruct import TASK_NAMES, TASKS, check, generate_tasks, solve
 from llmtrain.prompts import ChatML, PromptStyle
-from llmtrain.tokenizer import BPE_EOS_TOKEN, Tokenizer, train_bpe_tokenizer
+from llmtrain.tokenizer import BPE_EOS_TOKEN, Tokenizer
 
 ALPACA_RECORDS = [
     {"instruction": "What is 17 + 25?", "input": "", "output": "42"},
@@ -34,9 +34,9 @@ CHAT_RECORD = {"messages": [
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+def tokenizer(tiny_tokenizer) -> Tokenizer:
     corpus = [json.dumps(r) for r in ALPACA_RECORDS] + [PromptStyle.from_name("alpaca").apply("x", input="y")]
-    return train_bpe_tokenizer(corpus * 10, vocab_size=400, out_dir=tmp_path_factory.mktemp("tok") / "tok")
+    return tiny_tokenizer(corpus * 10)
 
 
 @pytest.fixture

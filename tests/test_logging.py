@@ -12,12 +12,10 @@ import termios
 from pathlib import Path
 
 import pytest
-import yaml
 
 from llmtrain.cli import main
 
-TINY_MODEL = dict(name="tiny-log", vocab_size=1100, padding_multiple=64, block_size=64, n_layer=2, n_head=2,
-                  n_embd=64, n_query_groups=1, intermediate_size=128)
+from conftest import write_tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -26,8 +24,7 @@ def shared_cache(tmp_path_factory, monkeypatch):
 
 
 def tiny_run(tmp_path: Path, out_dir: Path, *extra: str) -> list[str]:
-    model_file = tmp_path / "tiny.yaml"
-    model_file.write_text(yaml.safe_dump(TINY_MODEL))
+    model_file = write_tiny_model(tmp_path / "tiny.yaml")
     return ["pretrain", "--model_config", str(model_file), "--out_dir", str(out_dir), "--data", "BuiltinStories",
             "--data.num_documents", "300", "--data.num_val_documents", "20", "--train.global_batch_size", "4",
             "--train.micro_batch_size", "2", "--train.max_seq_length", "32", "--eval.interval", "3",
@@ -119,7 +116,7 @@ def test_batch_logs_get_one_line_per_log_interval(tmp_path):
     out_dir = tmp_path / "run"
     command = [sys.executable, "-m", "llmtrain", *tiny_run(tmp_path, out_dir, "--train.max_steps", "6",
                                                           "--train.log_interval", "2", "--eval.interval", "100")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("step ") and "| loss " in line]
@@ -146,7 +143,7 @@ def test_a_terminal_gets_a_progress_bar_with_loss_speed_and_eta(tmp_path):
         if not chunk:
             break
         output += chunk
-    assert process.wait(timeout=120) == 0
+    assert process.wait(timeout=600) == 0
     os.close(controller)
     text = output.decode(errors="replace")
     assert "\r" in text  # the bar redraws in place

@@ -12,32 +12,10 @@ from llmtrain.model import GPT
 from llmtrain.train.loop import IGNORE_INDEX, Fit, fit, plan_horizon
 from llmtrain.train.precision import Precision
 
+from conftest import ListLoader
+
 CONFIG = dict(name="loop-test", vocab_size=64, padding_multiple=64, block_size=16, n_layer=2, n_head=2,
               n_embd=32, n_query_groups=1, intermediate_size=64)
-
-
-class ListLoader:
-    """A fixed list of samples served as micro-batches, like a data module's TrainLoader."""
-
-    def __init__(self, samples, micro_batch_size):
-        self.samples, self.micro_batch_size, self.position = samples, micro_batch_size, 0
-
-    @property
-    def epoch(self):
-        return self.position / len(self.samples)
-
-    samples_per_epoch = property(lambda self: len(self.samples))
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        chunk = [self.samples[(self.position + i) % len(self.samples)] for i in range(self.micro_batch_size)]
-        self.position += self.micro_batch_size
-        return {"input_ids": torch.stack([c[0] for c in chunk]), "labels": torch.stack([c[1] for c in chunk])}
-
-    def state_dict(self):
-        return {"position": self.position}
 
 
 def padded_samples(seed=0, n=4, length=12):

@@ -17,6 +17,8 @@ from llmtrain.lora import (
 from llmtrain.model import GPT
 from llmtrain.quantize import QUANTIZE_MODES, import_bitsandbytes, quantize_model
 
+from conftest import build_model
+
 CONFIGS = {
     "llama": Config(name="lora-llama", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, vocab_size=128,
                     padding_multiple=64, block_size=32, intermediate_size=128),
@@ -38,13 +40,6 @@ QUANTIZED_LOGITS_RTOL = {
     "llama": {"bnb.nf4": 0.09, "bnb.nf4-dq": 0.09, "bnb.fp4": 0.11, "bnb.fp4-dq": 0.11, "bnb.int8-training": 0.01},
     "neox": {"bnb.nf4": 0.13, "bnb.nf4-dq": 0.13, "bnb.fp4": 0.18, "bnb.fp4-dq": 0.18, "bnb.int8-training": 0.015},
 }
-
-
-def build(config: Config, seed: int = 0) -> GPT:
-    model = GPT(config)
-    torch.manual_seed(seed)
-    model.init_weights()
-    return model.eval()
 
 
 def all_layers(config: Config, **overrides) -> LoRAArgs:
@@ -89,7 +84,7 @@ def expected_trainable(config: Config, args: LoRAArgs) -> int:
 @pytest.mark.parametrize("name", CONFIGS)
 def test_fresh_adapters_leave_the_output_unchanged(name):
     config = CONFIGS[name]
-    base = build(config)
+    base = build_model(config)
     model = copy.deepcopy(base)
     apply_lora(model, all_layers(config, lora_dropout=0.1))
     idx = tokens(config)
@@ -100,7 +95,7 @@ def test_fresh_adapters_leave_the_output_unchanged(name):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_one_step_trains_only_the_adapters(name):
     config = CONFIGS[name]
-    model = build(config)
+    model = build_model(config)
     args = all_layers(config, lora_r=4, lora_dropout=0.05)
     apply_lora(model, args)
     mark_only_lora_trainable(model)
@@ -121,7 +116,7 @@ def test_one_step_trains_only_the_adapters(name):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_each_flag_wraps_exactly_its_layers(name, flag):
     config = CONFIGS[name]
-    model = build(config)
+    model = build_model(config)
     args = LoRAArgs(**{f: f == flag for f in FLAGS})
     if flag == "lora_head" and config.tie_embeddings:
         with pytest.raises(ValueError, match="tied"):
@@ -144,7 +139,7 @@ def test_each_flag_wraps_exactly_its_layers(name, flag):
 
 
 def test_bad_arguments_are_errors():
-    model = build(CONFIGS["llama"])
+    model = build_model(CONFIGS["llama"])
     with pytest.raises(ValueError, match="selects no layers"):
         apply_lora(model, LoRAArgs(lora_query=False, lora_value=False))
     with pytest.raises(ValueError, match="--lora_r"):
@@ -159,14 +154,14 @@ def test_bad_arguments_are_errors():
 @pytest.mark.parametrize("name", CONFIGS)
 def test_merged_model_is_a_plain_gpt_with_the_same_logits(name):
     config = CONFIGS[name]
-    model = build(config)
+    model = build_model(config)
     apply_lora(model, all_layers(config, lora_dropout=0.05))
     mark_only_lora_trainable(model)
     idx = tokens(config)
     train(model, idx, steps=3)
     with torch.no_grad():
         lora_logits = model(idx)
-        assert not torch.allclose(lora_logits, build(config)(idx), atol=1e-3)  # the adapters did learn
+        assert not torch.allclose(lora_logits, build_model(config)(idx), atol=1e-3)  # the adapters did learn
 
     merged = merge_lora(model)
     assert not any(isinstance(m, LoRALinear) for m in merged.modules())
@@ -181,7 +176,7 @@ def test_merged_model_is_a_plain_gpt_with_the_same_logits(name):
 def test_adapter_weights_round_trip(tmp_path):
     config = CONFIGS["neox"]
     args = all_layers(config)
-    model = build(config)
+    model = build_model(config)
     apply_lora(model, args)
     mark_only_lora_trainable(model)
     idx = tokens(config)
@@ -190,7 +185,7 @@ def test_adapter_weights_round_trip(tmp_path):
     assert set(adapters) == {n for n, _ in model.named_parameters() if n.endswith((".lora_A", ".lora_B"))}
     torch.save(adapters, tmp_path / "lora.pt")
 
-    restored = build(config)  # the same base weights, fresh adapters
+    restored = build_model(config)  # the same base weights, fresh adapters
     torch.manual_seed(123)
     apply_lora(restored, args)
     load_lora_state_dict(restored, torch.load(tmp_path / "lora.pt", weights_only=True))
@@ -201,7 +196,7 @@ def test_adapter_weights_round_trip(tmp_path):
         load_lora_state_dict(restored, {k: v for k, v in adapters.items() if "blocks.1" not in k})
     with pytest.raises(KeyError, match="unexpected"):
         load_lora_state_dict(restored, {**adapters, "blocks.0.attn.q_proj.base.weight": torch.zeros(1)})
-    other_rank = build(config)
+    other_rank = build_model(config)
     apply_lora(other_rank, all_layers(config, lora_r=4))
     with pytest.raises(ValueError, match="--lora_r"):
         load_lora_state_dict(other_rank, adapters)
@@ -210,7 +205,7 @@ def test_adapter_weights_round_trip(tmp_path):
 def test_plain_checkpoint_loads_into_a_model_built_with_adapters_on_meta():
     # The FSDP order: build on meta, add adapters, (shard), materialise, then load the base weights.
     config = CONFIGS["neox"]
-    base = build(config)
+    base = build_model(config)
     with torch.device("meta"):
         model = GPT(config)
     apply_lora(model, all_layers(config))
@@ -230,12 +225,13 @@ def test_plain_checkpoint_loads_into_a_model_built_with_adapters_on_meta():
 # ---- QLoRA: quantized base weights (bitsandbytes CPU backend) ------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "neox"])
 @pytest.mark.parametrize("mode", QUANTIZE_MODES)
 def test_qlora_trains_adapters_and_merges_to_a_plain_model(mode, name):
     bnb = import_bitsandbytes()
     config = CONFIGS[name]
-    base = build(config)
+    base = build_model(config)
     idx = tokens(config)
     with torch.no_grad():
         fp32_logits = base(idx)
@@ -288,7 +284,7 @@ def test_qlora_gradients_survive_an_evaluation_pass():
     # bitsandbytes repacks 4-bit weights for a gradient-less CPU kernel on the first eval forward
     # (AVX512-BF16 CPUs); quantize_model turns that off, so training after validation is unchanged.
     config = CONFIGS["llama"]
-    model = quantize_model(build(config), "bnb.nf4", compute_dtype=torch.float32)
+    model = quantize_model(build_model(config), "bnb.nf4", compute_dtype=torch.float32)
     apply_lora(model, all_layers(config))
     mark_only_lora_trainable(model)
     for module in model.modules():
@@ -314,7 +310,7 @@ def test_qlora_gradients_survive_an_evaluation_pass():
 
 def test_qlora_in_bfloat16():
     config = CONFIGS["neox"]
-    model = quantize_model(build(config), "bnb.nf4-dq", compute_dtype=torch.bfloat16, device="cpu")
+    model = quantize_model(build_model(config), "bnb.nf4-dq", compute_dtype=torch.bfloat16, device="cpu")
     # 4-bit weights are packed in uint8; everything else (biases, norms, embedding, head) is bf16.
     assert {p.dtype for p in model.parameters()} == {torch.uint8, torch.bfloat16}
     apply_lora(model, all_layers(config))
@@ -333,12 +329,12 @@ def test_qlora_in_bfloat16():
 def test_quantize_errors():
     config = CONFIGS["llama"]
     with pytest.raises(ValueError, match="bnb.nf4"):
-        quantize_model(build(config), "bnb.nf3", torch.float32)
+        quantize_model(build_model(config), "bnb.nf3", torch.float32)
     with torch.device("meta"):
         meta_model = GPT(config)
     with pytest.raises(ValueError, match="load the checkpoint"):
         quantize_model(meta_model, "bnb.nf4", torch.float32)
-    model = build(config)
+    model = build_model(config)
     apply_lora(model, LoRAArgs())
     with pytest.raises(ValueError, match="before apply_lora"):
         quantize_model(model, "bnb.nf4", torch.float32)

@@ -6,19 +6,9 @@ from llmtrain.convert import state_dict_from_hf
 from llmtrain.flops import num_parameters
 from llmtrain.model import GPT, build_rope_cache
 
+from conftest import build_model, tiny_config
+
 DEBUG_NAMES = ["llama-debug", "gpt-neox-debug", "phi-debug", "gemma-debug", "qwen2-debug", "mistral-debug"]
-
-
-def tiny(name: str, **overrides) -> Config:
-    """A zoo debug config made even smaller for fast tests."""
-    return Config.from_name(name, **{"block_size": 64, "vocab_size": 128, **overrides})
-
-
-def build(config: Config, seed: int = 0) -> GPT:
-    model = GPT(config)
-    torch.manual_seed(seed)
-    model.init_weights()
-    return model.eval()
 
 
 # ---- behaviour ------------------------------------------------------------------------------------
@@ -26,8 +16,8 @@ def build(config: Config, seed: int = 0) -> GPT:
 
 @pytest.mark.parametrize("name", DEBUG_NAMES)
 def test_forward_shape_and_causality(name):
-    config = tiny(name, sliding_window=8) if name == "mistral-debug" else tiny(name)
-    model = build(config)
+    config = tiny_config(name, sliding_window=8) if name == "mistral-debug" else tiny_config(name)
+    model = build_model(config)
     idx = torch.randint(0, config.vocab_size, (2, 24))
     logits = model(idx)
     assert logits.shape == (2, 24, config.padded_vocab_size)
@@ -41,7 +31,7 @@ def test_forward_shape_and_causality(name):
 
 
 def test_sliding_window_limits_the_context():
-    model = build(tiny("mistral-debug", n_layer=1, sliding_window=4))
+    model = build_model(tiny_config("mistral-debug", n_layer=1, sliding_window=4))
     idx = torch.randint(0, 128, (1, 16))
     changed = idx.clone()
     changed[0, 0] += 1
@@ -53,8 +43,8 @@ def test_sliding_window_limits_the_context():
 
 @pytest.mark.parametrize("n_query_groups", [4, 2, 1])  # MHA, GQA, MQA
 def test_attention_head_shapes(n_query_groups):
-    config = tiny("llama-debug", n_embd=64, n_head=4, n_query_groups=n_query_groups)
-    model = build(config)
+    config = tiny_config("llama-debug", n_embd=64, n_head=4, n_query_groups=n_query_groups)
+    model = build_model(config)
     attn = model.blocks[0].attn
     assert attn.q_proj.weight.shape == (4 * 16, 64)
     assert attn.k_proj.weight.shape == (n_query_groups * 16, 64)
@@ -64,24 +54,24 @@ def test_attention_head_shapes(n_query_groups):
 
 
 def test_head_size_independent_of_n_embd():
-    model = build(tiny("gemma-debug"))  # n_embd 128, 4 heads of 64
+    model = build_model(tiny_config("gemma-debug"))  # n_embd 128, 4 heads of 64
     assert model.blocks[0].attn.q_proj.weight.shape == (256, 128)
     assert model.blocks[0].attn.o_proj.weight.shape == (128, 256)
 
 
 def test_tied_embeddings_are_one_parameter():
-    model = build(tiny("qwen2-debug"))
+    model = build_model(tiny_config("qwen2-debug"))
     assert model.lm_head.weight is model.wte.weight
     assert num_parameters(model.config) == sum(p.numel() for p in model.parameters())
     model(torch.randint(0, 128, (1, 4))).sum().backward()
     assert model.wte.weight.grad is not None
-    assert not build(tiny("llama-debug")).config.tie_embeddings
-    assert build(tiny("llama-debug")).lm_head.weight is not build(tiny("llama-debug")).wte.weight
+    assert not build_model(tiny_config("llama-debug")).config.tie_embeddings
+    assert build_model(tiny_config("llama-debug")).lm_head.weight is not build_model(tiny_config("llama-debug")).wte.weight
 
 
 @pytest.mark.parametrize("name", DEBUG_NAMES)
 def test_meta_build_then_init_is_finite_and_deterministic(name):
-    config = tiny(name)
+    config = tiny_config(name)
     idx = torch.randint(0, config.vocab_size, (2, 16))
 
     def materialize(seed):
@@ -99,24 +89,24 @@ def test_meta_build_then_init_is_finite_and_deterministic(name):
     torch.testing.assert_close(second(idx), logits, rtol=0, atol=0)
     assert not torch.allclose(other_seed(idx), logits)
     # Same as building on CPU directly: no state is left over from the meta device.
-    torch.testing.assert_close(build(config, seed=1)(idx), logits, rtol=0, atol=0)
+    torch.testing.assert_close(build_model(config, seed=1)(idx), logits, rtol=0, atol=0)
 
 
 def test_init_weights_statistics():
     config = Config.from_name("llama-debug")
-    model = build(config)
+    model = build_model(config)
     residual_std = 0.02 / (2 * config.n_layer) ** 0.5
     assert model.wte.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert model.blocks[0].attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert model.blocks[0].attn.o_proj.weight.std().item() == pytest.approx(residual_std, rel=0.05)
     assert model.blocks[0].mlp.down_proj.weight.std().item() == pytest.approx(residual_std, rel=0.05)
     assert (model.norm_f.weight == 1).all()
-    assert (build(tiny("gemma-debug")).norm_f.weight == 0).all()  # multiplies by (1 + weight)
-    assert (build(tiny("gpt-neox-debug")).blocks[0].attn.q_proj.bias == 0).all()
+    assert (build_model(tiny_config("gemma-debug")).norm_f.weight == 0).all()  # multiplies by (1 + weight)
+    assert (build_model(tiny_config("gpt-neox-debug")).blocks[0].attn.q_proj.bias == 0).all()
 
 
 def test_rope_cache_is_not_in_the_state_dict_and_can_be_reset():
-    model = build(tiny("llama-debug"))
+    model = build_model(tiny_config("llama-debug"))
     assert not any("rope" in key for key in model.state_dict())
     expected = model.rope_cos.clone()
     model.rope_cos.zero_()
@@ -125,7 +115,7 @@ def test_rope_cache_is_not_in_the_state_dict_and_can_be_reset():
 
 
 def test_max_seq_length():
-    model = build(tiny("llama-debug"))
+    model = build_model(tiny_config("llama-debug"))
     assert model.max_seq_length == 64
     model.max_seq_length = 16
     assert model.rope_cos.shape == (16, 64)
@@ -248,15 +238,15 @@ def test_parameter_count_matches_published_size(name, published):
 # ---- logits against transformers -----------------------------------------------------------------
 
 LOGIT_CASES = {
-    "llama": tiny("llama-debug"),
-    "llama-3.2-rope-scaling": tiny("llama-debug", tie_embeddings=True, rope_base=500000.0,
+    "llama": tiny_config("llama-debug"),
+    "llama-3.2-rope-scaling": tiny_config("llama-debug", tie_embeddings=True, rope_base=500000.0,
                                    rope_scaling=dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                      original_max_seq_len=32)),
-    "mistral-sliding-window": tiny("mistral-debug", sliding_window=8),
-    "qwen2": tiny("qwen2-debug"),
-    "gemma": tiny("gemma-debug"),
-    "phi": tiny("phi-debug"),
-    "gpt-neox": tiny("gpt-neox-debug"),
+    "mistral-sliding-window": tiny_config("mistral-debug", sliding_window=8),
+    "qwen2": tiny_config("qwen2-debug"),
+    "gemma": tiny_config("gemma-debug"),
+    "phi": tiny_config("phi-debug"),
+    "gpt-neox": tiny_config("gpt-neox-debug"),
 }
 
 

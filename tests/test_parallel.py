@@ -71,6 +71,7 @@ def assert_same_training(result: dict, reference: dict, steps=range(1, worker.MA
 
 
 # ------------------------------------------------------------------------------------ parity
+@pytest.mark.slow
 def test_reference_run_learns(single):
     """Guard: the reference loss really moves, so agreeing on it means something."""
     assert single["losses"][worker.MAX_STEPS] < single["losses"][1] - 0.3
@@ -82,6 +83,7 @@ def test_reference_run_learns(single):
     ("ddp", "ddp", "replicate 2"),
     ("cpu_offload", "fsdp", "shard 2"),
 ])
+@pytest.mark.multiproc
 def test_two_ranks_match_single_process(two, single, scenario, wrapper, mesh):
     result = two[scenario]
     assert (result["wrapper"], result["mesh_shape"]) == (wrapper, mesh)
@@ -89,6 +91,7 @@ def test_two_ranks_match_single_process(two, single, scenario, wrapper, mesh):
     assert_same_training(result, single)
 
 
+@pytest.mark.multiproc
 def test_hybrid_shard_on_two_nodes_uses_a_2d_mesh_and_matches(four, single):
     result = four["hsdp"]
     assert result["sharding_strategy"] == "HYBRID_SHARD"  # the default for num_nodes > 1
@@ -97,10 +100,12 @@ def test_hybrid_shard_on_two_nodes_uses_a_2d_mesh_and_matches(four, single):
     assert_same_training(result, single)
 
 
+@pytest.mark.multiproc
 def test_activation_checkpointing_gives_the_same_losses(two):
     assert_same_training(two["activation_checkpointing"], two["full_shard"])
 
 
+@pytest.mark.multiproc
 def test_bf16_mixed_under_fsdp_uses_the_policy_and_stays_close_to_fp32(two, single):
     result = two["bf16_mixed"]
     assert result["autocast_enabled"] is False  # FSDP's MixedPrecisionPolicy casts instead
@@ -114,6 +119,7 @@ def test_bf16_mixed_under_fsdp_uses_the_policy_and_stays_close_to_fp32(two, sing
 
 
 # ------------------------------------------------------------------------------ materialize
+@pytest.mark.multiproc
 def test_sharded_meta_init_equals_single_process_init_bit_exactly(two, four):
     config = worker.uneven_tied_config()
     expected = plain_init(config, worker.SEED).state_dict()
@@ -137,6 +143,7 @@ def test_materialize_in_one_process_matches_plain_init_also_in_bf16():
 
 
 # ------------------------------------------------------------------------------- checkpoints
+@pytest.mark.multiproc
 def test_sharded_checkpoint_layout(two, workdir):
     out_dir = workdir / "two" / "sharded"
     step = out_dir / "step-00000004"
@@ -154,11 +161,13 @@ def test_sharded_checkpoint_layout(two, workdir):
     assert training_state["data"] == {"samples_consumed": 4 * worker.GLOBAL_BATCH}
 
 
+@pytest.mark.multiproc
 def test_sharded_checkpoint_from_2_ranks_resumes_on_4_ranks(four, two):
     assert four["resume_sharded"]["mesh_shape"] == "replicate 2 × shard 2"
     assert_same_training(four["resume_sharded"], two["full_shard"], steps=range(5, 9))
 
 
+@pytest.mark.multiproc
 def test_sharded_checkpoint_from_2_ranks_resumes_in_one_process(two, workdir):
     result = worker.train(Runtime(), out_dir=workdir / "one", resume_from=workdir / "two" / "sharded" / "step-00000004")
     assert_same_training(result, two["full_shard"], steps=range(5, 9))
@@ -170,17 +179,20 @@ def test_sharded_checkpoint_from_2_ranks_resumes_in_one_process(two, workdir):
     assert (workdir / "one_full" / "full" / "final" / layout.MODEL_FILE).is_file()
 
 
+@pytest.mark.multiproc
 def test_full_checkpoint_written_under_fsdp_resumes_on_4_fsdp_ranks(four, two):
     assert four["resume_full"]["mesh_shape"] == "shard 4"
     assert_same_training(four["resume_full"], two["full_shard"], steps=range(5, 9))
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("scenario", ["resume_sharded_ddp", "resume_full_ddp"])
 def test_checkpoints_written_under_fsdp_resume_under_ddp(four, two, scenario):
     assert four[scenario]["wrapper"] == "ddp"
     assert_same_training(four[scenario], two["full_shard"], steps=range(5, 9))
 
 
+@pytest.mark.multiproc
 def test_final_is_a_full_model_directory_that_loads_in_one_process(two, workdir):
     final = workdir / "two" / "sharded" / "final"
     assert checkpoint_format(final) == "full"

@@ -11,22 +11,15 @@ from safetensors.torch import load_file
 
 from llmtrain.cli import main
 
+from conftest import write_tiny_model
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY_MODEL = dict(name="tiny-test", vocab_size=1100, padding_multiple=64, block_size=64, n_layer=2, n_head=2,
-                  n_embd=64, n_query_groups=1, intermediate_size=128)
 
 
 @pytest.fixture(autouse=True)
 def shared_cache(tmp_path_factory, monkeypatch):
     """One cache for the module: the built-in tokenizer and token files are made once."""
     monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "llmtrain-cache"))
-
-
-@pytest.fixture
-def tiny_model_file(tmp_path):
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(TINY_MODEL))
-    return path
 
 
 def tiny_args(model_file, out_dir, *extra):
@@ -50,6 +43,7 @@ def val_losses(out_dir):
     return {int(r["step"]): float(r["val_loss"]) for r in read_metrics(out_dir) if r["val_loss"]}
 
 
+@pytest.mark.slow
 def test_debug_recipe_trains_and_writes_final(tmp_path):
     """The README's main job, shortened to 30 steps: val loss falls well below the start."""
     out_dir = tmp_path / "debug"
@@ -73,6 +67,7 @@ def test_debug_recipe_trains_and_writes_final(tmp_path):
     torch.testing.assert_close(model.wte.weight, saved["wte.weight"], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_resume_reproduces_uninterrupted_losses(tmp_path, tiny_model_file):
     """Stop at step 10 of 20, resume, and steps 11-20 equal the uninterrupted run's."""
     full = tmp_path / "full"
@@ -185,8 +180,7 @@ def test_seq_length_beyond_block_size(tmp_path, tiny_model_file):
 
 
 def test_tokenizer_larger_than_vocab(tmp_path):
-    small = tmp_path / "small.yaml"
-    small.write_text(yaml.safe_dump({**TINY_MODEL, "vocab_size": 256, "padding_multiple": 64}))
+    small = write_tiny_model(tmp_path / "small.yaml", vocab_size=256, padding_multiple=64)
     with pytest.raises(ValueError, match="embedding rows"):
         main(tiny_args(small, tmp_path / "o", "--train.max_steps", "1"))
 
@@ -218,6 +212,7 @@ def test_unwritable_out_dir(tmp_path, tiny_model_file):
         locked.chmod(0o700)
 
 
+@pytest.mark.slow
 def test_stops_on_epochs(tmp_path, tiny_model_file):
     out_dir = tmp_path / "epochs"
     main(tiny_args(tiny_model_file, out_dir, "--train.epochs", "0.01"))
@@ -242,11 +237,11 @@ def test_command_line_errors_are_one_message_without_traceback(tmp_path):
     import sys
 
     command = [sys.executable, "-m", "llmtrain", "pretrain", "pythia-70", "--out_dir", str(tmp_path / "o")]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert "error: Unknown model name 'pythia-70'" in result.stderr and "pythia-70m" in result.stderr
     assert "Traceback" not in result.stderr
-    debug = subprocess.run([*command, "--debug"], capture_output=True, text=True, timeout=60)
+    debug = subprocess.run([*command, "--debug"], capture_output=True, text=True, timeout=300)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
     assert not (tmp_path / "o").exists()  # nothing was written
 

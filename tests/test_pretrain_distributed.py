@@ -6,22 +6,17 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_MODEL = dict(name="tiny-dist", vocab_size=1100, padding_multiple=64, block_size=64, n_layer=2, n_head=2,
-                  n_embd=64, n_query_groups=1, intermediate_size=128)
 
 
 @pytest.fixture
-def run_cli(tmp_path, dist_env, tmp_path_factory):
-    model_file = tmp_path / "tiny.yaml"
-    model_file.write_text(yaml.safe_dump(TINY_MODEL))
+def run_cli(tiny_model_file, dist_env, tmp_path_factory):
     env = dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "dist-cache"))
 
-    def run(out_dir, *extra, timeout=180):
-        command = [sys.executable, "-m", "llmtrain", "pretrain", "--model_config", str(model_file),
+    def run(out_dir, *extra, timeout=600):
+        command = [sys.executable, "-m", "llmtrain", "pretrain", "--model_config", str(tiny_model_file),
                    "--out_dir", str(out_dir), "--data", "BuiltinStories", "--data.num_documents", "400",
                    "--data.num_val_documents", "40", "--train.global_batch_size", "8",
                    "--train.micro_batch_size", "2", "--train.max_seq_length", "32", "--train.lr_warmup_steps", "2",
@@ -79,16 +74,16 @@ def test_mismatched_devices_under_torchrun_fail_fast(tmp_path, dist_env, free_po
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_port", str(free_port()), "-m", "llmtrain", "pretrain", "llama-debug",
                "--devices", "4", "--out_dir", str(tmp_path / "o"), "--train.max_steps", "1"]
-    result = subprocess.run(command, env=dist_env, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    result = subprocess.run(command, env=dist_env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode != 0
     assert "--devices 4" in result.stdout + result.stderr
 
 
-def test_two_nodes_as_two_torchrun_commands_use_hybrid_shard(tmp_path, run_cli, dist_env, free_port, tmp_path_factory):
+def test_two_nodes_as_two_torchrun_commands_use_hybrid_shard(tmp_path, run_cli, dist_env, free_port, tmp_path_factory,
+                                                             tiny_model_file):
     """4 processes as 2 "nodes" × 2 devices, one launcher command per node: HSDP on a 2-D mesh."""
     reference = tmp_path / "reference"
     run_cli(reference, "--train.max_steps", "4")
-    model_file = tmp_path / "tiny.yaml"  # written by the run_cli fixture
     out_dir = tmp_path / "hsdp"
     env = dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "dist-cache"))
     port = free_port()
@@ -96,7 +91,7 @@ def test_two_nodes_as_two_torchrun_commands_use_hybrid_shard(tmp_path, run_cli, 
     for node_rank in (0, 1):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node_rank),
                    "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
-                   "-m", "llmtrain", "pretrain", "--model_config", str(model_file), "--out_dir", str(out_dir),
+                   "-m", "llmtrain", "pretrain", "--model_config", str(tiny_model_file), "--out_dir", str(out_dir),
                    "--devices", "2", "--num_nodes", "2", "--data", "BuiltinStories", "--data.num_documents", "400",
                    "--data.num_val_documents", "40", "--train.global_batch_size", "8", "--train.micro_batch_size",
                    "2", "--train.max_seq_length", "32", "--train.lr_warmup_steps", "2", "--train.log_interval", "1",
@@ -107,7 +102,7 @@ def test_two_nodes_as_two_torchrun_commands_use_hybrid_shard(tmp_path, run_cli, 
     outputs = []
     try:
         for node in nodes:
-            outputs.append(node.communicate(timeout=240)[0])
+            outputs.append(node.communicate(timeout=600)[0])
     finally:
         for node in nodes:
             node.kill()

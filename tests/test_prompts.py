@@ -6,7 +6,7 @@ from llmtrain.config import Config
 from llmtrain.prompts import (
     PROMPT_STYLE_FILE, Alpaca, ChatML, PromptStyle, Segment, has_prompt_style, load_prompt_style, save_prompt_style,
 )
-from llmtrain.tokenizer import BPE_EOS_TOKEN, Tokenizer, train_bpe_tokenizer
+from llmtrain.tokenizer import BPE_EOS_TOKEN, Tokenizer
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -53,9 +53,9 @@ MULTI_TURN = {
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+def tokenizer(tiny_tokenizer) -> Tokenizer:
     texts = ["<|im_start|>user\nHi<|im_end|> <end_of_turn> What is 2 + 2? 4"] * 20
-    return train_bpe_tokenizer(texts, vocab_size=300, out_dir=tmp_path_factory.mktemp("tok") / "tok")
+    return tiny_tokenizer(texts, vocab_size=300)
 
 
 def test_registry_holds_every_style() -> None:

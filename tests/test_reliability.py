@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 import faults
@@ -43,12 +42,12 @@ from llmtrain.train.precision import Precision
 from llmtrain.train import callbacks
 from llmtrain.train.signals import PREEMPTED_EXIT_CODE, Preempted
 
+from conftest import write_tiny_model
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY_MODEL = dict(name="tiny-reliable", vocab_size=1100, padding_multiple=64, block_size=64, n_layer=2, n_head=2,
-                  n_embd=64, n_query_groups=1, intermediate_size=128)
 MAX_STEPS = 20
 SAVE_INTERVAL = 4
-TEST_LIMIT_S = 150
+TEST_LIMIT_S = 900
 STOPPED = re.compile(r"stopping after step (\d+): (got SIG\w+|another rank got a stop signal)")
 
 
@@ -76,9 +75,7 @@ def tiny_args(model_file: Path, out_dir: Path, *extra: str) -> list[str]:
 
 @pytest.fixture
 def model_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.getbasetemp() / "tiny-reliable.yaml"
-    path.write_text(yaml.safe_dump(TINY_MODEL))
-    return path
+    return write_tiny_model(tmp_path_factory.getbasetemp() / "tiny-reliable.yaml")
 
 
 # ------------------------------------------------------------------------------ running processes
@@ -118,7 +115,7 @@ class Run:
     def output(self) -> str:
         return "".join(self.lines)
 
-    def wait_for(self, pattern: str, timeout: float = 60) -> re.Match:
+    def wait_for(self, pattern: str, timeout: float = 300) -> re.Match:
         """The first output line that matches ``pattern``, waiting for it to come."""
         regex, deadline = re.compile(pattern), time.monotonic() + timeout
         while True:
@@ -131,7 +128,7 @@ class Run:
                 pytest.fail(f"no line matched {pattern!r} within {timeout}s:\n{self.output}")
             time.sleep(0.02)
 
-    def wait_for_files(self, directory: Path, pattern: str, count: int = 1, timeout: float = 60) -> list[Path]:
+    def wait_for_files(self, directory: Path, pattern: str, count: int = 1, timeout: float = 300) -> list[Path]:
         """At least ``count`` files matching ``pattern`` under ``directory``, waiting while the run goes on."""
         deadline = time.monotonic() + timeout
         while len(found := sorted(directory.glob(pattern))) < count:
@@ -162,7 +159,7 @@ class Run:
         self.proc.wait(timeout=30)
         self.reader.join(timeout=10)
 
-    def finish(self, timeout: float = 120) -> int:
+    def finish(self, timeout: float = 600) -> int:
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -394,13 +391,14 @@ def test_fp16_overflow_is_the_loss_scalers_business(tmp_path, model_file):
     assert [int(r["step"]) for r in rows if r["skipped"] == "1"] == [2, 3, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["finetune_full", "finetune_lora"])
 def test_fine_tuning_resumed_ends_with_bit_identical_weights(tmp_path, model_file, recipe):
     from llmtrain.cli import main
 
     base = tmp_path / "base"
     longer = tmp_path / "tiny-128.yaml"  # instructions need a longer context
-    longer.write_text(yaml.safe_dump({**TINY_MODEL, "block_size": 128}))
+    write_tiny_model(longer, block_size=128)
     main([*tiny_args(longer, base), "--train.max_steps", "2", "--train.global_batch_size", "4"])
 
     def finetune(out_dir: Path, *extra: str) -> None:
@@ -562,6 +560,7 @@ def samples_consumed(checkpoint) -> int:
     return torch.load(checkpoint / layout.STATE_FILE, weights_only=True)["data"]["samples_consumed"] if checkpoint else 0
 
 
+@pytest.mark.slow
 def test_every_sample_of_an_epoch_is_trained_exactly_once_however_often_the_run_stops(tmp_path):
     """Signals mid-epoch and at an epoch boundary, a crash after a checkpoint: the micro-batches of the
     checkpointed steps, joined over all attempts, are the uninterrupted run's, each epoch a permutation of

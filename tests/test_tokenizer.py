@@ -15,10 +15,8 @@ CORPUS = [
 
 
 @pytest.fixture(scope="module")
-def trained_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out_dir = tmp_path_factory.mktemp("bpe") / "tokenizer"
-    train_bpe_tokenizer(iter(CORPUS), vocab_size=400, out_dir=out_dir)
-    return out_dir
+def trained_dir(tiny_tokenizer) -> Path:
+    return tiny_tokenizer(CORPUS).checkpoint_dir
 
 
 @pytest.fixture
