@@ -89,7 +89,7 @@ def outcome(argv: list[str], monkeypatch, capsys) -> tuple[str, Any]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from llmtrain.checkpoint import CONFIG_FILE
+    from llmtrain.checkpoint.layout import CONFIG_FILE
 
     directory = tmp_path_factory.mktemp("model")
     Config.from_name("llama-debug").save(directory / CONFIG_FILE)
