@@ -282,6 +282,9 @@ def build_checkpointer(state_dict_type: Literal["full", "sharded"], async_save: 
     ``arguments`` are :class:`Checkpointer`'s: runtime, out_dir, model, optimizer, train_loader,
     model_config, tokenizer, hyperparameters, scaler, write_extras, keep_last.
     """
+    if async_save and (lora or state_dict_type != "sharded"):  # before anything is built
+        raise ValueError("--fsdp.async_save true needs --fsdp.state_dict_type sharded (a full or LoRA checkpoint is "
+                         "written by rank 0 alone)")
     return Checkpointer(**arguments, format="lora" if lora else state_dict_type, async_save=async_save)
 
 
