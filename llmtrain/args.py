@@ -145,13 +145,14 @@ class BatchPlan:
         return self.micro_batch_size * self.data_parallel_size
 
 
-def batch_plan(train: TrainArgs, data_parallel_size: int) -> BatchPlan:
+def batch_plan(train: TrainArgs, data_parallel_size: int, strict: bool = True) -> BatchPlan:
     """Gradient accumulation = global batch / (data-parallel size × micro batch), exactly.
 
-    Raises a ValueError that names the flags and suggests valid values when it does not divide.
+    Raises a ValueError that names the flags and suggests valid values when it does not divide; with
+    ``strict=False`` (the dry run, which still prints the rest of the plan) the accumulation is rounded down.
     """
     per_step = data_parallel_size * train.micro_batch_size
-    if train.global_batch_size % per_step != 0:
+    if strict and train.global_batch_size % per_step != 0:
         lower = max(per_step, train.global_batch_size // per_step * per_step)
         higher = (train.global_batch_size // per_step + 1) * per_step
         micro_options = [m for m in range(1, train.micro_batch_size + 1)

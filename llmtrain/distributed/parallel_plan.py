@@ -184,9 +184,7 @@ def _batch(train: TrainArgs, data_parallel_size: int, strict: bool) -> tuple[Bat
     except ValueError as error:
         if strict:
             raise
-        per_step = data_parallel_size * train.micro_batch_size
-        return BatchPlan(train.global_batch_size, train.micro_batch_size, data_parallel_size,
-                         train.global_batch_size // per_step), str(error)
+        return batch_plan(train, data_parallel_size, strict=False), str(error)
 
 
 def resolve_device_type(accelerator: str, *, here: bool = True) -> DeviceType:
