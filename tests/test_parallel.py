@@ -238,7 +238,7 @@ def test_plan_lays_out_the_mesh_and_the_batch():
     assert (ddp.dp_replicate, ddp.dp_shard, ddp.shard_size) == (4, 1, 1)
     single = resolve("auto", FSDPArgs(), world_size=1, num_nodes=1)
     assert single.wrapper == "none" and single.mesh_shape() == {} and not single.uses_process_group
-    assert "one process" in single.describe() and "accumulation = global 64" in single.describe()
+    assert "one process" in single.describe() and "global batch 64, grad accumulation 64" in single.describe()
     one_fsdp = resolve("fsdp", FSDPArgs(cpu_offload=True), world_size=1, num_nodes=1)
     assert one_fsdp.wrapper == "fsdp" and one_fsdp.uses_process_group and one_fsdp.cpu_offload
 

@@ -115,20 +115,17 @@ class ParallelPlan:
         return " × ".join(f"{words[name]} {size}" for name, size in self.mesh_shape().items())
 
     def describe(self) -> str:
-        """The run's one-line layout."""
-        ranks = f"{self.devices} device{'s' * (self.devices > 1)} × {self.num_nodes} node{'s' * (self.num_nodes > 1)}"
-        if self.wrapper == "none":
-            layout = "one process"
-        else:
-            layout = f"{self.wrapper.upper()} {self.sharding_strategy}, mesh {self.describe_mesh()}"
+        """The run's one-line layout, e.g. "fsdp, FULL_SHARD, mesh shard 2 | world 2, micro batch 8, ...". """
+        layout = ("no data-parallel wrapper, one process" if self.wrapper == "none" else
+                  f"{self.wrapper}, {self.sharding_strategy}, mesh {self.describe_mesh()}")
         extras = [name for name, on in (("activation checkpointing", self.activation_checkpointing),
                                         ("CPU offload", self.cpu_offload)) if on]
-        batch = (f"micro {self.batch.micro_batch_size} × {self.data_parallel_size} data-parallel × "
-                 f"{self.batch.grad_accum_steps} accumulation = global {self.batch.global_batch_size}"
-                 if self.batch_problem is None else "batch does not divide")
-        world = f"{self.world_size} rank{'s' * (self.world_size > 1)}"
-        return " | ".join([f"{ranks} = {world} on {self.device_type}", ", ".join([layout, *extras]),
-                           batch, f"precision {self.precision.name}"])
+        batch = (f"micro batch {self.batch.micro_batch_size}, global batch {self.batch.global_batch_size}, "
+                 f"grad accumulation {self.batch.grad_accum_steps}" if self.batch_problem is None else
+                 "batch does not divide")
+        return " | ".join([", ".join([layout, *extras]), f"world {self.world_size}, {batch}",
+                           f"{self.devices} per node × {self.num_nodes} node{'s' * (self.num_nodes > 1)} on "
+                           f"{self.device_type}", f"precision {self.precision.name}"])
 
     # ------------------------------------------------------------------------------------ resolving
     @classmethod
