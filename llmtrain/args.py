@@ -7,7 +7,7 @@ Checks that need only these numbers live here; checks that need the world size l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Optional
 
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
@@ -22,10 +22,13 @@ class TrainArgs:
     """Write a checkpoint every this many optimizer steps (and always at the end). None: only at the end."""
     log_interval: int = 1
     """Log metrics every this many optimizer steps."""
-    global_batch_size: int = 64
-    """Samples per optimizer step, summed over all data-parallel ranks and accumulation steps."""
-    micro_batch_size: int = 4
-    """Samples per forward/backward pass on one device."""
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step, summed over all data-parallel ranks and accumulation steps. None: the
+    recipe's default (a zoo model's config_hub recipe, else 64; fine-tuning 16), rounded up to a multiple of
+    data-parallel size × micro batch so that it always divides."""
+    micro_batch_size: Optional[int] = None
+    """Samples per forward/backward pass on one device. None: the recipe's default (a zoo model's config_hub
+    recipe, else 4; fine-tuning 1)."""
     lr_warmup_steps: Optional[int] = 100
     """Linear learning-rate warmup, in optimizer steps."""
     lr_warmup_fraction: Optional[float] = None
@@ -35,7 +38,8 @@ class TrainArgs:
     max_tokens: Optional[int] = None
     """Stop after this many training tokens (input tokens, summed over all ranks)."""
     max_steps: Optional[int] = None
-    """Stop after this many optimizer steps."""
+    """Stop after this many optimizer steps. Without max_steps, max_tokens and epochs, pretraining takes the zoo
+    model's config_hub recipe's length, else one epoch."""
     max_time: Optional[float] = None
     """Stop after this many seconds of training (a checkpoint is written first)."""
     max_seq_length: Optional[int] = None
@@ -54,11 +58,11 @@ class TrainArgs:
     this many such steps in a row."""
 
     def __post_init__(self) -> None:
-        positive = ("log_interval", "global_batch_size", "micro_batch_size", "max_nonfinite_steps")
-        for name in positive:
+        for name in ("log_interval", "max_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--train.{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("save_interval", "max_steps", "max_tokens", "keep_last", "max_seq_length"):
+        for name in ("global_batch_size", "micro_batch_size", "save_interval", "max_steps", "max_tokens",
+                     "keep_last", "max_seq_length"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--train.{name} must be at least 1 or null, got {value}")
@@ -72,7 +76,8 @@ class TrainArgs:
             raise ValueError(f"--train.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
         if self.lr_decay not in ("cosine", "linear", "constant"):
             raise ValueError(f"--train.lr_decay must be cosine, linear or constant, got {self.lr_decay!r}")
-        if self.global_batch_size < self.micro_batch_size:
+        if None not in (self.global_batch_size, self.micro_batch_size) and (
+                self.global_batch_size < self.micro_batch_size):
             raise ValueError(
                 f"--train.global_batch_size {self.global_batch_size} is smaller than "
                 f"--train.micro_batch_size {self.micro_batch_size}; raise the global batch or lower the micro batch"
@@ -131,6 +136,16 @@ class FSDPArgs:
 
 
 @dataclass(frozen=True)
+class BatchDefaults:
+    """A recipe's batch sizes where the flags leave them unset (``None``)."""
+
+    global_batch_size: int = 64
+    micro_batch_size: int = 4
+    source: str = "llmtrain's default"
+    """Where they come from, for the run's log (e.g. ``config_hub/pretrain/tinyllama.yaml``)."""
+
+
+@dataclass(frozen=True)
 class BatchPlan:
     """How one optimizer step is split over ranks and micro-batches."""
 
@@ -138,6 +153,8 @@ class BatchPlan:
     micro_batch_size: int
     data_parallel_size: int
     grad_accum_steps: int
+    note: str = ""
+    """How a defaulted batch size was chosen (empty when the flags gave both)."""
 
     @property
     def samples_per_micro_step(self) -> int:
@@ -145,17 +162,35 @@ class BatchPlan:
         return self.micro_batch_size * self.data_parallel_size
 
 
-def batch_plan(train: TrainArgs, data_parallel_size: int, strict: bool = True) -> BatchPlan:
+def batch_plan(train: TrainArgs, data_parallel_size: int, strict: bool = True,
+               defaults: BatchDefaults = BatchDefaults()) -> BatchPlan:
     """Gradient accumulation = global batch / (data-parallel size × micro batch), exactly.
 
-    Raises a ValueError that names the flags and suggests valid values when it does not divide; with
-    ``strict=False`` (the dry run, which still prints the rest of the plan) the accumulation is rounded down.
+    A batch size the flags leave unset comes from ``defaults``; a defaulted global batch is rounded up to a
+    multiple of data-parallel size × micro batch, so that no default combination is refused. A global batch
+    given by the flags that does not divide raises a ValueError naming the flags and suggesting valid values;
+    with ``strict=False`` (the dry run, which still prints the rest of the plan) the accumulation is rounded down.
     """
-    per_step = data_parallel_size * train.micro_batch_size
+    micro = train.micro_batch_size or defaults.micro_batch_size
+    per_step = data_parallel_size * micro
+    note = ""
+    if train.global_batch_size is None:
+        base = max(defaults.global_batch_size, micro)
+        global_batch = -(-base // per_step) * per_step
+        note = f"batch sizes from {defaults.source}" + (
+            f", global {base} rounded up to a multiple of {data_parallel_size} ranks × micro {micro}"
+            if global_batch != base else "")
+        train = replace(train, global_batch_size=global_batch, micro_batch_size=micro)
+    elif train.micro_batch_size is None:
+        note = f"micro batch from {defaults.source}"
+        train = replace(train, micro_batch_size=micro)
+    if train.global_batch_size < micro:
+        raise ValueError(f"--train.global_batch_size {train.global_batch_size} is smaller than the micro batch {micro} "
+                         f"({defaults.source}); raise the global batch or set --train.micro_batch_size")
     if strict and train.global_batch_size % per_step != 0:
         lower = max(per_step, train.global_batch_size // per_step * per_step)
         higher = (train.global_batch_size // per_step + 1) * per_step
-        micro_options = [m for m in range(1, train.micro_batch_size + 1)
+        micro_options = [m for m in range(1, micro + 1)
                          if train.global_batch_size % (data_parallel_size * m) == 0]
         hint = f"use --train.global_batch_size {lower} or {higher}" if lower != higher else (
             f"use --train.global_batch_size {higher}")
@@ -163,11 +198,12 @@ def batch_plan(train: TrainArgs, data_parallel_size: int, strict: bool = True) -
             hint += f", or --train.micro_batch_size {micro_options[-1]}"
         raise ValueError(
             f"--train.global_batch_size {train.global_batch_size} is not divisible by data-parallel size "
-            f"{data_parallel_size} × --train.micro_batch_size {train.micro_batch_size} = {per_step}; {hint}"
+            f"{data_parallel_size} × --train.micro_batch_size {micro} = {per_step}; {hint}"
         )
     return BatchPlan(
         global_batch_size=train.global_batch_size,
-        micro_batch_size=train.micro_batch_size,
+        micro_batch_size=micro,
         data_parallel_size=data_parallel_size,
-        grad_accum_steps=train.global_batch_size // per_step,
+        grad_accum_steps=max(1, train.global_batch_size // per_step),
+        note=note,
     )

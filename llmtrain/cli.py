@@ -33,6 +33,27 @@ def _positional_to_flag(argv: list[str]) -> list[str]:
     return argv
 
 
+def _zoo_model_with_overrides(argv: list[str]) -> list[str]:
+    """``pretrain NAME --model_config.n_layer 2``: the zoo model NAME with only the fields given changed.
+
+    The zoo entry replaces ``--model_name NAME`` as a whole ``--model_config``, which the ``--model_config.FIELD``
+    flags after it then change, so a field the user did not pass keeps the zoo's value."""
+    import json
+
+    if not argv or argv[0] not in POSITIONAL or not any(a.startswith("--model_config.") for a in argv):
+        return argv
+    out = list(argv)
+    for index, arg in enumerate(out[:-1]):
+        if arg == "--model_name":
+            from llmtrain.config import MODEL_ZOO, resolve_name
+
+            canonical = resolve_name(out[index + 1])
+            entry = next(e for e in MODEL_ZOO if e["name"] == canonical)
+            out[index:index + 2] = ["--model_config", json.dumps(entry)]
+            break
+    return out
+
+
 def _bare_dry_run(argv: list[str]) -> list[str]:
     """``--dry_run`` alone (or ``--dry_run true|false``) sets ``--dry_run.enabled``; its other fields stay flags."""
     out: list[str] = []
@@ -135,19 +156,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except USER_ERRORS as error:
         if debug or not from_command_line:
             raise
-        if _reports_errors():
+        from llmtrain.distributed.launch import is_first_process
+
+        if is_first_process():  # every rank checks the same flags: rank 0 says it once, all exit 2
             hint = getattr(error, "hint", "run with --debug for the traceback")
             print(f"error: {error}\n({hint})", file=sys.stderr)
         sys.exit(2)
-
-
-def _reports_errors() -> bool:
-    """Under torchrun or srun every rank parses the same command line and checks the same flags before the
-    ranks meet, so a bad flag fails on all of them alike: rank 0 says so once, the others only exit with 2."""
-    for name in ("RANK", "SLURM_PROCID"):
-        if os.environ.get(name, "0") != "0":
-            return False
-    return True
 
 
 def _check_config_files(argv: list[str]) -> None:
@@ -182,7 +196,7 @@ def run_cli(args: list[str]) -> None:
     configure_process()
     # Field docstrings of the argument dataclasses become the flags' help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    args = _qualify_optimizer(_bare_dry_run(_positional_to_flag(args)))
+    args = _qualify_optimizer(_bare_dry_run(_zoo_model_with_overrides(_positional_to_flag(args))))
     _check_config_files(args)
     try:
         CLI(commands(), args=args, description="Pretrain and fine-tune GPT-style language models.",

@@ -154,22 +154,13 @@ class Config:
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> "Config":
-        """The zoo architecture called `name`: case-insensitive, also found by its Hugging Face
-        repository name (`TinyLlama/TinyLlama-1.1B-Chat-v1.0`); an `org/` prefix is ignored.
+        """The zoo architecture called `name`, or one of its aliases (:func:`resolve_name`): case-insensitive,
+        LitGPT's names, short names (`tiny-llama`), Hugging Face repository ids (`TinyLlama/TinyLlama-1.1B-Chat-v1.0`).
 
         Keyword arguments override fields, e.g. `Config.from_name("llama-debug", n_layer=2)`.
         """
-        key = name.split("/")[-1].lower()
-        entries = {entry["hf_config"]["name"].lower(): entry for entry in MODEL_ZOO if entry.get("hf_config")}
-        entries.update({entry["name"].lower(): entry for entry in MODEL_ZOO})
-        if key not in entries:
-            close = difflib.get_close_matches(key, entries, n=5, cutoff=0.5)
-            hint = ", ".join(dict.fromkeys(entries[c]["name"] for c in close)) or "none"
-            raise ValueError(
-                f"Unknown model name {name!r}. Closest matches: {hint}. "
-                "`llmtrain pretrain list` prints every name in the zoo."
-            )
-        return cls(**{**entries[key], **overrides})
+        canonical = resolve_name(name)
+        return cls(**{**next(e for e in MODEL_ZOO if e["name"] == canonical), **overrides})
 
     # ---- (de)serialisation ---------------------------------------------------------------------
 
@@ -412,3 +403,88 @@ MODEL_ZOO: list[dict[str, Any]] = [
     *_PYTHIA, *_SMOLLM2, *_DEBUG,
 ]
 """Every named architecture, as keyword arguments of `Config`. Add new models here."""
+
+# ------------------------------------------------------------------------------------------------
+# Aliases: the names people type. Every key is lower case and maps to the zoo names it may mean.
+# An exact zoo name wins over a short name, and a short name over a derived one (the Hugging Face
+# repository name, with or without its org, and LitGPT's spellings); two candidates of the same rank
+# make the alias ambiguous, and the error lists them.
+# ------------------------------------------------------------------------------------------------
+
+_VARIANT_MARKERS = ("-chat", "-instruct", "-it")
+
+_SHORT_NAMES: dict[str, tuple[str, ...]] = {
+    "tiny-llama": ("tiny-llama-1.1b",),
+    "tinyllama": ("tiny-llama-1.1b",),
+    "tinyllama-1.1b": ("tiny-llama-1.1b",),
+    "tiny-llama-chat": ("tiny-llama-1.1b-chat",),
+    # Without a version, Mistral 7B is the newest one.
+    "mistral-7b": ("Mistral-7B-v0.3",),
+    "mistral-7b-instruct": ("Mistral-7B-Instruct-v0.3",),
+    "phi": ("phi-2",),
+}
+
+
+def _families() -> dict[str, tuple[str, ...]]:
+    """A family name alone (`pythia`, `llama-3.2`) means its base models: one resolves, several are ambiguous."""
+    groups = {"llama-2": _LLAMA_2, "llama-3": _LLAMA_3, "llama-3.1": _LLAMA_31, "llama-3.2": _LLAMA_32,
+              "mistral": _MISTRAL, "qwen2.5": _QWEN_25, "gemma": _GEMMA, "pythia": _PYTHIA, "smollm2": _SMOLLM2}
+    return {family: tuple(e["name"] for e in entries if not any(m in e["name"].lower() for m in _VARIANT_MARKERS))
+            for family, entries in groups.items()}
+
+
+def _derived_names(entry: dict[str, Any]) -> set[str]:
+    """The Hugging Face repository name with and without its org, and LitGPT's spellings of the name."""
+    names = set()
+    hf = entry.get("hf_config") or {}
+    if hf:
+        names |= {hf["name"], f"{hf['org']}/{hf['name']}"}
+    for name in {entry["name"], *names}:
+        if name.lower().endswith("-hf"):  # Llama-2-7b-hf is LitGPT's and Meta's; llama-2-7b is what people type
+            names.add(name[: -len("-hf")])
+        if name.lower().startswith("meta-llama-3"):  # LitGPT calls Meta-Llama-3-8B Llama-3-8B
+            names.add(name[len("meta-"):])
+    return {name.lower() for name in names} - {entry["name"].lower()}
+
+
+def _alias_table() -> dict[str, tuple[str, ...]]:
+    """Every accepted key (lower case) → the zoo names it may mean, best-ranked candidates only."""
+    ranked: dict[str, dict[int, list[str]]] = {}
+
+    def add(key: str, rank: int, names: tuple[str, ...]) -> None:
+        slot = ranked.setdefault(key.lower(), {}).setdefault(rank, [])
+        slot.extend(name for name in names if name not in slot)
+
+    for entry in MODEL_ZOO:
+        add(entry["name"], 0, (entry["name"],))
+        for derived in _derived_names(entry):
+            add(derived, 2, (entry["name"],))
+    for key, names in {**_families(), **_SHORT_NAMES}.items():
+        add(key, 1, names)
+    return {key: tuple(ranks[min(ranks)]) for key, ranks in ranked.items()}
+
+
+ALIASES = _alias_table()
+"""Every name `Config.from_name` accepts (lower case), with the zoo names it may mean."""
+
+
+def resolve_name(name: str) -> str:
+    """The canonical zoo name for `name`; an unknown or ambiguous name raises ValueError naming the candidates."""
+    key = name.strip().lower()
+    if key not in ALIASES and "/" in key:  # an org we do not know, or a local path's last part
+        key = key.rsplit("/", 1)[-1]
+    candidates = ALIASES.get(key)
+    if candidates is None:
+        close = difflib.get_close_matches(key, ALIASES, n=5, cutoff=0.5)
+        hint = ", ".join(dict.fromkeys(ALIASES[c][0] if len(ALIASES[c]) == 1 else c for c in close)) or "none"
+        raise ValueError(f"Unknown model name {name!r}. Closest matches: {hint}. "
+                         "`llmtrain pretrain list` prints every name in the zoo and its aliases.")
+    if len(candidates) > 1:
+        raise ValueError(f"The model name {name!r} is ambiguous: it may mean {', '.join(candidates)}; "
+                         "pass one of them")
+    return candidates[0]
+
+
+def aliases_of(name: str) -> list[str]:
+    """The other names that resolve to zoo entry `name` alone (for `llmtrain pretrain list`)."""
+    return sorted(key for key, names in ALIASES.items() if names == (name,) and key != name.lower())

@@ -116,11 +116,22 @@ def lookup_peak_flops(device_name: str, dtype: "torch.dtype") -> Optional[float]
         key = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
     else:
         key = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    peaks = _peaks_of(device_name)
+    return None if peaks is None else peaks.get(key)
+
+
+def _peaks_of(device_name: str) -> Optional[dict[str, float]]:
+    """The PEAK_FLOPS entry of a GPU name; a whole-word match, so that "A10" matches neither "A100" nor "A10G"."""
     for pattern, peaks in PEAK_FLOPS.items():
-        # Whole-word match, so that "A10" matches neither "A100" nor "A10G".
-        if re.search(rf"(?<![A-Za-z0-9]){re.escape(pattern)}(?![A-Za-z0-9])", device_name):
-            return peaks.get(key)
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(pattern)}(?![A-Za-z0-9])", device_name, flags=re.IGNORECASE):
+            return peaks
     return None
+
+
+def gpu_has_bf16(device_name: str) -> Optional[bool]:
+    """Whether the GPU called ``device_name`` computes in bf16 (V100: no); None for a GPU not in the table."""
+    peaks = _peaks_of(device_name)
+    return None if peaks is None else "bf16" in peaks
 
 
 def device_peak_flops(device: Union[str, "torch.device"], dtype: "torch.dtype") -> Optional[float]:

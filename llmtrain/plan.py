@@ -210,7 +210,7 @@ def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_
     import shutil
 
     world = plan.world_size
-    tokens_per_step = train.global_batch_size * seq_len
+    tokens_per_step = plan.batch.global_batch_size * seq_len
     total = num_parameters(config)
     trainable = total if trainable_parameters is None else trainable_parameters
     memory = estimate_memory(config, plan, seq_len=seq_len, trainable_parameters=trainable_parameters,
@@ -234,9 +234,11 @@ def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_
         f"layout       {plan.devices} devices × {plan.num_nodes} nodes = {world} ranks on {plan.device_type}; {layout}"
         f"{'; activation checkpointing' if plan.activation_checkpointing else ''}"
         f"{'; CPU offload' if plan.cpu_offload else ''}",
-        f"precision    {precision.name} (weights {precision.param_dtype}, compute {precision.compute_dtype})",
+        f"precision    {precision.name} (weights {precision.param_dtype}, compute {precision.compute_dtype})"
+        f"{f'; auto: {precision.chosen_because}' if precision.chosen_because else ''}",
         f"batch        micro {batch.micro_batch_size} × {plan.data_parallel_size} ranks × {batch.grad_accum_steps} "
         f"accumulation steps = global {batch.global_batch_size} sequences of {seq_len} tokens"
+        f"{f' ({batch.note})' if batch.note else ''}"
         if plan.batch_problem is None else
         f"batch        PROBLEM: global {batch.global_batch_size} is no multiple of micro {batch.micro_batch_size} × "
         f"{plan.data_parallel_size} ranks (see the end)",

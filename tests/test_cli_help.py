@@ -60,9 +60,28 @@ def test_flags_are_grouped_by_their_dataclass():
     assert len({next(iter(headings[g])) for g in ("--train", "--eval", "--fsdp", "--dry_run")}) == 4
 
 
-def test_pretrain_list_shows_the_zoo_with_parameter_counts():
+def test_pretrain_list_shows_the_zoo_with_parameter_counts_and_aliases():
     done = subprocess.run([sys.executable, "-m", "llmtrain", "pretrain", "list"], capture_output=True, text=True,
                           timeout=300)
-    sizes = dict(line.split() for line in done.stdout.splitlines())
-    assert sizes["tiny-llama-1.1b"] == "1100.0M" and sizes["pythia-160m"] == "162.3M"
-    assert sizes["Llama-3.1-8B"].startswith("8030")
+    rows = {line.split()[0]: line.split(None, 3)[1:] for line in done.stdout.splitlines()[1:]}
+    assert rows["tiny-llama-1.1b"][:2] == ["1100.0M", "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T"]
+    assert rows["tiny-llama-1.1b"][2].split(", ") == ["tiny-llama", "tinyllama", "tinyllama-1.1b"]
+    assert rows["pythia-160m"][:2] == ["162.3M", "EleutherAI/pythia-160m"]
+    assert rows["Llama-3.1-8B"][0].startswith("8030")
+    assert "llama-3-8b" in rows["Meta-Llama-3-8B"][2].split(", ")
+
+
+def test_an_alias_prints_its_canonical_name_and_an_ambiguous_one_lists_the_candidates(tmp_path):
+    command = [sys.executable, "-m", "llmtrain", "pretrain", "tiny-llama", "--devices", "8", "--num_nodes", "4",
+               "--dry_run", "--out_dir", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "model        tiny-llama-1.1b: 1,100.0M parameters" in done.stdout
+    assert "8 devices × 4 nodes = 32 ranks" in done.stdout
+    assert "global 512 sequences" in done.stdout and "config_hub/pretrain/tinyllama.yaml" in done.stdout
+    done = subprocess.run([*command[:4], "qwen2.5", *command[5:]], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: The model name 'qwen2.5' is ambiguous: it may mean Qwen2.5-0.5B, Qwen2.5-1.5B, Qwen2.5-3B, "
+                      "Qwen2.5-7B, Qwen2.5-14B, Qwen2.5-32B, Qwen2.5-72B; pass one of them"], done.stderr
+    assert "Traceback" not in done.stderr

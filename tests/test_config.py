@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from llmtrain.config import MODEL_ZOO, Config
+from llmtrain.config import ALIASES, MODEL_ZOO, Config, aliases_of, resolve_name
 
 
 @pytest.mark.parametrize("name", Config.names())
@@ -51,10 +51,44 @@ def test_from_name_overrides():
 
 def test_from_name_unknown_suggests_close_names():
     with pytest.raises(ValueError, match="Llama-2-7b-hf") as error:
-        Config.from_name("llama-2-7b")
-    assert "Unknown model name 'llama-2-7b'" in str(error.value)
+        Config.from_name("llama-2-7")
+    assert "Unknown model name 'llama-2-7'" in str(error.value)
     with pytest.raises(ValueError, match="pythia-70m"):
         Config.from_name("pythia-70")
+
+
+@pytest.mark.parametrize("alias, canonical", [
+    ("tiny-llama", "tiny-llama-1.1b"), ("TinyLlama", "tiny-llama-1.1b"), ("pythia-160m", "pythia-160m"),
+    ("llama-3.2-1b", "Llama-3.2-1B"), ("llama-3-8b", "Meta-Llama-3-8B"), ("Llama-3-8B-Instruct", "Meta-Llama-3-8B-Instruct"),
+    ("mistral-7b", "Mistral-7B-v0.3"), ("qwen2.5-1.5b", "Qwen2.5-1.5B"), ("gemma-2b", "gemma-2b"), ("phi-2", "phi-2"),
+    ("smollm2-135m", "SmolLM2-135M"), ("llama-2-7b", "Llama-2-7b-hf"), ("llama-2-7b-chat", "Llama-2-7b-chat-hf"),
+    ("meta-llama/Meta-Llama-3-8B", "Meta-Llama-3-8B"), ("Qwen/Qwen2.5-7B-Instruct", "Qwen2.5-7B-Instruct"),
+])
+def test_short_names_litgpt_names_and_hub_ids_resolve(alias, canonical):
+    assert resolve_name(alias) == canonical
+    assert Config.from_name(alias).name == canonical
+
+
+def test_a_family_name_with_several_base_models_is_ambiguous_and_lists_them():
+    with pytest.raises(ValueError, match="ambiguous: it may mean Llama-3.2-1B, Llama-3.2-3B"):
+        resolve_name("llama-3.2")
+    with pytest.raises(ValueError, match="ambiguous: it may mean Mistral-7B-v0.1, Mistral-7B-v0.3"):
+        resolve_name("Mistral")
+    assert resolve_name("phi") == "phi-2"  # one base model: not ambiguous
+
+
+def test_every_alias_resolves_to_one_zoo_name_or_is_reported_ambiguous():
+    names = set(Config.names())
+    for alias, candidates in ALIASES.items():
+        assert alias == alias.lower() and set(candidates) <= names
+        if len(candidates) == 1:
+            assert resolve_name(alias) == candidates[0]
+            assert alias == candidates[0].lower() or alias in aliases_of(candidates[0])
+        else:
+            with pytest.raises(ValueError, match="ambiguous"):
+                resolve_name(alias)
+    for name in names:  # an exact zoo name always wins over an alias that happens to be spelled the same
+        assert resolve_name(name) == name
 
 
 def test_derived_sizes():

@@ -51,9 +51,9 @@ def other_value(annotation: Any, default: Any, tmp_path: Path) -> str:
         return str(next(choice for choice in get_args(annotation) if choice != default))
     if get_origin(annotation) is Union:
         options = [a for a in get_args(annotation) if a is not type(None)]
-        if default is None or bool in options:
-            return other_value(options[0], None if default is None else default, tmp_path)
-        return other_value(options[0], default, tmp_path)
+        # A default of another member (--devices auto, an int flag) asks the first member for any value.
+        fits = isinstance(options[0], type) and isinstance(default, options[0])
+        return other_value(options[0], default if fits else None, tmp_path)
     if annotation is bool:
         return "false" if default else "true"
     if annotation is int:

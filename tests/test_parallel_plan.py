@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from llmtrain.args import FSDPArgs, TrainArgs
 from llmtrain.distributed.parallel_plan import ParallelPlan
@@ -30,7 +31,8 @@ BAD_ON_TWO_DEVICES = [
     (["--train.global_batch_size", "4", "--train.micro_batch_size", "8"], "is smaller than"),
     (["--train.max_seq_length", "100000"], "--train.max_seq_length 100000 exceeds the block_size"),
     (["--accelerator", "cuda"], "--accelerator cuda: this machine sees no CUDA device"),
-    (["--devices", "0"], "--devices 0 and --num_nodes 1 must both be at least 1"),
+    (["--devices", "0"], "--devices 0 must be a number of processes per node (1 or more), or auto / -1"),
+    (["--accelerator", "gpu"], "--accelerator gpu: this machine sees no CUDA device"),
 ]
 
 # With one process these would be accepted and do nothing: refused instead.
@@ -56,6 +58,8 @@ BAD_UNDER_TORCHRUN = [
     (["--train.global_batch_size", "4", "--train.micro_batch_size", "8"], "is smaller than"),
     (["--train.max_seq_length", "100000"], "--train.max_seq_length 100000 exceeds the block_size"),
     (["--accelerator", "cuda"], "--accelerator cuda: this machine sees no CUDA device"),
+    (["--devices", "auto", "--num_nodes", "3"], "--devices auto reads 2 processes per node from the launcher, but "
+                                                "--num_nodes 3 × 2 is not the 4 it started in all; pass --num_nodes 2"),
 ]
 
 
@@ -105,6 +109,41 @@ def test_bad_combination_under_two_torchrun_nodes(flags, expected, tmp_path, dis
     assert exit_codes and all(code in (2, -15) for code in exit_codes), outputs  # -15: stopped by torchrun
     assert 2 in exit_codes
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.multiproc
+def test_the_designs_usage_line_with_the_alias_under_two_torchrun_commands(tmp_path, dist_env, free_port):
+    """`llmtrain pretrain tiny-llama --devices 2 --num_nodes 2` with the model shrunk by --model_config.* flags (the
+    zoo's other fields kept) and the zoo recipe's batch defaults; then --devices auto reads the same layout."""
+    shrink = ["--model_config.n_layer", "2", "--model_config.n_embd", "64", "--model_config.n_head", "4",
+              "--model_config.intermediate_size", "128", "--model_config.vocab_size", "4096"]
+    small = ["--data", "BuiltinStories", "--data.num_documents", "200", "--data.num_val_documents", "20",
+             "--train.max_seq_length", "32", "--train.max_steps", "2", "--train.micro_batch_size", "16",
+             "--eval.max_iters", "1", "--eval.initial_validation", "false"]
+    outputs = []
+    for devices, out in (("2", "a"), ("auto", "b")):
+        port = str(free_port())
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+                    "--master_addr", "127.0.0.1", "--master_port", port, "--rdzv_conf", "timeout=60"]
+        nodes = [subprocess.Popen([*torchrun, "--node_rank", str(node), "-m", "llmtrain", "pretrain", "tiny-llama",
+                                   "--devices", devices, "--num_nodes", "2", *shrink, *small,
+                                   "--out_dir", str(tmp_path / out)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dist_env)
+                 for node in (0, 1)]
+        outputs.append("\n".join(node.communicate(timeout=HANG_GUARD_S)[0] for node in nodes))
+        assert all(node.returncode == 0 for node in nodes), outputs[-1]
+    for output in outputs:
+        # The zoo's name, GQA and block size survive the shrinking flags; the batch comes from its recipe
+        # (global 512 = 4 ranks × micro 16 × 8 steps) and precision auto is fp32 on a CPU.
+        assert "pretrain: model tiny-llama-1.1b" in output, output
+        assert ("fsdp, HYBRID_SHARD, mesh replicate 2 × shard 2 | world 4, micro batch 16, global batch 512, "
+                "grad accumulation 8" in output), output
+        assert "precision 32-true (auto: CPU" in output, output
+    saved = yaml.safe_load((tmp_path / "a" / "final" / "model_config.yaml").read_text())
+    assert (saved["name"], saved["n_layer"], saved["n_embd"], saved["n_query_groups"], saved["block_size"]) == (
+        "tiny-llama-1.1b", 2, 64, 4, 2048)
+    assert yaml.safe_load((tmp_path / "b" / "final" / "hyperparameters.yaml").read_text())["train"][
+        "global_batch_size"] == 512  # the batch the run used, not "unset"
 
 
 # ----------------------------------------------------------------------------- the plan itself

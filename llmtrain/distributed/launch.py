@@ -132,6 +132,61 @@ def launch(entrypoint: Callable[..., None], args: tuple = (), kwargs: Optional[d
 # Deciding the path
 
 
+def is_first_process(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Rank 0 of a torchrun or srun job, or a plain process: the one that speaks before the ranks meet (every rank
+    parses the same flags, so the others stay quiet)."""
+    env = os.environ if environ is None else environ
+    return all(env.get(name, "0") == "0" for name in ("RANK", "SLURM_PROCID"))
+
+
+def resolve_devices(devices: int | str, num_nodes: int, device_type: str,
+                    environ: Optional[Mapping[str, str]] = None) -> tuple[int, str]:
+    """``--devices`` as a number of processes per node, and how ``auto`` (or ``-1``) was read ("" for a number).
+
+    ``auto``: under torchrun, the processes it started on each node; under srun with one task per device, the
+    tasks per node; otherwise every GPU this node sees (one process on a CPU, or with one srun task per node,
+    which spawns them).
+    """
+    env = os.environ if environ is None else environ
+    if devices not in ("auto", -1):
+        if isinstance(devices, str) or devices < 1:
+            raise ValueError(f"--devices {devices} must be a number of processes per node (1 or more), or auto / -1 "
+                             "for every GPU of the node")
+        return devices, ""
+    if num_nodes < 1:
+        raise ValueError(f"--num_nodes {num_nodes} must be at least 1")
+    if "TORCHELASTIC_RUN_ID" in env or all(name in env for name in _TORCHRUN_VARS):
+        world = int(env.get("WORLD_SIZE", "1"))
+        if env.get("LOCAL_WORLD_SIZE"):
+            per_node = int(env["LOCAL_WORLD_SIZE"])
+            if per_node * num_nodes != world:
+                fix = f"pass --num_nodes {world // per_node}" if world % per_node == 0 else "pass --devices N"
+                raise ValueError(f"--devices {devices} reads {per_node} processes per node from the launcher, but "
+                                 f"--num_nodes {num_nodes} × {per_node} is not the {world} it started in all; {fix}")
+            return per_node, "the processes the launcher started on this node"
+        if world % num_nodes:
+            raise ValueError(f"--devices {devices}: the launcher started {world} processes, which --num_nodes "
+                             f"{num_nodes} does not divide; pass --num_nodes to match, or --devices N")
+        return world // num_nodes, f"{world} processes over {num_nodes} node(s)"
+    if all(name in env for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID")):
+        tasks = _first_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS") or 1
+        nodes = _first_int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
+        if tasks % nodes:
+            raise ValueError(f"--devices {devices}: SLURM runs {tasks} tasks on {nodes} nodes, which does not divide; "
+                             "use --ntasks-per-node, or pass --devices N")
+        if tasks // nodes > 1:
+            return tasks // nodes, "SLURM's tasks per node"
+    if device_type == "cuda":
+        import torch
+
+        count = torch.cuda.device_count()
+        if count < 1:
+            raise ValueError(f"--devices {devices}: this node sees no GPU; pass --accelerator cpu, or check "
+                             "CUDA_VISIBLE_DEVICES")
+        return count, "every GPU of this node"
+    return 1, "one process on a CPU"
+
+
 def plan_launch(devices: int, num_nodes: int, environ: Optional[Mapping[str, str]] = None) -> LaunchPlan:
     """Decide from the environment alone how the ``devices × num_nodes`` processes come about.
 

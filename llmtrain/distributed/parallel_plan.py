@@ -25,8 +25,8 @@ from typing import Literal, Optional
 
 import torch
 
-from llmtrain.args import BatchPlan, FSDPArgs, TrainArgs, batch_plan
-from llmtrain.train.precision import Precision
+from llmtrain.args import BatchDefaults, BatchPlan, FSDPArgs, TrainArgs, batch_plan
+from llmtrain.train.precision import Precision, resolve_precision
 
 Wrapper = Literal["none", "ddp", "fsdp"]
 DeviceType = Literal["cpu", "cuda"]
@@ -125,26 +125,29 @@ class ParallelPlan:
                  "batch does not divide")
         return " | ".join([", ".join([layout, *extras]), f"world {self.world_size}, {batch}",
                            f"{self.devices} per node × {self.num_nodes} node{'s' * (self.num_nodes > 1)} on "
-                           f"{self.device_type}", f"precision {self.precision.name}"])
+                           f"{self.device_type}", f"precision {self.precision.describe()}"])
 
     # ------------------------------------------------------------------------------------ resolving
     @classmethod
     def resolve(cls, *, devices: int, num_nodes: int, train: TrainArgs, precision: Precision | str,
                 strategy: str = "auto", fsdp: Optional[FSDPArgs] = None, accelerator: str = "auto",
-                device_type: Optional[DeviceType] = None, strict_batch: bool = True) -> "ParallelPlan":
+                device_type: Optional[DeviceType] = None, strict_batch: bool = True,
+                batch_defaults: BatchDefaults = BatchDefaults(), gpu: Optional[str] = None) -> "ParallelPlan":
         """Check the flags against each other and lay the run out; a bad combination raises ``ValueError``.
 
         ``device_type`` overrides what ``accelerator`` resolves to on this machine (the dry run plans for
-        GPUs it does not have). With ``strict_batch=False`` a batch that does not divide is recorded in
-        ``batch_problem`` instead of raised, so that the dry run can still print the rest of the plan.
+        GPUs it does not have, ``gpu`` names the one it plans for). With ``strict_batch=False`` a batch that
+        does not divide is recorded in ``batch_problem`` instead of raised, so that the dry run can still print
+        the rest of the plan. ``batch_defaults`` fill the batch sizes the flags leave unset.
         """
         fsdp = fsdp or FSDPArgs()
-        precision = precision if isinstance(precision, Precision) else Precision(precision)
         if devices < 1 or num_nodes < 1:
             raise ValueError(f"--devices {devices} and --num_nodes {num_nodes} must both be at least 1")
         if strategy not in STRATEGIES:
             raise ValueError(f"--strategy {strategy!r} must be one of {', '.join(STRATEGIES)}")
         device_type = device_type or resolve_device_type(accelerator)
+        if not isinstance(precision, Precision):
+            precision = resolve_precision(precision, device_type, gpu=gpu)
         world = devices * num_nodes
         wrapper, sharding = _wrapper(strategy, fsdp, world, num_nodes)
         _check_single_process_flags(wrapper, fsdp, strategy)
@@ -152,7 +155,7 @@ class ParallelPlan:
             raise ValueError("--fsdp.cpu_offload needs a sharded strategy; DDP (NO_SHARD) keeps every weight on the "
                              "device. Use --fsdp.sharding_strategy FULL_SHARD, or drop --fsdp.cpu_offload")
         dp_replicate, dp_shard = _data_parallel_dims(sharding, world, num_nodes)
-        batch, batch_problem = _batch(train, dp_replicate * dp_shard, strict_batch)
+        batch, batch_problem = _batch(train, dp_replicate * dp_shard, strict_batch, batch_defaults)
         plan = cls(devices=devices, num_nodes=num_nodes, dp_replicate=dp_replicate, dp_shard=dp_shard,
                    wrapper=wrapper, sharding_strategy=sharding, batch=batch, precision=precision,
                    device_type=device_type, activation_checkpointing=fsdp.activation_checkpointing,
@@ -175,13 +178,14 @@ class ParallelPlan:
             raise ValueError(f"tensor parallelism of degree {self.tp} must fit in one node of {self.devices} devices")
 
 
-def _batch(train: TrainArgs, data_parallel_size: int, strict: bool) -> tuple[BatchPlan, Optional[str]]:
+def _batch(train: TrainArgs, data_parallel_size: int, strict: bool,
+           defaults: BatchDefaults) -> tuple[BatchPlan, Optional[str]]:
     try:
-        return batch_plan(train, data_parallel_size), None
+        return batch_plan(train, data_parallel_size, defaults=defaults), None
     except ValueError as error:
         if strict:
             raise
-        return batch_plan(train, data_parallel_size, strict=False), str(error)
+        return batch_plan(train, data_parallel_size, strict=False, defaults=defaults), str(error)
 
 
 def resolve_device_type(accelerator: str, *, here: bool = True) -> DeviceType:

@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from llmtrain.args import EvalArgs, TrainArgs
+from llmtrain.args import BatchDefaults, EvalArgs, TrainArgs
 from llmtrain.checkpoint import layout
 from llmtrain.checkpoint.lora import merge_lora_checkpoint
 from llmtrain.checkpoint.model_dir import check_model_dir
@@ -23,11 +23,13 @@ from llmtrain.checkpoint.resume import resolve_resume
 from llmtrain.recipes import checks, hparams
 from llmtrain.recipes.flags import shared_flags, with_defaults
 from llmtrain.recipes.run import prepare
-from llmtrain.train.precision import Precision
+from llmtrain.distributed.parallel_plan import resolve_device_type
+from llmtrain.train.precision import Precision, resolve_precision
 
 QuantizeName = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8-training"]
 
-FINETUNE_TRAIN = TrainArgs(global_batch_size=16, micro_batch_size=1, epochs=1.0, lr_warmup_steps=100,
+FINETUNE_BATCH = BatchDefaults(global_batch_size=16, micro_batch_size=1, source="fine-tuning's defaults")
+FINETUNE_TRAIN = TrainArgs(epochs=1.0, lr_warmup_steps=100,
                            save_interval=1000, log_interval=1, min_lr=6e-5)
 FINETUNE_EVAL = EvalArgs(interval=100, max_iters=100)
 FINETUNE_DEFAULTS = {"train": FINETUNE_TRAIN, "eval": FINETUNE_EVAL, "seed": 1337}
@@ -56,7 +58,8 @@ def setup_full(checkpoint_dir: Path, prompt_style: Optional[str] = None, **flags
               docs={**FINETUNE_DOCS, "seed": "Seed for adapter init, data order and dropout.",
                     "out_dir": "Where adapter checkpoints, `final/` (the merged model and the adapters) and "
                                "metrics.csv go.",
-                    "precision": "32-true, bf16-mixed, bf16-true, 16-mixed or 16-true. With --quantize: a `-true` one.",
+                    "precision": "auto, 32-true, bf16-mixed, bf16-true, 16-mixed or 16-true. With --quantize: a `-true` one "
+                                 "(auto: bf16-true on a GPU with bf16, 16-true on an older one, 32-true on a CPU).",
                     "fsdp": "FSDP settings: sharding strategy, activation checkpointing, CPU offload. Adapter "
                             "checkpoints are small and always written in full."})
 def setup_lora(
@@ -82,7 +85,8 @@ def setup_lora(
         prompt_style: How prompts are formatted (alpaca, chatml, llama3, ...). Default: the checkpoint's own
             prompt_style.yaml, else the model family's.
         quantize: QLoRA: keep the frozen base weights in bitsandbytes layers (bnb.nf4, bnb.nf4-dq, bnb.fp4,
-            bnb.fp4-dq, bnb.int8-training); adapters train in the precision's dtype. One device only.
+            bnb.fp4-dq, bnb.int8-training); adapters train in the precision's dtype. One device only (--devices
+            auto means one).
         lora_r: Rank of the adapters.
         lora_alpha: Scale: the update is multiplied by lora_alpha / lora_r.
         lora_dropout: Dropout on the adapters' input.
@@ -98,6 +102,10 @@ def setup_lora(
                     lora_key=lora_key, lora_value=lora_value, lora_projection=lora_projection, lora_mlp=lora_mlp,
                     lora_head=lora_head)
     if quantize is not None:
+        if flags["devices"] in ("auto", -1):  # a quantized base runs on one device; auto means that one
+            flags["devices"] = 1
+        if flags["precision"] == "auto":  # quantized layers compute in one dtype: the -true of auto's choice
+            flags["precision"] = resolve_precision("auto", resolve_device_type(flags["accelerator"])).unmixed().name
         world = flags["devices"] * flags["num_nodes"]
         if world > 1 or flags["strategy"] != "auto":
             raise ValueError(f"--quantize {quantize} runs on one device without a data-parallel wrapper: "
@@ -131,7 +139,7 @@ def _finetune(recipe: str, checkpoint_dir: Path, prompt_style: Optional[str], fl
         resume_from = resolve_resume(flags["resume"], flags["out_dir"], None)
     prepare(recipe, flags, config=config, resume_from=resume_from, initial_checkpoint_dir=checkpoint_dir,
             lora=lora, quantize=quantize, prompt_style=prompt_style, hyperparameters=hyperparameters,
-            trainable_parameters=None if lora is None else lora_trainable_parameters(config, lora))
+            batch_defaults=FINETUNE_BATCH, trainable_parameters=None if lora is None else lora_trainable_parameters(config, lora))
 
 
 def merge_lora(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> None:

@@ -36,15 +36,19 @@ class Flag:
 
 SHARED_FLAGS = (
     Flag("out_dir", Path, Path("out"), "Where checkpoints (`step-NNNNNNNN/`, `final/`) and metrics.csv go."),
-    Flag("precision", PrecisionName, "32-true", "32-true, bf16-mixed, bf16-true, 16-mixed or 16-true."),
+    Flag("precision", PrecisionName, "auto", "auto (bf16-mixed on a GPU with bf16, 16-mixed on an older GPU, 32-true "
+         "on a CPU; the run prints its choice), 32-true, bf16-mixed, bf16-true, 16-mixed or 16-true."),
     Flag("resume", ResumeArg, False, "Continue this run: `auto` (the newest intact checkpoint in out_dir, if "
          "any), `true` (one must exist) or a checkpoint path."),
     Flag("data", Optional[DataModule], None, "The data module, e.g. `--data TextFiles --data.train_data_path DIR`."),
-    Flag("train", TrainArgs, TrainArgs(), "Training length, batch sizes, schedule and clipping."),
+    Flag("train", TrainArgs, TrainArgs(), "Training length, batch sizes, schedule and clipping. Batch sizes left "
+         "unset come from the zoo model's config_hub recipe (else global 64, micro 4; fine-tuning 16 and 1), the "
+         "global one rounded up to a multiple of data-parallel size × micro batch, so that it always divides."),
     Flag("eval", EvalArgs, EvalArgs(), "Validation settings."),
     Flag("optimizer", OptimizerArg, "torch.optim.AdamW", "A torch.optim class name (`AdamW`, torch defaults) or "
          "`--optimizer CLASS --optimizer.lr 3e-4 ...` with its arguments."),
-    Flag("devices", int, 1, "Processes (devices) per node."),
+    Flag("devices", Union[int, Literal["auto"]], "auto", "Processes (devices) per node: a number, or auto / -1: "
+         "every GPU of the node (one process on a CPU); under torchrun or srun, the processes it starts per node."),
     Flag("num_nodes", int, 1, "Number of nodes."),
     Flag("accelerator", Accelerator, "auto", "Where to train: auto (a GPU if there is one), cpu, cuda or gpu."),
     Flag("strategy", StrategyName, "auto", "Data parallelism: auto (FSDP when there is more than one process, "

@@ -11,6 +11,7 @@ from llmtrain.data import BuiltinStories
 from llmtrain.checkpoint.resume import resolve_resume
 from llmtrain.recipes import checks, hparams
 from llmtrain.recipes.flags import shared_flags, with_defaults
+from llmtrain.recipes.hub import pretrain_batch_defaults, with_default_length
 from llmtrain.recipes.run import prepare
 
 
@@ -53,14 +54,22 @@ def setup(
     if initial_checkpoint_dir is not None:
         initial_checkpoint_dir = ensure_model_dir(Path(initial_checkpoint_dir))  # a transformers folder works too
     config = checks.resolve_model_config(model_name, model_config, initial_checkpoint_dir)
+    zoo_name = config.name if config.name in Config.names() else None
+    flags["train"] = with_default_length(flags["train"], zoo_name)
     prepare("pretrain", flags, config=config, resume_from=resume_from, initial_checkpoint_dir=initial_checkpoint_dir,
-            tokenizer_dir=tokenizer_dir, hyperparameters=hyperparameters)
+            tokenizer_dir=tokenizer_dir, hyperparameters=hyperparameters,
+            batch_defaults=pretrain_batch_defaults(zoo_name))
 
 
 def print_zoo() -> None:
-    """The zoo, one name per line with its size (computed from the config, no weights built)."""
+    """The zoo, one name per line: size (computed from the config, no weights built), Hugging Face id, aliases."""
+    from llmtrain.config import aliases_of
     from llmtrain.flops import num_parameters
 
+    print(f"{'name':<28} {'parameters':>10}  {'Hugging Face id':<52} aliases (any case)")
     for name in Config.names():
         config = Config.from_name(name)
-        print(f"{name:<28} {num_parameters(config) / 1e6:>10.1f}M")
+        hf = f"{config.hf_config['org']}/{config.hf_config['name']}" if config.hf_config else "-"
+        short = [alias for alias in aliases_of(name) if "/" not in alias and alias != config.hf_config.get(
+            "name", "").lower()]
+        print(f"{name:<28} {num_parameters(config) / 1e6:>9.1f}M  {hf:<52} {', '.join(short)}".rstrip())

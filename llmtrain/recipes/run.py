@@ -11,21 +11,21 @@ fine-tuning recipes, and calls the one ``fit()``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
 from llmtrain import plan as planning
-from llmtrain.args import EvalArgs, FSDPArgs, TrainArgs
+from llmtrain.args import BatchDefaults, EvalArgs, FSDPArgs, TrainArgs
 from llmtrain.config import Config
 from llmtrain.data.base import DataModule
 from llmtrain.checkpoint import layout
 from llmtrain.checkpoint.checkpointer import Checkpointer, build_checkpointer
 from llmtrain.checkpoint.lora import write_lora_settings
 from llmtrain.checkpoint.size import check_disk_space
-from llmtrain.distributed.launch import launch, plan_launch
+from llmtrain.distributed.launch import is_first_process, launch, plan_launch, resolve_devices
 from llmtrain.distributed.parallel_plan import ParallelPlan, resolve_device_type
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.distributed.runtime import Runtime, configure_process
@@ -74,28 +74,33 @@ class RunSpec:
 def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: Optional[Path],
             initial_checkpoint_dir: Optional[Path] = None, tokenizer_dir: Optional[Path] = None,
             lora: Optional[LoRAArgs] = None, quantize: Optional[str] = None, prompt_style: Optional[str] = None,
-            trainable_parameters: Optional[int] = None, hyperparameters: dict) -> None:
+            trainable_parameters: Optional[int] = None, hyperparameters: dict,
+            batch_defaults: BatchDefaults = BatchDefaults()) -> None:
     """Check everything cheap, then print the dry run or launch ``run`` on every rank.
 
-    ``flags`` are the shared recipe flags (llmtrain.recipes.flags). Every bad combination raises
+    ``flags`` are the shared recipe flags (llmtrain.recipes.flags); ``batch_defaults`` fill the batch sizes
+    they leave unset. Every bad combination raises
     ``ValueError`` here, before any worker, tokenizer or model exists; under torchrun or srun every rank
     raises the same one before the process group is created.
     """
     train, fsdp, dry = flags["train"], flags["fsdp"], flags["dry_run"]
     seq_len = checks.check_seq_len(train, config)
+    devices = _devices(flags, dry)
+    layout = dict(devices=devices, num_nodes=flags["num_nodes"], train=train, precision=flags["precision"],
+                  strategy=flags["strategy"], fsdp=fsdp, batch_defaults=batch_defaults)
     if dry.requested:
-        plan = ParallelPlan.resolve(devices=flags["devices"], num_nodes=flags["num_nodes"], train=train,
-                                    precision=flags["precision"], strategy=flags["strategy"], fsdp=fsdp,
-                                    device_type=dry.device_type or resolve_device_type(flags["accelerator"], here=False),
-                                    strict_batch=False)
-        planning.dry_run(recipe=recipe, config=config, plan=plan, train=train, seq_len=seq_len, dry=dry,
-                         fsdp=fsdp, out_dir=flags["out_dir"], quantize=quantize,
+        plan = ParallelPlan.resolve(**layout, device_type=dry.device_type or resolve_device_type(
+            flags["accelerator"], here=False), gpu=dry.gpu, strict_batch=False)
+        planning.dry_run(recipe=recipe, config=config, plan=plan, train=_with_batch(train, plan), seq_len=seq_len,
+                         dry=dry, fsdp=fsdp, out_dir=flags["out_dir"], quantize=quantize,
                          trainable_parameters=trainable_parameters)
         return
-    plan_launch(flags["devices"], flags["num_nodes"])  # the launcher's environment agrees with the flags
-    plan = ParallelPlan.resolve(devices=flags["devices"], num_nodes=flags["num_nodes"], train=train,
-                                precision=flags["precision"], strategy=flags["strategy"], fsdp=fsdp,
-                                accelerator=flags["accelerator"])
+    plan_launch(devices, flags["num_nodes"])  # the launcher's environment agrees with the flags
+    plan = ParallelPlan.resolve(**layout, accelerator=flags["accelerator"])
+    train = _with_batch(train, plan)
+    if isinstance(hyperparameters.get("train"), dict):  # the checkpoint records the batch this run used
+        hyperparameters["train"].update(global_batch_size=train.global_batch_size,
+                                        micro_batch_size=train.micro_batch_size)
     check_disk_space(flags["out_dir"], config, plan.precision, trainable_parameters=trainable_parameters)
     flags["data"].validate()
     spec = RunSpec(recipe=recipe, config=config, out_dir=Path(flags["out_dir"]), plan=plan, data=flags["data"],
@@ -108,6 +113,24 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
         raise ValueError("--fsdp.async_save is for sharded checkpoints; LoRA checkpoints hold only the "
                          "adapters and are written by rank 0: drop --fsdp.async_save")
     launch(run, args=(spec,), devices=plan.devices, num_nodes=plan.num_nodes)
+
+
+def _devices(flags: dict[str, Any], dry: planning.DryRunArgs) -> int:
+    """``--devices`` as a number: ``auto`` / ``-1`` read from the launcher or this node's GPUs (said once)."""
+    if dry.requested and dry.gpu is not None and flags["devices"] in ("auto", -1) and not torch.cuda.is_available():
+        print(f"--devices {flags['devices']}: this machine has no {dry.gpu} to count, so the plan is for one per node; "
+              "pass --devices N for a full node")
+        return 1
+    device_type = resolve_device_type(flags["accelerator"], here=not dry.requested)
+    devices, how = resolve_devices(flags["devices"], flags["num_nodes"], device_type)
+    if how and not (devices == 1 and device_type == "cpu") and is_first_process():
+        print(f"--devices {flags['devices']}: {devices} per node ({how})")
+    return devices
+
+
+def _with_batch(train: TrainArgs, plan: ParallelPlan) -> TrainArgs:
+    """``train`` with the batch sizes the plan chose where the flags left them unset."""
+    return replace(train, global_batch_size=plan.batch.global_batch_size, micro_batch_size=plan.batch.micro_batch_size)
 
 
 def run(spec: RunSpec) -> None:

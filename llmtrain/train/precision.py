@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
 
 import torch
 
-PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"]
+PrecisionName = Literal["auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"]
 PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
 
 
@@ -17,10 +17,20 @@ class Precision:
     """``*-mixed``: fp32 weights and optimizer, low-precision compute. ``*-true``: everything in that dtype."""
 
     name: str
+    chosen_because: str = field(default="", compare=False)
+    """Why ``--precision auto`` chose this one (empty when the flag named it)."""
 
     def __post_init__(self) -> None:
         if self.name not in PRECISIONS:
-            raise ValueError(f"--precision {self.name!r} is not one of {', '.join(PRECISIONS)}")
+            raise ValueError(f"--precision {self.name!r} is not one of auto, {', '.join(PRECISIONS)}")
+
+    def unmixed(self) -> "Precision":
+        """The same compute dtype for everything: bf16-mixed → bf16-true, 16-mixed → 16-true."""
+        return replace(self, name=self.name.replace("-mixed", "-true"))
+
+    def describe(self) -> str:
+        """ "bf16-mixed (auto: the GPU computes in bf16)" """
+        return f"{self.name} (auto: {self.chosen_because})" if self.chosen_because else self.name
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -51,3 +61,30 @@ class Precision:
         if self.name == "16-mixed":
             return torch.amp.GradScaler(device.type)
         return None
+
+
+def resolve_precision(name: str, device_type: str, gpu: Optional[str] = None) -> Precision:
+    """``auto``: bf16-mixed on a GPU with bf16, 16-mixed on an older GPU, 32-true on a CPU.
+
+    ``gpu`` names a GPU that this machine need not have (the dry run plans for it); otherwise the GPU here is
+    asked. A GPU this machine neither has nor knows by name is assumed to compute in bf16, as every data-centre
+    GPU since the A100 does.
+    """
+    if name != "auto":
+        return Precision(name)
+    if device_type != "cuda":
+        return Precision("32-true", chosen_because="CPU: low-precision autocast there is slower than fp32")
+    if gpu is not None:
+        from llmtrain.flops import gpu_has_bf16
+
+        bf16 = gpu_has_bf16(gpu)
+        where = f"the {gpu}"
+    elif torch.cuda.is_available():
+        bf16 = torch.cuda.is_bf16_supported()
+        where = torch.cuda.get_device_name()
+    else:
+        bf16, where = None, "an unknown GPU"
+    if bf16 is False:
+        return Precision("16-mixed", chosen_because=f"{where} has no bf16, so fp16 with loss scaling")
+    return Precision("bf16-mixed", chosen_because=f"{where} computes in bf16" if bf16 else
+                     f"{where}, assumed to compute in bf16")
