@@ -5,6 +5,7 @@ The pieces, each usable alone:
 - `sample`: one token from the logits (greedy, temperature, top-k, top-p).
 - `generate`: token ids in, token ids out; one prefill of the prompt, then one token per step.
 - `load_model_dir` (from llmtrain.checkpoint.model_dir): model, config, tokenizer and prompt style.
+- `load_for_generation`: the same on the device and in the precision the flags ask for (also `llmtrain chat`'s).
 - `generate_text`: a prompt string in, the completion out (what fine-tuning prints during validation).
 - `setup`: the command line.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from llmtrain.model import GPT
     from llmtrain.prompts import PromptStyle
     from llmtrain.tokenizer import Tokenizer
+    from llmtrain.train.precision import Precision
 
 
 class PromptTooLongError(ValueError):
@@ -66,17 +68,8 @@ def setup(
         seed: Seed of the sampler.
         raw: Give the prompt to the model as it is, without the prompt style's template.
     """
-    from llmtrain.distributed.runtime import pick_device
-    from llmtrain.train.precision import Precision
-
-    device = pick_device(accelerator, local_rank=0)
-    precision_setting = Precision(precision or default_precision(device))
-    started = time.perf_counter()
-    model, _, tokenizer, prompt_style = load_model_dir(
-        checkpoint_dir, device=device, dtype=precision_setting.param_dtype, quantize=quantize
-    )
-    print(f"Loaded {checkpoint_dir} in {time.perf_counter() - started:.2f} s", file=sys.stderr)
-
+    model, tokenizer, prompt_style, device, precision_setting = load_for_generation(
+        checkpoint_dir, quantize=quantize, precision=precision, accelerator=accelerator)
     text = prompt if raw else prompt_style.apply(prompt)
     prompt_ids = torch.tensor(tokenizer.encode(text), dtype=torch.long, device=device)
     stop_tokens = prompt_style.stop_tokens(tokenizer) if not raw else ()
@@ -97,6 +90,36 @@ def setup(
               f"{len(new_ids) / elapsed:.2f} tokens/s", file=sys.stderr)
     if device.type == "cuda":
         print(f"Memory used: {torch.cuda.max_memory_allocated(device) / 1e9:.2f} GB", file=sys.stderr)
+
+
+class LoadedModel(NamedTuple):
+    """A model directory ready to generate from."""
+
+    model: GPT
+    tokenizer: Tokenizer
+    prompt_style: PromptStyle
+    device: torch.device
+    precision: Precision
+
+
+def load_for_generation(checkpoint_dir: Path, *, quantize: Optional[QuantizeMode] = None,
+                        precision: Optional[PrecisionName] = None,
+                        accelerator: Literal["auto", "cpu", "cuda"] = "auto") -> LoadedModel:
+    """The model directory on the device `accelerator` picks, in `precision` (default: `default_precision`).
+
+    Says on stderr how long loading took. The flags have the meaning of `llmtrain generate`'s.
+    """
+    from llmtrain.distributed.runtime import pick_device
+    from llmtrain.train.precision import Precision
+
+    device = pick_device(accelerator, local_rank=0)
+    precision_setting = Precision(precision or default_precision(device))
+    started = time.perf_counter()
+    model, _, tokenizer, prompt_style = load_model_dir(
+        checkpoint_dir, device=device, dtype=precision_setting.param_dtype, quantize=quantize
+    )
+    print(f"Loaded {checkpoint_dir} in {time.perf_counter() - started:.2f} s", file=sys.stderr)
+    return LoadedModel(model, tokenizer, prompt_style, device, precision_setting)
 
 
 # ------------------------------------------------------------------------------------------ sampling
@@ -161,13 +184,15 @@ def generate(
     stop_tokens: Sequence[Sequence[int]] = (),
     eos_id: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
+    on_token: Optional[Callable[[int], None]] = None,
 ) -> torch.Tensor:
     """Continue `prompt` (T,) by up to `max_new_tokens` tokens; returns prompt + new tokens (1-D).
 
     The prompt is run through the model once (prefill), then each new token alone, reusing the
     keys and values in a KV cache that lives only for this call. Generation ends after `eos_id` or
     after any sequence in `stop_tokens` (both are kept in the output), or when the sequence reaches
-    the model's max_seq_length, whichever comes first.
+    the model's max_seq_length, whichever comes first. `on_token` is called with each new token id
+    as soon as it is sampled (for streaming); an exception it raises ends generation.
     """
     model = unwrap(model)
     check_sampling(temperature, top_k, top_p)
@@ -199,6 +224,8 @@ def generate(
             token = sample(logits, temperature, top_k, top_p, generator)  # ()
             new_tokens.append(token)
             new_ids.append(int(token))
+            if on_token is not None:
+                on_token(new_ids[-1])
             if len(new_ids) == max_new_tokens or ends_with_stop(new_ids, stop_sequences):
                 break
             input_pos = input_pos[-1:] + 1

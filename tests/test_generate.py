@@ -169,6 +169,25 @@ def test_generation_stops_on_eos_and_on_stop_sequences():
     assert run(stop_tokens=([8, 9],), eos_id=2) == [5, 6, 5, 7, 2]
 
 
+def test_on_token_sees_each_new_token_as_it_comes_and_can_stop_generation():
+    model = ScriptedModel([5, 6, 5, 7, 2, 8])
+    model.prompt_length = 2
+    seen = []
+    out = generate(model, torch.tensor([1, 1]), 8, temperature=0.0, eos_id=2, on_token=seen.append)
+    assert seen == out.tolist()[2:] == [5, 6, 5, 7, 2]
+
+    def stop_after_two(token):
+        seen.append(token)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+
+    seen.clear()
+    with pytest.raises(KeyboardInterrupt):
+        generate(model, torch.tensor([1, 1]), 8, temperature=0.0, on_token=stop_after_two)
+    assert seen == [5, 6]
+    assert all(block.attn.kv_cache is None for block in model.blocks)  # the cache went with the call
+
+
 def test_prompt_too_long_errors_and_output_stops_at_block_size(model):
     with pytest.raises(ValueError, match="64 tokens.*at most 64.*shorten the prompt"):
         generate(model, torch.zeros(64, dtype=torch.long), 5)
