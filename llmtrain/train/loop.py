@@ -83,6 +83,24 @@ class Horizon:
     max_tokens: Optional[int] = None
     epochs: Optional[float] = None
     max_time: Optional[float] = None
+    set_by: str = ""
+    """The stop condition that sets total_steps, as its flag (`--train.max_steps 300`), for messages."""
+
+
+def step_limits(train: TrainArgs, tokens_per_step: int, samples_per_epoch: Optional[int]) -> dict[str, int]:
+    """The last step of each stop condition that sizes the run, keyed by its flag (`--train.max_steps 300`).
+
+    --train.epochs counts only once the data's size is known; --train.max_time never does.
+    """
+    limits = {}
+    if train.max_steps is not None:
+        limits[f"--train.max_steps {train.max_steps}"] = train.max_steps
+    if train.max_tokens is not None:
+        limits[f"--train.max_tokens {train.max_tokens}"] = max(1, math.ceil(train.max_tokens / tokens_per_step))
+    if train.epochs is not None and samples_per_epoch is not None:
+        steps = max(1, math.ceil(train.epochs * samples_per_epoch / train.global_batch_size))
+        limits[f"--train.epochs {train.epochs:g}"] = steps
+    return limits
 
 
 def plan_horizon(train: TrainArgs, tokens_per_step: int, samples_per_epoch: Optional[int]) -> Horizon:
@@ -90,20 +108,14 @@ def plan_horizon(train: TrainArgs, tokens_per_step: int, samples_per_epoch: Opti
 
     The schedule ends at the earliest limit; max_time alone cannot size a schedule.
     """
-    candidates = []
-    if train.max_steps is not None:
-        candidates.append(train.max_steps)
-    if train.max_tokens is not None:
-        candidates.append(max(1, math.ceil(train.max_tokens / tokens_per_step)))
-    if train.epochs is not None:
-        if samples_per_epoch is None:
-            raise ValueError("--train.epochs needs a dataset with a known size; use --train.max_steps instead")
-        candidates.append(max(1, math.ceil(train.epochs * samples_per_epoch / train.global_batch_size)))
-    if not candidates:
+    if train.epochs is not None and samples_per_epoch is None:
+        raise ValueError("--train.epochs needs a dataset with a known size; use --train.max_steps instead")
+    limits = step_limits(train, tokens_per_step, samples_per_epoch)
+    if not limits:
         what = "--train.max_time alone does not size the learning-rate schedule" if train.max_time else (
             "no stop condition was given")
         raise ValueError(f"{what}; set --train.max_steps, --train.max_tokens or --train.epochs")
-    total = min(candidates)
+    set_by, total = min(limits.items(), key=lambda limit: limit[1])
     if train.lr_warmup_fraction is not None:
         warmup = int(train.lr_warmup_fraction * total)
     else:
@@ -112,7 +124,7 @@ def plan_horizon(train: TrainArgs, tokens_per_step: int, samples_per_epoch: Opti
         warnings.warn(f"--train.lr_warmup_steps {warmup} is longer than the whole run ({total} steps): the "
                       "learning rate never reaches its peak", stacklevel=2)
     return Horizon(total_steps=total, warmup_steps=warmup, max_steps=train.max_steps,
-                   max_tokens=train.max_tokens, epochs=train.epochs, max_time=train.max_time)
+                   max_tokens=train.max_tokens, epochs=train.epochs, max_time=train.max_time, set_by=set_by)
 
 
 def gradient_sync(model: torch.nn.Module, enabled: bool):
