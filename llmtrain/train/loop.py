@@ -7,7 +7,7 @@ accumulation and the number of ranks never change the gradient.
 The parts, one job each: :class:`TrainStep` (forward and backward over the micro-batches, clipping,
 the optimizer), :class:`NonFiniteSteps` (what a NaN or inf gradient norm does), :class:`LogInterval`
 (the numbers of a log line), :class:`StopPolicy` (when to stop and when to save); :class:`Trainer`
-drives them. Code from outside llmtrain (a test's fault injector, a profiler) hooks in through
+drives them. Code from outside the loop (--profile's profiler, a test's fault injector) hooks in through
 :mod:`llmtrain.train.callbacks`.
 
 Faults. After each step the ranks sum what their hosts know (input tokens, stop votes for SIGTERM
@@ -170,6 +170,8 @@ class Fit:
     console: Optional[Console] = None
     after_validation: Optional[Callable[[], Optional[str]]] = None
     """Called on every rank after each validation (e.g. to generate an example); rank 0 prints what it returns."""
+    callbacks: list[callbacks.Callback] = field(default_factory=list)
+    """This run's own callbacks (--profile's profiler), called before those installed in the process."""
 
 
 def fit(job: Fit) -> TrainState:
@@ -180,13 +182,16 @@ def fit(job: Fit) -> TrainState:
     ``--train.max_nonfinite_steps`` skipped steps in a row.
     """
     with catch_stop_signals() as stop_request:
+        hooks = callbacks.Callbacks([])
         try:
-            return Trainer(job, stop_request).train()
+            hooks = callbacks.active(*job.callbacks)
+            return Trainer(job, stop_request, hooks).train()
         except (Preempted, NonFiniteError):  # every rank raises these alike, so every rank can still wait
             if job.wait_for_checkpoint is not None:
                 job.wait_for_checkpoint()
             raise
         finally:
+            hooks.on_fit_end()  # before the console closes: a profiler prints its table
             if job.console is not None:
                 job.console.close()
             for logger in job.loggers:
@@ -196,10 +201,10 @@ def fit(job: Fit) -> TrainState:
 class Trainer:
     """One ``fit()``: builds its parts once, then drives them step after step until a stop condition holds."""
 
-    def __init__(self, job: Fit, stop_request: StopRequest) -> None:
+    def __init__(self, job: Fit, stop_request: StopRequest, hooks: callbacks.Callback) -> None:
         self.job = job
         job.console = job.console or Console(job.horizon.total_steps, job.state.step, enabled=job.runtime.is_main)
-        self.hooks = callbacks.active()
+        self.hooks = hooks
         self.hooks.on_fit_start(job)
         self.schedule = WarmupDecaySchedule(job.optimizer, warmup_steps=job.horizon.warmup_steps,
                                             total_steps=job.horizon.total_steps, min_lr=job.train.min_lr,
@@ -229,6 +234,7 @@ class Trainer:
             self.interval.add(result, step_tokens)
             self.skips.record(state.step, state.tokens, job.train_loader.epoch, result.grad_norm)
             self._after_step(lr, result.grad_norm)
+            self.hooks.on_step_end(state.step)
         return self._finish(reason)
 
     def _after_step(self, lr: float, grad_norm: torch.Tensor) -> None:
