@@ -14,6 +14,7 @@ from llmtrain.config import Config
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
 from llmtrain.recipes import run as run_module
+from llmtrain.train.callbacks import Callback
 from llmtrain.train.loop import Fit, fit, plan_horizon
 from llmtrain.train.precision import Precision
 from llmtrain.train.profile import StepProfiler, build_profiler, takes_memory_snapshot
@@ -158,6 +159,26 @@ def test_on_cuda_the_window_also_leaves_a_memory_snapshot(tmp_path, monkeypatch)
     assert calls == [("record", {"max_entries": 100_000}), ("dump", str(tmp_path / "memory_rank1.pickle")),
                      ("record", {"enabled": None})]
     assert trace_steps(tmp_path / "rank1.json") == ["ProfilerStep#1"]
+
+
+def test_an_out_of_memory_error_inside_the_window_still_leaves_the_snapshot(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(("record", kw)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", path)))
+
+    class OutOfMemoryAtStep2(Callback):
+        def on_step_start(self, step):
+            if step == 2:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+    profiler = StepProfiler(ProfileArgs(start_step=1, end_step=3), range(1, 4), warmup=0, directory=tmp_path,
+                            rank=0, device=CUDA)
+    job = tiny_fit(profiler, max_steps=3)
+    job.callbacks.append(OutOfMemoryAtStep2())
+    with pytest.raises(torch.cuda.OutOfMemoryError), pytest.warns(UserWarning):
+        fit(job)
+    assert [call[0] for call in calls] == ["record", "dump", "record"]
+    assert trace_steps(tmp_path / "rank0.json")  # step 1, and step 2 up to the error
 
 
 # ---- the command line ----------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """``--profile``: torch.profiler over a window of optimizer steps, written to ``out_dir/profile/``.
 
-Every rank N writes, once the window's last step is done (or when the run stops inside the window):
+Every rank N writes, once the window's last step is done (or when the run stops or fails inside the
+window, an out-of-memory error included):
 
 - ``rankN.json``: the Chrome trace of the window (operators, and kernels on CUDA). Open it in
   https://ui.perfetto.dev or chrome://tracing.
@@ -115,10 +116,10 @@ class StepProfiler(Callback):
 
     def _stop(self) -> None:
         profiler, self.profiler = self.profiler, None
-        profiler.stop()  # inside the window this writes what was recorded (on_trace_ready)
-        if self.snapshot:
+        if self.snapshot:  # first: after an out-of-memory error it is the file that says why
             torch.cuda.memory._dump_snapshot(str(self.snapshot_path))
             torch.cuda.memory._record_memory_history(enabled=None)
+        profiler.stop()  # inside the window this writes what was recorded (on_trace_ready)
 
     def _write(self, profiler: torch.profiler.profile) -> None:
         """The trace and the operator table of the window (torch.profiler's on_trace_ready)."""
