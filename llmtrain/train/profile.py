@@ -7,8 +7,8 @@ window, an out-of-memory error included):
   https://ui.perfetto.dev or chrome://tracing.
 - ``operators_rankN.txt``: the top operators by their own time (``key_averages().table()``); rank 0
   also prints its table at the end of the run.
-- ``memory_rankN.pickle``, on CUDA with ``--profile.memory`` (the default): every allocation and free of
-  the window with its stack, for https://pytorch.org/memory_viz.
+- ``memory_rankN.pickle``, on CUDA with ``--profile.memory`` (the default): every allocation and free since
+  the profiler started (the window and its warmup step, below) with its stack, for https://pytorch.org/memory_viz.
 
 Steps are counted as the log counts them, from 1 across resumes. The profiler starts one step before
 the window when this run trains that step, and records nothing during it ("warmup", torch.profiler's
