@@ -1,4 +1,4 @@
-"""Argument groups shared by every recipe (``--train.*``, ``--eval.*``).
+"""Argument groups shared by every recipe (``--train.*``, ``--eval.*``, ``--fsdp.*``, ``--profile.*``).
 
 The flag names follow LitGPT's where the concept is the same, so its users can move over.
 Checks that need only these numbers live here; checks that need the world size live in
@@ -133,6 +133,60 @@ class FSDPArgs:
         if self.async_save and self.state_dict_type != "sharded":
             raise ValueError("--fsdp.async_save true needs --fsdp.state_dict_type sharded (a full checkpoint is "
                              "gathered and written by rank 0 alone)")
+
+
+@dataclass
+class ProfileArgs:
+    """``--profile`` records optimizer steps with torch.profiler into ``out_dir/profile/`` (llmtrain.train.profile)."""
+
+    enabled: bool = False
+    """Profile a window of steps (bare `--profile` sets this; so does any other --profile.* flag)."""
+    start_step: Optional[int] = None
+    """First optimizer step to profile, counted from 1 as the log counts steps, across resumes. None: the second
+    step of this run (the first pays one-time costs: allocator growth, compilation)."""
+    end_step: Optional[int] = None
+    """Last step to profile (inclusive). None: start_step + 2, or the run's last step if that comes first."""
+    record_shapes: bool = False
+    """Record each operator's input shapes: the trace shows them and the table groups operators by shape."""
+    memory: bool = True
+    """Record allocations: memory columns in the table, memory events in the trace and, on CUDA, a snapshot of
+    every allocation of the window (memory_rankN.pickle, for https://pytorch.org/memory_viz)."""
+    with_stack: bool = False
+    """Record the Python stack of each operator, so the trace leads to source lines (larger traces)."""
+
+    DEFAULT_STEPS = 3
+
+    @property
+    def requested(self) -> bool:
+        """Any --profile.* flag turns profiling on: none of them means anything otherwise."""
+        return self.enabled or self != ProfileArgs()
+
+    def __post_init__(self) -> None:
+        for name in ("start_step", "end_step"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--profile.{name} must be at least 1 (steps count from 1), got {value}")
+        if self.start_step is not None and self.end_step is not None and self.end_step < self.start_step:
+            raise ValueError(f"--profile.end_step {self.end_step} is before --profile.start_step {self.start_step}; "
+                             f"the window is inclusive: use --profile.end_step {self.start_step} or later")
+
+    def check_within(self, last_step: int, set_by: str) -> None:
+        """Refuse a step past ``last_step``, the run's last step, which the stop condition ``set_by`` sets."""
+        for name in ("start_step", "end_step"):
+            value = getattr(self, name)
+            if value is not None and value > last_step:
+                raise ValueError(f"--profile.{name} {value} is past the run's last step, {last_step} ({set_by}): "
+                                 f"profile steps within 1-{last_step}, or train longer")
+
+    def window(self, first_step: int, last_step: int) -> tuple[int, int]:
+        """The first and last step to profile in a run that trains steps ``first_step`` to ``last_step``."""
+        start = self.start_step
+        if start is None:
+            start = min(first_step + 1, last_step, self.end_step or last_step)
+        end = self.end_step
+        if end is None:
+            end = min(start + self.DEFAULT_STEPS - 1, last_step)
+        return start, end
 
 
 @dataclass(frozen=True)

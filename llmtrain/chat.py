@@ -56,7 +56,7 @@ def setup(
         top_p: Sample only among the most likely tokens whose probabilities add up to top_p (nucleus).
         quantize: Quantize the transformer blocks' weights with bitsandbytes (4-bit NF4/FP4, -dq for
             double quantization, or int8) to save memory.
-        precision: 32-true, bf16-true, 16-true, bf16-mixed or 16-mixed. Default: bf16-true on a GPU
+        precision: auto, 32-true, bf16-true, 16-true, bf16-mixed or 16-mixed. Default (auto): bf16-true on a GPU
             that supports it, else 32-true.
         accelerator: Where to run: auto (GPU if there is one), cpu or cuda.
         seed: Seed of the sampler.

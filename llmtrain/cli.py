@@ -54,15 +54,20 @@ def _zoo_model_with_overrides(argv: list[str]) -> list[str]:
     return out
 
 
-def _bare_dry_run(argv: list[str]) -> list[str]:
-    """``--dry_run`` alone (or ``--dry_run true|false``) sets ``--dry_run.enabled``; its other fields stay flags."""
+# Flag groups whose bare name switches them on: `--dry_run` = `--dry_run.enabled true`.
+SWITCHES = ("--dry_run", "--profile")
+
+
+def _bare_switches(argv: list[str]) -> list[str]:
+    """``--dry_run`` alone (or ``--dry_run true|false``) sets ``--dry_run.enabled``, and ``--profile`` likewise;
+    their other fields stay flags."""
     out: list[str] = []
     for index, arg in enumerate(argv):
         following = argv[index + 1] if index + 1 < len(argv) else None
-        if arg == "--dry_run" and following in ("true", "false", "True", "False"):
-            out.append("--dry_run.enabled")
-        elif arg == "--dry_run":
-            out.extend(["--dry_run.enabled", "true"])
+        if arg in SWITCHES and following in ("true", "false", "True", "False"):
+            out.append(f"{arg}.enabled")
+        elif arg in SWITCHES:
+            out.extend([f"{arg}.enabled", "true"])
         else:
             out.append(arg)
     return out
@@ -196,7 +201,7 @@ def run_cli(args: list[str]) -> None:
     configure_process()
     # Field docstrings of the argument dataclasses become the flags' help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    args = _qualify_optimizer(_bare_dry_run(_zoo_model_with_overrides(_positional_to_flag(args))))
+    args = _qualify_optimizer(_bare_switches(_zoo_model_with_overrides(_positional_to_flag(args))))
     _check_config_files(args)
     try:
         CLI(commands(), args=args, description="Pretrain and fine-tune GPT-style language models.",

@@ -62,7 +62,7 @@ def setup(
         num_samples: Number of completions to generate, one after the other.
         quantize: Quantize the transformer blocks' weights with bitsandbytes (4-bit NF4/FP4, -dq for
             double quantization, or int8) to save memory.
-        precision: 32-true, bf16-true, 16-true, bf16-mixed or 16-mixed. Default: bf16-true on a GPU
+        precision: auto, 32-true, bf16-true, 16-true, bf16-mixed or 16-mixed. Default (auto): bf16-true on a GPU
             that supports it, else 32-true.
         accelerator: Where to run: auto (GPU if there is one), cpu or cuda.
         seed: Seed of the sampler.
@@ -113,7 +113,8 @@ def load_for_generation(checkpoint_dir: Path, *, quantize: Optional[QuantizeMode
     from llmtrain.train.precision import Precision
 
     device = pick_device(accelerator, local_rank=0)
-    precision_setting = Precision(precision or default_precision(device))
+    # auto (or unset): bf16 weights where the GPU has them; generation keeps no fp32 master copy to mix with
+    precision_setting = Precision(precision if precision not in (None, "auto") else default_precision(device))
     started = time.perf_counter()
     model, _, tokenizer, prompt_style = load_model_dir(
         checkpoint_dir, device=device, dtype=precision_setting.param_dtype, quantize=quantize

@@ -40,12 +40,12 @@ def test_every_flag_has_help_and_its_default(command):
     undocumented = [flag for flag, text in entries.items() if not text.strip()]
     assert not undocumented, undocumented
     for flag in ("--train.global_batch_size", "--train.micro_batch_size", "--precision", "--devices",
-                 "--fsdp.activation_checkpointing", "--dry_run.enabled"):
+                 "--fsdp.activation_checkpointing", "--dry_run.enabled", "--profile.start_step"):
         assert flag in entries and "default:" in entries[flag], (flag, entries.get(flag))
 
 
 def test_flags_are_grouped_by_their_dataclass():
-    """The fields of --train, --eval, --fsdp and --dry_run each sit under a heading of their own."""
+    """The fields of --train, --eval, --fsdp, --dry_run and --profile each sit under a heading of their own."""
     done = subprocess.run([sys.executable, "-m", "llmtrain", "pretrain", "--help"], capture_output=True, text=True,
                           timeout=300)
     heading, headings = None, {}
@@ -55,9 +55,10 @@ def test_flags_are_grouped_by_their_dataclass():
         match = ENTRY.match(line)
         if match and "." in match[1]:
             headings.setdefault(match[1].split(".")[0], set()).add(heading)
-    for group in ("--train", "--eval", "--fsdp", "--dry_run"):
+    groups = ("--train", "--eval", "--fsdp", "--dry_run", "--profile")
+    for group in groups:
         assert len(headings[group]) == 1 and headings[group] != {"options:"}, (group, headings[group])
-    assert len({next(iter(headings[g])) for g in ("--train", "--eval", "--fsdp", "--dry_run")}) == 4
+    assert len({next(iter(headings[g])) for g in groups}) == len(groups)
 
 
 def test_pretrain_list_shows_the_zoo_with_parameter_counts_and_aliases():

@@ -9,6 +9,7 @@ from llmtrain.args import EvalArgs, TrainArgs, batch_plan
 from llmtrain.config import Config
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
+from llmtrain.train import callbacks
 from llmtrain.train.loop import IGNORE_INDEX, Fit, fit, plan_horizon
 from llmtrain.train.precision import Precision
 
@@ -108,3 +109,48 @@ def test_stops_at_max_tokens_and_counts_tokens():
     assert state.step == 3 and state.tokens == 72
     assert "max_tokens" in state.stop_reason
     assert saved == [("step", 3), ("final", 3)]
+
+
+class Recorder(callbacks.Callback):
+    """Writes down the step hooks and the end of fit() under its name; raises in on_step_start(fail_at) if given."""
+
+    def __init__(self, calls, name, fail_at=None):
+        self.calls, self.name, self.fail_at = calls, name, fail_at
+
+    def on_step_start(self, step):
+        self.calls.append((self.name, "start", step))
+        if step == self.fail_at:
+            raise RuntimeError("a failing step")
+
+    def on_step_end(self, step):
+        self.calls.append((self.name, "end", step))
+
+    def on_fit_end(self):
+        self.calls.append((self.name, "fit_end"))
+
+
+@pytest.mark.parametrize("fail_at", [None, 2])
+def test_a_runs_own_callbacks_see_every_step_end_and_the_end_of_fit(fail_at):
+    torch.manual_seed(0)
+    model = GPT(Config(**CONFIG))
+    train = TrainArgs(global_batch_size=1, micro_batch_size=1, max_steps=2, lr_warmup_steps=0, save_interval=None)
+    calls = []
+    installed = callbacks.register(Recorder(calls, "installed"))
+    job = Fit(runtime=Runtime(), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+              train_loader=ListLoader(padded_samples(), 1), val_loader=None, train=train,
+              eval=EvalArgs(initial_validation=False, final_validation=False), plan=batch_plan(train, 1),
+              horizon=plan_horizon(train, 12, None), precision=Precision("32-true"),
+              save_checkpoint=lambda s: None, save_final=lambda s: None,
+              callbacks=[Recorder(calls, "own", fail_at)])
+    try:
+        if fail_at is None:
+            fit(job)
+        else:
+            with pytest.raises(RuntimeError, match="a failing step"):
+                fit(job)
+    finally:
+        callbacks.unregister(installed)
+    own = [call[1:] for call in calls if call[0] == "own"]
+    steps = [("start", 1), ("end", 1), ("start", 2)] + ([("end", 2)] if fail_at is None else [])
+    assert own == [*steps, ("fit_end",)]  # on_fit_end also when fit() raises
+    assert calls[0] == ("own", "start", 1) and calls[-1] == ("installed", "fit_end")  # the run's own come first

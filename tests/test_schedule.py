@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llmtrain.args import TrainArgs
-from llmtrain.train.loop import plan_horizon
+from llmtrain.train.loop import plan_horizon, step_limits
 from llmtrain.train.schedule import WarmupDecaySchedule, lr_at
 
 
@@ -46,6 +46,15 @@ def test_horizon_takes_the_earliest_limit():
     assert plan_horizon(epochs, 64 * 128, samples_per_epoch=640).total_steps == 20
     fraction = TrainArgs(max_steps=200, lr_warmup_fraction=0.1)
     assert plan_horizon(fraction, 1, None).warmup_steps == 20
+
+
+def test_each_limit_is_named_by_its_flag():
+    train = TrainArgs(max_steps=300, max_tokens=100 * 128, epochs=1.0, global_batch_size=64, micro_batch_size=4,
+                      lr_warmup_steps=0)
+    # the data's size is not known before the data is set up: --train.epochs does not count yet
+    assert step_limits(train, 128, None) == {"--train.max_steps 300": 300, "--train.max_tokens 12800": 100}
+    assert plan_horizon(train, 128, samples_per_epoch=64 * 10).set_by == "--train.epochs 1"
+    assert plan_horizon(train, 128, samples_per_epoch=64 * 1000).set_by == "--train.max_tokens 12800"
 
 
 def test_horizon_needs_a_sizeable_limit():

@@ -1,7 +1,7 @@
 """The flags every training recipe shares, defined once.
 
-``pretrain``, ``finetune_full`` and ``finetune_lora`` take the same sixteen flags (where to write, precision,
-resume, data, batch and schedule, optimizer, the process layout, logging, seed, dry run). Each recipe's
+``pretrain``, ``finetune_full`` and ``finetune_lora`` take the same seventeen flags (where to write, precision,
+resume, data, batch and schedule, optimizer, the process layout, logging, seed, dry run, profiling). Each recipe's
 function declares only its own arguments and ``**flags``; :func:`shared_flags` adds the shared ones to its
 signature and docstring, which is what jsonargparse reads, so ``--help`` lists every flag with its type,
 default and one line of documentation, and a recipe may change a default or a line of doc.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
-from llmtrain.args import EvalArgs, FSDPArgs, TrainArgs
+from llmtrain.args import EvalArgs, FSDPArgs, ProfileArgs, TrainArgs
 from llmtrain.data.base import DataModule
 from llmtrain.optim import OptimizerArg
 from llmtrain.plan import DryRunArgs
@@ -61,6 +61,9 @@ SHARED_FLAGS = (
     Flag("seed", int, 42, "Seed for weight init, data order and dropout."),
     Flag("dry_run", DryRunArgs, DryRunArgs(), "`--dry_run` prints the plan (layout, batches, memory, checkpoint "
          "size, time) and exits."),
+    Flag("profile", ProfileArgs, ProfileArgs(), "`--profile` records three steps with torch.profiler (or "
+         "`--profile.start_step N --profile.end_step M`) into out_dir/profile/: a trace per rank, the top "
+         "operators, a CUDA memory snapshot."),
 )
 SHARED_FLAG_NAMES = tuple(flag.name for flag in SHARED_FLAGS)
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from llmtrain import plan as planning
-from llmtrain.args import BatchDefaults, EvalArgs, FSDPArgs, TrainArgs
+from llmtrain.args import BatchDefaults, EvalArgs, FSDPArgs, ProfileArgs, TrainArgs
 from llmtrain.config import Config
 from llmtrain.data.base import DataModule
 from llmtrain.checkpoint import layout
@@ -36,7 +36,8 @@ from llmtrain.prompts import save_prompt_style
 from llmtrain.recipes import build, checks
 from llmtrain.recipes.flags import LoggerName
 from llmtrain.train.loggers import build_loggers
-from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon
+from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon, step_limits
+from llmtrain.train.profile import build_profiler
 from llmtrain.train.signals import catch_stop_signals
 
 
@@ -69,6 +70,8 @@ class RunSpec:
     quantize: Optional[str] = None
     prompt_style: Optional[str] = None
     """Fine-tuning: a prompt style name; None takes the checkpoint's own, else the model family's."""
+    profile: Optional[ProfileArgs] = None
+    """--profile's settings when profiling was asked for; None builds no profiler."""
 
 
 def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: Optional[Path],
@@ -88,9 +91,12 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
     devices = _devices(flags, dry)
     layout = dict(devices=devices, num_nodes=flags["num_nodes"], train=train, precision=flags["precision"],
                   strategy=flags["strategy"], fsdp=fsdp, batch_defaults=batch_defaults)
+    profile = flags["profile"] if flags["profile"].requested else None
     if dry.requested:
         plan = ParallelPlan.resolve(**layout, device_type=dry.device_type or resolve_device_type(
             flags["accelerator"], here=False), gpu=dry.gpu, strict_batch=False)
+        if profile is not None:
+            _check_profile_window(profile, _with_batch(train, plan), seq_len)
         planning.dry_run(recipe=recipe, config=config, plan=plan, train=_with_batch(train, plan), seq_len=seq_len,
                          dry=dry, fsdp=fsdp, out_dir=flags["out_dir"], quantize=quantize,
                          trainable_parameters=trainable_parameters)
@@ -98,6 +104,8 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
     plan_launch(devices, flags["num_nodes"])  # the launcher's environment agrees with the flags
     plan = ParallelPlan.resolve(**layout, accelerator=flags["accelerator"])
     train = _with_batch(train, plan)
+    if profile is not None:
+        _check_profile_window(profile, train, seq_len)
     if isinstance(hyperparameters.get("train"), dict):  # the checkpoint records the batch this run used
         hyperparameters["train"].update(global_batch_size=train.global_batch_size,
                                         micro_batch_size=train.micro_batch_size)
@@ -108,7 +116,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
                    hyperparameters=hyperparameters, fsdp=fsdp, seed=flags["seed"], compile=flags["compile"],
                    logger_name=flags["logger_name"], resume_from=resume_from,
                    initial_checkpoint_dir=initial_checkpoint_dir, tokenizer_dir=tokenizer_dir, lora=lora,
-                   quantize=quantize, prompt_style=prompt_style)
+                   quantize=quantize, prompt_style=prompt_style, profile=profile)
     if spec.lora is not None and spec.fsdp.async_save:
         raise ValueError("--fsdp.async_save is for sharded checkpoints; LoRA checkpoints hold only the "
                          "adapters and are written by rank 0: drop --fsdp.async_save")
@@ -131,6 +139,15 @@ def _devices(flags: dict[str, Any], dry: planning.DryRunArgs) -> int:
 def _with_batch(train: TrainArgs, plan: ParallelPlan) -> TrainArgs:
     """``train`` with the batch sizes the plan chose where the flags left them unset."""
     return replace(train, global_batch_size=plan.batch.global_batch_size, micro_batch_size=plan.batch.micro_batch_size)
+
+
+def _check_profile_window(profile: ProfileArgs, train: TrainArgs, seq_len: int) -> None:
+    """The window against the run's length where the flags give it; a run that --train.epochs sizes learns
+    its length once the data is set up, and ``_run`` checks it then, before the model is built."""
+    limits = step_limits(train, train.global_batch_size * seq_len, samples_per_epoch=None)
+    if limits:
+        set_by, last_step = min(limits.items(), key=lambda limit: limit[1])
+        profile.check_within(last_step, set_by)
 
 
 def run(spec: RunSpec) -> None:
@@ -161,6 +178,8 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
     train_loader = spec.data.train_dataloader()
     val_loader = spec.data.val_dataloader()
     horizon = plan_horizon(spec.train, plan.batch.global_batch_size * spec.seq_len, train_loader.samples_per_epoch)
+    if spec.profile is not None:  # a run sized by --train.epochs knows its length only now, before the model
+        spec.profile.check_within(horizon.total_steps, horizon.set_by)
 
     started = time.perf_counter()
     model = build.build_model(spec.config, plan=plan, runtime=runtime, seed=spec.seed, compile=spec.compile,
@@ -187,6 +206,10 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
     memory = planning.estimate_memory(spec.config, plan=plan, seq_len=spec.seq_len, trainable_parameters=n_trainable,
                                       quantize=spec.quantize)
     say(f"memory per device (estimate): {memory.describe()}")
+    profiler = None
+    if spec.profile is not None:
+        profiler = build_profiler(spec.profile, spec.out_dir, runtime.rank, runtime.device, first_step=state.step + 1,
+                                  last_step=horizon.total_steps, say=say)
 
     job = Fit(runtime=runtime, model=model, optimizer=optimizer, train_loader=train_loader, val_loader=val_loader,
               train=spec.train, eval=spec.eval, plan=plan.batch, horizon=horizon, precision=plan.precision,
@@ -199,7 +222,8 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
               peak_flops_per_device=device_peak_flops(runtime.device, plan.precision.compute_dtype),
               state=state, scaler=scaler, autocast_enabled=not plan.mixed_precision_policy,
               grad_sync_only_last=plan.grad_sync_only_last,
-              after_validation=_example_generator(spec, model, tokenizer, prompt_style, val_loader))
+              after_validation=_example_generator(spec, model, tokenizer, prompt_style, val_loader),
+              callbacks=[profiler] if profiler is not None else [])
     fit(job)
     say(f"done: {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.0f}s; "
         f"final model in {spec.out_dir / layout.FINAL_DIR}")

@@ -41,9 +41,15 @@ class Callback:
         loss to differentiate instead."""
         return loss
 
+    def on_step_end(self, step: int) -> None:
+        """Optimizer step ``step`` is done, with the log line, validation and checkpoint that fall on it."""
+
     def on_checkpoint_written(self, directory: Path) -> None:
         """A checkpoint's files are in ``directory``, under its temporary name and without the marker that
         makes it count: a crash here must leave no checkpoint that resume would take."""
+
+    def on_fit_end(self) -> None:
+        """``fit()`` is over: it returned, or it is raising (a stop signal, a failure)."""
 
 
 class Callbacks(Callback):
@@ -65,9 +71,17 @@ class Callbacks(Callback):
             loss = callback.on_loss(step, loss)
         return loss
 
+    def on_step_end(self, step: int) -> None:
+        for callback in self.callbacks:
+            callback.on_step_end(step)
+
     def on_checkpoint_written(self, directory: Path) -> None:
         for callback in self.callbacks:
             callback.on_checkpoint_written(directory)
+
+    def on_fit_end(self) -> None:
+        for callback in self.callbacks:
+            callback.on_fit_end()
 
 
 _registered: list[Callback] = []
@@ -86,9 +100,10 @@ def unregister(callback: Callback) -> None:
     _registered.remove(callback)
 
 
-def active() -> Callbacks:
-    """The callbacks installed now: those registered in this process, then those named in ``$LLMTRAIN_CALLBACKS``."""
-    return Callbacks([*_registered, *from_env(os.environ.get(CALLBACKS_ENV, ""))])
+def active(*own: Callback) -> Callbacks:
+    """A run's ``own`` callbacks (its profiler), then those installed now: registered in this process, then
+    named in ``$LLMTRAIN_CALLBACKS``."""
+    return Callbacks([*own, *_registered, *from_env(os.environ.get(CALLBACKS_ENV, ""))])
 
 
 def from_env(spec: str) -> list[Callback]:

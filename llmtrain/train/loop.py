@@ -7,7 +7,7 @@ accumulation and the number of ranks never change the gradient.
 The parts, one job each: :class:`TrainStep` (forward and backward over the micro-batches, clipping,
 the optimizer), :class:`NonFiniteSteps` (what a NaN or inf gradient norm does), :class:`LogInterval`
 (the numbers of a log line), :class:`StopPolicy` (when to stop and when to save); :class:`Trainer`
-drives them. Code from outside llmtrain (a test's fault injector, a profiler) hooks in through
+drives them. Code from outside the loop (--profile's profiler, a test's fault injector) hooks in through
 :mod:`llmtrain.train.callbacks`.
 
 Faults. After each step the ranks sum what their hosts know (input tokens, stop votes for SIGTERM
@@ -83,6 +83,24 @@ class Horizon:
     max_tokens: Optional[int] = None
     epochs: Optional[float] = None
     max_time: Optional[float] = None
+    set_by: str = ""
+    """The stop condition that sets total_steps, as its flag (`--train.max_steps 300`), for messages."""
+
+
+def step_limits(train: TrainArgs, tokens_per_step: int, samples_per_epoch: Optional[int]) -> dict[str, int]:
+    """The last step of each stop condition that sizes the run, keyed by its flag (`--train.max_steps 300`).
+
+    --train.epochs counts only once the data's size is known; --train.max_time never does.
+    """
+    limits = {}
+    if train.max_steps is not None:
+        limits[f"--train.max_steps {train.max_steps}"] = train.max_steps
+    if train.max_tokens is not None:
+        limits[f"--train.max_tokens {train.max_tokens}"] = max(1, math.ceil(train.max_tokens / tokens_per_step))
+    if train.epochs is not None and samples_per_epoch is not None:
+        steps = max(1, math.ceil(train.epochs * samples_per_epoch / train.global_batch_size))
+        limits[f"--train.epochs {train.epochs:g}"] = steps
+    return limits
 
 
 def plan_horizon(train: TrainArgs, tokens_per_step: int, samples_per_epoch: Optional[int]) -> Horizon:
@@ -90,20 +108,14 @@ def plan_horizon(train: TrainArgs, tokens_per_step: int, samples_per_epoch: Opti
 
     The schedule ends at the earliest limit; max_time alone cannot size a schedule.
     """
-    candidates = []
-    if train.max_steps is not None:
-        candidates.append(train.max_steps)
-    if train.max_tokens is not None:
-        candidates.append(max(1, math.ceil(train.max_tokens / tokens_per_step)))
-    if train.epochs is not None:
-        if samples_per_epoch is None:
-            raise ValueError("--train.epochs needs a dataset with a known size; use --train.max_steps instead")
-        candidates.append(max(1, math.ceil(train.epochs * samples_per_epoch / train.global_batch_size)))
-    if not candidates:
+    if train.epochs is not None and samples_per_epoch is None:
+        raise ValueError("--train.epochs needs a dataset with a known size; use --train.max_steps instead")
+    limits = step_limits(train, tokens_per_step, samples_per_epoch)
+    if not limits:
         what = "--train.max_time alone does not size the learning-rate schedule" if train.max_time else (
             "no stop condition was given")
         raise ValueError(f"{what}; set --train.max_steps, --train.max_tokens or --train.epochs")
-    total = min(candidates)
+    set_by, total = min(limits.items(), key=lambda limit: limit[1])
     if train.lr_warmup_fraction is not None:
         warmup = int(train.lr_warmup_fraction * total)
     else:
@@ -112,7 +124,7 @@ def plan_horizon(train: TrainArgs, tokens_per_step: int, samples_per_epoch: Opti
         warnings.warn(f"--train.lr_warmup_steps {warmup} is longer than the whole run ({total} steps): the "
                       "learning rate never reaches its peak", stacklevel=2)
     return Horizon(total_steps=total, warmup_steps=warmup, max_steps=train.max_steps,
-                   max_tokens=train.max_tokens, epochs=train.epochs, max_time=train.max_time)
+                   max_tokens=train.max_tokens, epochs=train.epochs, max_time=train.max_time, set_by=set_by)
 
 
 def gradient_sync(model: torch.nn.Module, enabled: bool):
@@ -158,6 +170,8 @@ class Fit:
     console: Optional[Console] = None
     after_validation: Optional[Callable[[], Optional[str]]] = None
     """Called on every rank after each validation (e.g. to generate an example); rank 0 prints what it returns."""
+    callbacks: list[callbacks.Callback] = field(default_factory=list)
+    """This run's own callbacks (--profile's profiler), called before those installed in the process."""
 
 
 def fit(job: Fit) -> TrainState:
@@ -168,13 +182,16 @@ def fit(job: Fit) -> TrainState:
     ``--train.max_nonfinite_steps`` skipped steps in a row.
     """
     with catch_stop_signals() as stop_request:
+        hooks = callbacks.Callbacks([])
         try:
-            return Trainer(job, stop_request).train()
+            hooks = callbacks.active(*job.callbacks)
+            return Trainer(job, stop_request, hooks).train()
         except (Preempted, NonFiniteError):  # every rank raises these alike, so every rank can still wait
             if job.wait_for_checkpoint is not None:
                 job.wait_for_checkpoint()
             raise
         finally:
+            hooks.on_fit_end()  # before the console closes: a profiler prints its table
             if job.console is not None:
                 job.console.close()
             for logger in job.loggers:
@@ -184,10 +201,10 @@ def fit(job: Fit) -> TrainState:
 class Trainer:
     """One ``fit()``: builds its parts once, then drives them step after step until a stop condition holds."""
 
-    def __init__(self, job: Fit, stop_request: StopRequest) -> None:
+    def __init__(self, job: Fit, stop_request: StopRequest, hooks: callbacks.Callback) -> None:
         self.job = job
         job.console = job.console or Console(job.horizon.total_steps, job.state.step, enabled=job.runtime.is_main)
-        self.hooks = callbacks.active()
+        self.hooks = hooks
         self.hooks.on_fit_start(job)
         self.schedule = WarmupDecaySchedule(job.optimizer, warmup_steps=job.horizon.warmup_steps,
                                             total_steps=job.horizon.total_steps, min_lr=job.train.min_lr,
@@ -217,6 +234,7 @@ class Trainer:
             self.interval.add(result, step_tokens)
             self.skips.record(state.step, state.tokens, job.train_loader.epoch, result.grad_norm)
             self._after_step(lr, result.grad_norm)
+            self.hooks.on_step_end(state.step)
         return self._finish(reason)
 
     def _after_step(self, lr: float, grad_norm: torch.Tensor) -> None:
