@@ -76,8 +76,9 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def device_name() -> str:
-    if torch.cuda.is_available():
+def device_name(device_type: str) -> str:
+    """The run's device: the GPU's name, or the CPU's (asking CUDA only for a GPU run)."""
+    if device_type == "cuda":
         return torch.cuda.get_device_name()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -287,7 +288,7 @@ def benchmark(
         "tokens_per_sec": tokens_per_sec_per_device * devices, **timing,
         "flops_per_token": flops_per_token(config, seq_len), "matmul_peak_flops": peak,
         "matmul_peak_size": peak_size, "mfu": flops_per_token(config, seq_len) * tokens_per_sec_per_device / peak,
-        "device": device_name(), "threads_per_process": threads, "torch": torch.__version__,
+        "device": device_name(peak_device), "threads_per_process": threads, "torch": torch.__version__,
         "load_average": _load_average(), "commit": git_commit(), "command": _command_line(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }

@@ -256,3 +256,39 @@ def test_too_little_disk_for_one_checkpoint(tmp_path, monkeypatch):
         main(["pretrain", "tiny-llama-1.1b", "--out_dir", str(tmp_path / "o"), "--train.max_steps", "1"])
     assert "tiny-llama-1.1b" in str(error.value)
     assert not (tmp_path / "o").exists()
+
+
+def refuse_cuda(monkeypatch) -> None:
+    """CUDA "is available", but every torch.cuda call that would initialise it (create a context) raises."""
+    def refused(name):
+        def call(*args, **kwargs):  # one function per name: torch.compile's rules refuse a shared one
+            raise AssertionError(f"a CPU run called {name}")
+        return call
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("_lazy_init", "init", "get_rng_state", "set_rng_state", "get_device_name", "set_device",
+                 "synchronize", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, refused(f"torch.cuda.{name}"))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", refused("Tensor.pin_memory"))
+
+
+def test_a_cpu_run_on_a_gpu_node_never_calls_into_cuda(tmp_path, tiny_model_file, monkeypatch):
+    """--accelerator cpu where CUDA is available: FSDP with CPU offload, a step and its checkpoint."""
+    refuse_cuda(monkeypatch)
+    out_dir = tmp_path / "cpu"
+    main(tiny_args(tiny_model_file, out_dir, "--accelerator", "cpu", "--strategy", "fsdp", "--devices", "1",
+                   "--fsdp.cpu_offload", "true", "--train.max_steps", "1", "--eval.final_validation", "false"))
+    assert sorted(train_losses(out_dir)) == [1]
+    assert "cuda" not in torch.load(out_dir / "step-00000001" / "training_state.pt", weights_only=True)["rng"][0]
+
+
+def test_resuming_a_cpu_run_on_a_gpu_node_leaves_cuda_alone(monkeypatch):
+    """A checkpoint written on a GPU holds a CUDA generator; a CPU run restores the CPU ones and never that."""
+    from llmtrain.checkpoint.state import capture_rng_state, restore_rng_state
+
+    saved = capture_rng_state(torch.device("cpu"))
+    expected = torch.rand(3)
+    saved["cuda"] = torch.zeros(16, dtype=torch.uint8)  # as in a checkpoint of a GPU run
+    refuse_cuda(monkeypatch)
+    restore_rng_state(saved, torch.device("cpu"))
+    assert torch.equal(torch.rand(3), expected)

@@ -111,7 +111,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         self.runtime.barrier()
         future, optimizer_state = self._write_tensors(tmp)
-        rng_states = self.runtime.all_gather_object(capture_rng_state())
+        rng_states = self.runtime.all_gather_object(capture_rng_state(self.runtime.device))
         if self.runtime.is_main:
             training_state = build_training_state(
                 state=state, train_loader=self.train_loader, scaler=self.scaler, rng_states=rng_states,
@@ -246,7 +246,7 @@ class Checkpointer:
         else:
             self._load_full(checkpoint_dir, fmt, training_state["optimizer"])
         restore_training_state(training_state, state=state, train_loader=self.train_loader, scaler=self.scaler,
-                               rank=self.runtime.rank, optimizer=self.optimizer)
+                               rank=self.runtime.rank, optimizer=self.optimizer, device=self.runtime.device)
         # A step directory of another format has no files for this format's final/ to reuse.
         self.last_saved = checkpoint_dir if fmt == self.format else None
 

@@ -59,7 +59,8 @@ def build_training_state(*, state: Stateful, train_loader: Stateful, scaler: Opt
 
 
 def restore_training_state(training_state: dict, *, state: Stateful, train_loader: Stateful,
-                           scaler: Optional[Stateful], rank: int, optimizer: Optional[torch.optim.Optimizer]) -> None:
+                           scaler: Optional[Stateful], rank: int, optimizer: Optional[torch.optim.Optimizer],
+                           device: torch.device) -> None:
     """Counters, data position, loss scaler, param-group settings and this rank's RNG from ``training_state``.
 
     NOTE: loading an optimizer through a template state dict (DCP, or a broadcast from rank 0) keeps
@@ -82,7 +83,7 @@ def restore_training_state(training_state: dict, *, state: Stateful, train_loade
         scaler.load_state_dict(training_state["scaler"])
     rng_states = training_state["rng"]
     # NOTE: at a larger world size than saved, the new ranks take rank 0's RNG state.
-    restore_rng_state(rng_states[rank] if rank < len(rng_states) else rng_states[0])
+    restore_rng_state(rng_states[rank] if rank < len(rng_states) else rng_states[0], device)
 
 
 def param_group_settings(optimizer_state: dict) -> list[dict]:
@@ -127,8 +128,12 @@ def _first_line(error: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------------------ RNG
-def capture_rng_state() -> dict[str, Any]:
-    """Every RNG a run draws from, in forms that ``torch.load(weights_only=True)`` accepts."""
+def capture_rng_state(device: torch.device) -> dict[str, Any]:
+    """Every RNG a run on ``device`` draws from, in forms that ``torch.load(weights_only=True)`` accepts.
+
+    NOTE: the CUDA generator is saved only for a run on a GPU. Asking whether CUDA is available instead
+    would make a ``--accelerator cpu`` run on a GPU node create a CUDA context on every rank.
+    """
     np_state = np.random.get_state()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -136,17 +141,17 @@ def capture_rng_state() -> dict[str, Any]:
         "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
                   "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
+def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     python = state["python"]
     random.setstate((python[-2], tuple(python[:-2]), python[-1]))
     np_state = state["numpy"]
     np.random.set_state(("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
                          np_state["has_gauss"], np_state["cached_gaussian"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)

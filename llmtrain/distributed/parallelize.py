@@ -97,8 +97,10 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
     mp_policy = MixedPrecisionPolicy()
     if precision.is_mixed:
         mp_policy = MixedPrecisionPolicy(param_dtype=precision.compute_dtype, reduce_dtype=torch.float32)
-    # NOTE: pinned memory needs an accelerator; on a CPU-only machine pinning fails.
-    offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    # NOTE: pinned memory is for copies to a GPU, and pinning creates a CUDA context: a CPU run (even on a GPU
+    # node, --accelerator cpu) pins nothing.
+    pin_memory = mesh.device_type == "cuda"
+    offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy()
     options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
