@@ -61,7 +61,8 @@ class Runtime:
         meet within ``rdzv_timeout_s`` (default: ``$LLMTRAIN_RDZV_TIMEOUT``, else ``timeout_s``), and
         each collective afterwards must finish within ``timeout_s``.
         """
-        return cls._start(pick_device(accelerator, _env_int("LOCAL_RANK", 0)), None, timeout_s, rdzv_timeout_s)
+        device = pick_device(accelerator, _env_int("LOCAL_RANK", 0))
+        return cls._start(device, None, timeout_s, rdzv_timeout_s, process_group_backend(device.type, False))
 
     @classmethod
     def for_plan(cls, plan: Any, timeout_s: float = 600.0) -> "Runtime":
@@ -72,21 +73,23 @@ class Runtime:
             raise RuntimeError(f"the launcher started {world_size} processes but the parallel plan has "
                                f"{plan.world_size}; the launcher checks this before any worker starts")
         device = pick_device(plan.device_type, _env_int("LOCAL_RANK", 0))
-        runtime = cls._start(device, plan, timeout_s, None)
+        backend = process_group_backend(device.type, plan.cpu_offload)
+        runtime = cls._start(device, plan, timeout_s, None, backend)
         if plan.uses_process_group and not dist.is_initialized():
             # NOTE: FSDP on one device still needs a process group; a one-rank group meets nobody.
-            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
-                                    rank=0, world_size=1, **({"device_id": device} if device.type == "cuda" else {}))
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    **({"device_id": device} if device.type == "cuda" else {}))
         return runtime
 
     @classmethod
-    def _start(cls, device: torch.device, plan: Any, timeout_s: float, rdzv_timeout_s: Optional[float]) -> "Runtime":
+    def _start(cls, device: torch.device, plan: Any, timeout_s: float, rdzv_timeout_s: Optional[float],
+               backend: str) -> "Runtime":
         world_size = _env_int("WORLD_SIZE", 1)
         rank = _env_int("RANK", 0)
         if world_size > 1 and not dist.is_initialized():
             if rdzv_timeout_s is None:
                 rdzv_timeout_s = _env_float(RDZV_TIMEOUT_ENV) or timeout_s
-            start_process_group(device, rank, world_size, timeout_s, rdzv_timeout_s)
+            start_process_group(device, rank, world_size, timeout_s, rdzv_timeout_s, backend)
         # Ranks are laid out pp × dp_replicate × dp_shard × tp, tp innermost: consecutive ranks share a
         # data-parallel shard only under tensor parallelism.
         tp = plan.tp if plan is not None else 1
@@ -135,8 +138,24 @@ class Runtime:
             dist.destroy_process_group()
 
 
+def process_group_backend(device_type: str, cpu_offload: bool) -> str:
+    """The default process group's backend: NCCL for a GPU run, gloo for a CPU run.
+
+    A GPU run that offloads to the CPU gets both, chosen by the tensor's device: FSDP2 keeps offloaded
+    gradients in host memory, and gradient clipping all-reduces their norm there, which NCCL refuses.
+    NOTE: only then. A gloo backend connects every pair of ranks as the group is created, over the
+    interface GLOO_SOCKET_IFNAME names (else the one the host name resolves to): for a run that never
+    reduces a host tensor, that is a slower start and one more way for a multi-node job to fail.
+    """
+    if device_type == "cpu":
+        return "gloo"
+    if device_type == "cuda":
+        return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+    raise ValueError(f"no process group backend for device type {device_type!r}; llmtrain runs on cpu or cuda")
+
+
 def start_process_group(device: torch.device, rank: int, world_size: int, timeout_s: float,
-                        rdzv_timeout_s: float) -> None:
+                        rdzv_timeout_s: float, backend: str) -> None:
     """Meet the other ranks at MASTER_ADDR:MASTER_PORT, then create the default process group.
 
     NOTE: the meeting gets its own, short timeout. Giving ``init_process_group`` a short timeout
@@ -159,7 +178,6 @@ def start_process_group(device: torch.device, rank: int, world_size: int, timeou
         # prefix per attempt, restarted ranks can read the addresses the failed attempt left there and
         # fail to connect (pytorch/pytorch#135712).
         store = dist.PrefixStore(f"llmtrain/attempt_{attempt}", store)
-    backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s),
                             **({"device_id": device} if device.type == "cuda" else {}))
