@@ -44,3 +44,82 @@ def test_the_plan_offload_reaches_the_process_group(cpu_offload, backend, monkey
     assert [(kwargs["backend"], kwargs["world_size"], kwargs["device_id"]) for kwargs in started] == [
         (backend, 1, torch.device("cuda", 0))]
     assert runtime.device == torch.device("cuda", 0)
+
+
+# ----------------------------------------------------------------------------------- GPU binding
+@pytest.mark.parametrize("local_rank, local_world_size, visible, share, index", [
+    (5, 8, 1, False, 0),  # srun --gpus-per-task 1: each task sees its own GPU only
+    (0, 1, 1, True, 0),  # one process, one GPU
+    (5, 8, 8, True, 5),  # torchrun / llmtrain's workers: every GPU of the node visible
+    (5, 8, 8, False, 5),  # SLURM tasks that see every GPU
+    (1, 2, 8, True, 1),  # fewer processes than GPUs
+    (0, 1, 4, True, 0),
+    (5, 8, 4, False, 1),  # --gpu-bind closest: ranks 4-7 see GPUs 4-7 of the node as 0-3
+    (2, 8, 4, False, 2),
+    (3, 4, 2, False, 1),  # tasks with blocks of two GPUs each
+])
+def test_gpu_index(local_rank, local_world_size, visible, share, index):
+    assert runtime_module.gpu_index(local_rank, local_world_size, visible, ranks_share_gpus=share) == index
+
+
+@pytest.mark.parametrize("local_rank", [0, 3])  # every rank refuses, not only those past the last GPU
+def test_gpu_index_refuses_more_processes_than_the_gpus_they_share(local_rank):
+    with pytest.raises(ValueError, match=r"4 processes on this node share 2 visible GPUs, so local rank "
+                                         rf"{local_rank} has none of its own. Start at most 2 per node \(--devices 2"):
+        runtime_module.gpu_index(local_rank, 4, 2, ranks_share_gpus=True)
+    with pytest.raises(ValueError, match="share 1 visible GPU, so"):
+        runtime_module.gpu_index(local_rank, 4, 1, ranks_share_gpus=True)
+
+
+def test_gpu_index_needs_a_visible_gpu():
+    with pytest.raises(ValueError, match="local rank 0 sees no GPU"):
+        runtime_module.gpu_index(0, 1, 0, ranks_share_gpus=False)
+
+
+@pytest.mark.parametrize("environ, layout", [
+    ({"WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "run"}, (3, 8, True)),
+    ({"WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8", "SLURM_PROCID": "11"}, (3, 8, False)),
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1"}, (1, 2, False)),
+    ({}, (0, 1, False)),
+])
+def test_local_layout_knows_when_the_ranks_share_their_gpus(environ, layout, monkeypatch, clean_launch_env):
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert runtime_module._local_layout() == layout
+
+
+def test_shared_gpus_names_each_gpu_taken_twice_with_its_ranks():
+    assert runtime_module.shared_gpus({0: "GPU-a", 1: "GPU-b", 2: "GPU-c"}) == {}
+    assert runtime_module.shared_gpus({3: "GPU-a", 0: "GPU-a", 1: "GPU-b", 2: "GPU-a", 4: "GPU-b", 5: "GPU-c"}) == {
+        "GPU-a": [0, 2, 3], "GPU-b": [1, 4]}
+
+
+def exchange_gpu_ids(gpu_ids: list[str]) -> list[str]:
+    """Each of len(gpu_ids) local ranks (threads here) checks its GPU through one store; their errors, in order."""
+    import threading
+
+    store = torch.distributed.HashStore()
+    errors = [""] * len(gpu_ids)
+
+    def local_rank(index: int) -> None:
+        try:
+            runtime_module.check_own_gpu(store, 10 + index, index, len(gpu_ids), gpu_id=gpu_ids[index], host="node7")
+        except RuntimeError as error:
+            errors[index] = str(error)
+
+    threads = [threading.Thread(target=local_rank, args=(index,)) for index in range(len(gpu_ids))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return errors
+
+
+def test_local_ranks_with_their_own_gpus_pass_the_check():
+    assert exchange_gpu_ids(["GPU-0", "GPU-1", "GPU-2"]) == ["", "", ""]
+
+
+def test_local_ranks_on_one_gpu_all_stop_with_the_ranks_and_the_gpu():
+    errors = exchange_gpu_ids(["GPU-0", "GPU-1", "GPU-0"])
+    assert len(set(errors)) == 1  # every rank, with the same message
+    assert errors[0].startswith("on node7, ranks 10, 12 all use GPU GPU-0: each rank needs a GPU of its own")

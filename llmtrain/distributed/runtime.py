@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -61,7 +62,7 @@ class Runtime:
         meet within ``rdzv_timeout_s`` (default: ``$LLMTRAIN_RDZV_TIMEOUT``, else ``timeout_s``), and
         each collective afterwards must finish within ``timeout_s``.
         """
-        device = pick_device(accelerator, _env_int("LOCAL_RANK", 0))
+        device = pick_device(accelerator, *_local_layout())
         return cls._start(device, None, timeout_s, rdzv_timeout_s, process_group_backend(device.type, False))
 
     @classmethod
@@ -72,7 +73,7 @@ class Runtime:
         if world_size != plan.world_size:
             raise RuntimeError(f"the launcher started {world_size} processes but the parallel plan has "
                                f"{plan.world_size}; the launcher checks this before any worker starts")
-        device = pick_device(plan.device_type, _env_int("LOCAL_RANK", 0))
+        device = pick_device(plan.device_type, *_local_layout())
         backend = process_group_backend(device.type, plan.cpu_offload)
         runtime = cls._start(device, plan, timeout_s, None, backend)
         if plan.uses_process_group and not dist.is_initialized():
@@ -89,7 +90,8 @@ class Runtime:
         if world_size > 1 and not dist.is_initialized():
             if rdzv_timeout_s is None:
                 rdzv_timeout_s = _env_float(RDZV_TIMEOUT_ENV) or timeout_s
-            start_process_group(device, rank, world_size, timeout_s, rdzv_timeout_s, backend)
+            start_process_group(device, rank, world_size, timeout_s, rdzv_timeout_s, backend,
+                                local_layout=_local_layout()[:2])
         # Ranks are laid out pp × dp_replicate × dp_shard × tp, tp innermost: consecutive ranks share a
         # data-parallel shard only under tensor parallelism.
         tp = plan.tp if plan is not None else 1
@@ -155,8 +157,11 @@ def process_group_backend(device_type: str, cpu_offload: bool) -> str:
 
 
 def start_process_group(device: torch.device, rank: int, world_size: int, timeout_s: float,
-                        rdzv_timeout_s: float, backend: str) -> None:
+                        rdzv_timeout_s: float, backend: str, local_layout: tuple[int, int] = (0, 1)) -> None:
     """Meet the other ranks at MASTER_ADDR:MASTER_PORT, then create the default process group.
+
+    ``local_layout`` is (local rank, processes on this node): on GPUs, the local ranks check through the
+    meeting's store that each has a GPU of its own before NCCL starts.
 
     NOTE: the meeting gets its own, short timeout. Giving ``init_process_group`` a short timeout
     instead would also bound every later collective, and a barrier that waits while rank 0
@@ -178,31 +183,87 @@ def start_process_group(device: torch.device, rank: int, world_size: int, timeou
         # prefix per attempt, restarted ranks can read the addresses the failed attempt left there and
         # fail to connect (pytorch/pytorch#135712).
         store = dist.PrefixStore(f"llmtrain/attempt_{attempt}", store)
+    if device.type == "cuda":
+        check_own_gpu(store, rank, *local_layout, gpu_id=str(torch.cuda.get_device_properties(device).uuid))
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s),
                             **({"device_id": device} if device.type == "cuda" else {}))
 
 
-def pick_device(accelerator: str, local_rank: int) -> torch.device:
-    """``auto`` takes this rank's GPU when there is one, else the CPU.
-
-    A process that sees exactly one GPU (SLURM's ``--gpus-per-task 1`` hides the others) uses it
-    whatever its local rank.
-    """
+def pick_device(accelerator: str, local_rank: int, local_world_size: int = 1,
+                ranks_share_gpus: bool = True) -> torch.device:
+    """``auto`` takes this rank's GPU when there is one, else the CPU; :func:`gpu_index` says which GPU."""
     if accelerator not in ("auto", "cpu", "cuda", "gpu"):
         raise ValueError(f"--accelerator {accelerator!r} must be auto, cpu, cuda or gpu")
     want_cuda = accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available())
     if want_cuda:
         if not torch.cuda.is_available():
             raise ValueError(f"--accelerator {accelerator} was asked for but no CUDA device is visible")
-        count = torch.cuda.device_count()
-        index = 0 if count == 1 else local_rank
-        if index >= count:
-            raise ValueError(f"local rank {local_rank} needs GPU {index} but this process sees {count} "
-                             "(CUDA_VISIBLE_DEVICES); start at most one process per visible GPU")
+        index = gpu_index(local_rank, local_world_size, torch.cuda.device_count(), ranks_share_gpus=ranks_share_gpus)
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def gpu_index(local_rank: int, local_world_size: int, visible: int, *, ranks_share_gpus: bool) -> int:
+    """Which of the ``visible`` GPUs this process takes: ``local_rank`` modulo ``visible``.
+
+    - One GPU visible: that one, whatever the local rank (SLURM's ``--gpus-per-task 1`` and
+      ``--gpu-bind single:1`` show each task only its own).
+    - At least one per local rank (every GPU of the node visible): GPU ``local_rank``.
+    - Fewer than the node's processes: with ``ranks_share_gpus`` (the processes are one launcher's
+      children, torchrun's or llmtrain's, and see the same GPUs) some would have to share one, which
+      is an error. SLURM's tasks may each see a set of their own (``--gpu-bind closest`` shows a task the
+      GPUs of its socket: local ranks 4-7 see GPUs 4-7 as 0-3), where local rank modulo that count
+      picks distinct GPUs; the ranks check that they did once they meet (:func:`check_own_gpu`).
+    """
+    if visible < 1:
+        raise ValueError(f"local rank {local_rank} sees no GPU (CUDA_VISIBLE_DEVICES); use --accelerator cpu, or "
+                         "make the node's GPUs visible to its processes")
+    if ranks_share_gpus and visible < local_world_size:
+        raise ValueError(
+            f"{local_world_size} processes on this node share {visible} visible GPU{'s' * (visible > 1)}, so local "
+            f"rank {local_rank} has none of its own. Start at most {visible} per node (--devices {visible}, or "
+            f"torchrun --nproc_per_node {visible}), or make more GPUs visible (CUDA_VISIBLE_DEVICES, SLURM's --gpus)")
+    return local_rank % visible
+
+
+def check_own_gpu(store: Any, rank: int, local_rank: int, local_world_size: int, gpu_id: str,
+                  host: Optional[str] = None) -> None:
+    """Raise unless each process of this node has a GPU of its own (``gpu_id``: its UUID, the same from every
+    process that sees it, whatever CUDA_VISIBLE_DEVICES calls it). The local ranks swap ids through ``store``."""
+    host = host or socket.gethostname()
+    store.set(f"llmtrain/gpu/{host}/{local_rank}", f"{rank} {gpu_id}")
+    gpu_of_rank = {}
+    for peer in range(local_world_size):
+        peer_rank, peer_gpu = store.get(f"llmtrain/gpu/{host}/{peer}").decode().split(" ", 1)
+        gpu_of_rank[int(peer_rank)] = peer_gpu
+    shared = shared_gpus(gpu_of_rank)
+    if shared:
+        clashes = "; ".join(f"ranks {', '.join(map(str, ranks))} all use GPU {gpu}" for gpu, ranks in shared.items())
+        raise RuntimeError(
+            f"on {host}, {clashes}: each rank needs a GPU of its own. Start at most one process per GPU, and give "
+            "SLURM tasks distinct GPUs (srun --gpus-per-task 1, or --ntasks-per-node equal to the GPUs per node "
+            "without --gpu-bind)")
+
+
+def shared_gpus(gpu_of_rank: dict[int, str]) -> dict[str, list[int]]:
+    """The GPUs that more than one rank took, each with those ranks (in order)."""
+    ranks_of_gpu: dict[str, list[int]] = {}
+    for rank, gpu in sorted(gpu_of_rank.items()):
+        ranks_of_gpu.setdefault(gpu, []).append(rank)
+    return {gpu: ranks for gpu, ranks in ranks_of_gpu.items() if len(ranks) > 1}
+
+
+def _local_layout() -> tuple[int, int, bool]:
+    """(local rank, processes on this node, whether they see the same GPUs) from the launcher's variables.
+
+    The children of one elastic agent (torchrun, or llmtrain spawning its workers) inherit one
+    CUDA_VISIBLE_DEVICES; SLURM's tasks (one per device) and unknown launchers may each have their own.
+    """
+    world_size = _env_int("WORLD_SIZE", 1)
+    return (_env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world_size),
+            "TORCHELASTIC_RUN_ID" in os.environ)
 
 
 def configure_process(runtime: Optional[Runtime] = None) -> None:
