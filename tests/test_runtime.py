@@ -123,3 +123,90 @@ def test_local_ranks_on_one_gpu_all_stop_with_the_ranks_and_the_gpu():
     errors = exchange_gpu_ids(["GPU-0", "GPU-1", "GPU-0"])
     assert len(set(errors)) == 1  # every rank, with the same message
     assert errors[0].startswith("on node7, ranks 10, 12 all use GPU GPU-0: each rank needs a GPU of its own")
+
+
+# ---------------------------------------------------------------------------- timeouts and host waits
+COLLECTIVE_TIMEOUT_S = 1.0
+HOST_WORK_S = 2.5  # longer than a collective may wait
+
+
+def waits_worker(out_dir: str) -> None:
+    """One of two gloo ranks with a 1 s collective timeout: rank 0 works 2.5 s on the host under
+    main_process_first while rank 1 waits; then rank 1 starts an all-reduce that rank 0 never joins."""
+    import json
+    import os
+    import sys
+    import time
+
+    plan = ParallelPlan.resolve(devices=2, num_nodes=1, train=TrainArgs(global_batch_size=2, micro_batch_size=1),
+                                precision="32-true", accelerator="cpu")
+    runtime = Runtime.for_plan(plan, timeout_s=COLLECTIVE_TIMEOUT_S)
+    result = {}
+    started = time.perf_counter()
+    with runtime.main_process_first():
+        if runtime.rank == 0:
+            time.sleep(HOST_WORK_S)  # tokenizing a corpus, say
+    result["host_wait_s"] = time.perf_counter() - started
+    if runtime.rank == 1:
+        started = time.perf_counter()
+        try:
+            torch.distributed.all_reduce(torch.ones(1))
+            result["collective"] = "finished"
+        except Exception as error:  # noqa: BLE001
+            result["collective"] = str(error)
+        result["collective_s"] = time.perf_counter() - started
+    runtime.barrier()  # rank 0 waits here, on the store, while rank 1's collective times out
+    with open(os.path.join(out_dir, f"rank{runtime.rank}.json"), "w") as f:
+        json.dump(result, f)
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def test_collectives_time_out_and_waits_for_host_work_do_not(tmp_path, dist_env, free_port):
+    """The timeout reaches the default process group (a lone all-reduce fails after it), while waiting longer
+    than it for another rank's host work (main_process_first, around the device) succeeds."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    code = f"import sys; sys.path.insert(0, {str(tests)!r}); import test_runtime; test_runtime.waits_worker(sys.argv[1])"
+    env = {**dist_env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "PYTHONPATH": str(tests.parent)}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env={**env, "RANK": str(rank),
+                                                                                "LOCAL_RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[1]["host_wait_s"] >= HOST_WORK_S - 0.1  # waited past the collective timeout, and went on
+    assert ranks[1]["collective"] != "finished" and "timed out" in ranks[1]["collective"].lower(), ranks[1]
+    assert COLLECTIVE_TIMEOUT_S - 0.1 <= ranks[1]["collective_s"] < HOST_WORK_S, ranks[1]
+
+
+def test_the_run_starts_its_process_group_with_dist_timeout(monkeypatch):
+    from types import SimpleNamespace
+
+    from llmtrain.recipes import run as run_module
+
+    class Started(Exception):
+        pass
+
+    def for_plan(plan, timeout_s):
+        raise Started(plan, timeout_s)
+
+    monkeypatch.setattr(run_module.Runtime, "for_plan", for_plan)
+    with pytest.raises(Started) as started:
+        run_module.run(SimpleNamespace(plan="the plan", dist_timeout=1234.0))
+    assert started.value.args == ("the plan", 1234.0)
+
+
+def test_a_host_wait_that_nobody_joins_ends_with_a_message(monkeypatch):
+    monkeypatch.setattr(runtime_module, "_host_waits", runtime_module._HostWaits(
+        torch.distributed.HashStore(), rank=1, world_size=2, timeout_s=0.2))
+    with pytest.raises(RuntimeError, match=r"rank 1: waited 0.2s for the other ranks to finish their host work .* "
+                                           "raise --dist_timeout"):
+        runtime_module.host_barrier()

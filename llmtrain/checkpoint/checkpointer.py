@@ -47,7 +47,7 @@ from llmtrain.checkpoint.state import (
     restore_training_state,
 )
 from llmtrain.checkpoint.weights import gather_full_model_state, is_distributed, load_full_model_state, load_weights
-from llmtrain.distributed.runtime import Runtime
+from llmtrain.distributed.runtime import Runtime, host_group
 
 
 class NonFiniteWeightsError(RuntimeError):
@@ -95,7 +95,6 @@ class Checkpointer:
         self.async_save = async_save
         self.last_saved: Optional[Path] = None
         self._pending: Optional[_PendingSave] = None
-        self._async_group: Any = None
         self._stager: Any = None  # keeps its host copies between async saves: no fresh allocation per save
 
     # ------------------------------------------------------------------------------------- saving
@@ -110,8 +109,10 @@ class Checkpointer:
             files.remove_leftovers(self.out_dir)  # of saves that were killed, this step's included
             tmp.mkdir(parents=True)
         self.runtime.barrier()
-        future, optimizer_state = self._write_tensors(tmp)
+        # NOTE: before the writes: rank 0 writes the full weights alone, and a collective after them would wait
+        # for its disk within the collective timeout (NCCL's watchdog). The writes change no generator.
         rng_states = self.runtime.all_gather_object(capture_rng_state(self.runtime.device))
+        future, optimizer_state = self._write_tensors(tmp)
         if self.runtime.is_main:
             training_state = build_training_state(
                 state=state, train_loader=self.train_loader, scaler=self.scaler, rng_states=rng_states,
@@ -142,15 +143,15 @@ class Checkpointer:
         return None, optimizer_state
 
     def _write_shards(self, dcp_dir: Path, states: dict) -> Any:
+        # NOTE: DCP's collectives wait for the slowest rank's writes, host work that the collective timeout
+        # must not bound: they go over a gloo group with the long timeout (host_group). A background
+        # write's collectives then also never interleave with the training's on the default group.
+        group = host_group() if is_distributed() else None
         with _single_process_quietly():
             if not self.async_save:
-                dcp.save(states, checkpoint_id=str(dcp_dir), no_dist=not is_distributed())
+                dcp.save(states, checkpoint_id=str(dcp_dir), process_group=group, no_dist=not is_distributed())
                 return None
-            # NOTE: the background write's collectives get a group of their own (gloo), so they never
-            # interleave with the training's collectives on the default group.
-            if self._async_group is None and is_distributed():
-                self._async_group = torch.distributed.new_group(backend="gloo")
-            return dcp.async_save(states, checkpoint_id=str(dcp_dir), process_group=self._async_group,
+            return dcp.async_save(states, checkpoint_id=str(dcp_dir), process_group=group,
                                   async_stager=self._host_stager(), no_dist=not is_distributed())
 
     def _host_stager(self) -> Any:

@@ -12,6 +12,7 @@ import torch
 
 from llmtrain.checkpoint import layout
 from llmtrain.distributed.parallelize import unwrap
+from llmtrain.distributed.runtime import host_barrier
 from llmtrain.lora import is_lora_parameter, plain_to_lora_keys
 
 
@@ -69,6 +70,7 @@ def load_weights(model: torch.nn.Module, checkpoint_dir: Path) -> None:
     if is_main_process():
         weights = plain_to_lora_keys(load_file(str(path)), gpt)
         check_weights_match(weights, gpt, path)
+    host_barrier()  # the others wait for rank 0's read here, not in the broadcast (bound by the collective timeout)
     load_full_model_state(model, weights, strict=False)
 
 

@@ -2,6 +2,13 @@
 
 Everything that depends on the process layout asks a :class:`Runtime` instead of assuming one
 process, so the same training loop runs on one CPU or on many GPU nodes.
+
+Two kinds of waiting. A collective (an all-reduce of gradients, of the step's token count) waits for the
+other ranks' devices, and ``--dist_timeout`` bounds it: past it, the run is hung and NCCL's watchdog ends
+it. Waiting for host work that one rank does alone (rank 0 tokenizing a corpus under
+:meth:`Runtime.main_process_first`, reading or writing a full checkpoint, writing ``final/``) can
+legitimately take much longer; it goes around the device, through the store the ranks met at
+(:func:`host_barrier`) or a gloo group (:func:`host_group`), and allows at least ``HOST_WAIT_S``.
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+
+HOST_WAIT_S = 2 * 3600.0
+"""The least time a wait for host work allows (:func:`host_barrier`); a longer --dist_timeout raises it."""
 
 RDZV_TIMEOUT_ENV = "LLMTRAIN_RDZV_TIMEOUT"
 """Seconds the processes of a run wait for each other to meet; :func:`llmtrain.distributed.launch.launch` sets it."""
@@ -101,8 +111,9 @@ class Runtime:
                    data_parallel_rank=(rank // tp) % dp_size, data_parallel_size=dp_size)
 
     def barrier(self) -> None:
+        """Wait until every rank gets here: a wait for host work, around the device (:func:`host_barrier`)."""
         if self.is_distributed:
-            dist.barrier()
+            host_barrier()
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce over every rank (identity in a single process)."""
@@ -138,6 +149,7 @@ class Runtime:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        _keep_for_host_waits(_HostWaits())
 
 
 def process_group_backend(device_type: str, cpu_offload: bool) -> str:
@@ -188,6 +200,59 @@ def start_process_group(device: torch.device, rank: int, world_size: int, timeou
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s),
                             **({"device_id": device} if device.type == "cuda" else {}))
+    _keep_for_host_waits(_HostWaits(store, rank, world_size, max(timeout_s, HOST_WAIT_S)))
+
+
+# ------------------------------------------------------------------------------ waits for host work
+class _HostWaits:
+    """What :func:`host_barrier` and :func:`host_group` use: the store the ranks met at, and how long to wait."""
+
+    def __init__(self, store: Any = None, rank: int = 0, world_size: int = 1, timeout_s: float = HOST_WAIT_S) -> None:
+        self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.barriers = 0
+        self.group: Any = None
+
+
+_host_waits = _HostWaits()
+
+
+def _keep_for_host_waits(waits: _HostWaits) -> None:
+    global _host_waits
+    _host_waits = waits
+
+
+def host_barrier() -> None:
+    """Wait for every rank through the store the ranks met at, for up to max(--dist_timeout, HOST_WAIT_S).
+
+    For waits on host work (rank 0 tokenizing, reading or writing a checkpoint): a barrier on the device
+    would be bound by the collective timeout, and NCCL's watchdog would end a healthy run. A process
+    group created by someone else (no store here) gets its ordinary barrier.
+    """
+    waits = _host_waits
+    if waits.store is None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        return
+    waits.barriers += 1  # every rank counts the same barriers in the same order: the count names this one
+    key = f"llmtrain/host_barrier/{waits.barriers}"
+    if waits.store.add(key, 1) == waits.world_size:
+        waits.store.set(f"{key}/open", "1")
+    try:
+        waits.store.wait([f"{key}/open"], datetime.timedelta(seconds=waits.timeout_s))
+    except dist.DistError:
+        raise RuntimeError(
+            f"rank {waits.rank}: waited {waits.timeout_s:g}s for the other ranks to finish their host work "
+            "(tokenizing data, reading or writing a checkpoint) and some never arrived: one is stuck or died. If "
+            "that work takes longer, raise --dist_timeout") from None
+
+
+def host_group() -> Any:
+    """A gloo group over every rank that waits as long as :func:`host_barrier`, for collectives around host work
+    (torch.distributed.checkpoint's writes). Created on the first call, which every rank makes at the same point."""
+    if _host_waits.group is None:
+        _host_waits.group = dist.new_group(backend="gloo",
+                                           timeout=datetime.timedelta(seconds=_host_waits.timeout_s))
+    return _host_waits.group
 
 
 def pick_device(accelerator: str, local_rank: int, local_world_size: int = 1,

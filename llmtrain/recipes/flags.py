@@ -1,10 +1,10 @@
 """The flags every training recipe shares, defined once.
 
-``pretrain``, ``finetune_full`` and ``finetune_lora`` take the same seventeen flags (where to write, precision,
-resume, data, batch and schedule, optimizer, the process layout, logging, seed, dry run, profiling). Each recipe's
-function declares only its own arguments and ``**flags``; :func:`shared_flags` adds the shared ones to its
-signature and docstring, which is what jsonargparse reads, so ``--help`` lists every flag with its type,
-default and one line of documentation, and a recipe may change a default or a line of doc.
+``pretrain``, ``finetune_full`` and ``finetune_lora`` take the same eighteen flags (where to write, precision,
+resume, data, batch and schedule, optimizer, the process layout and its timeout, logging, seed, dry run,
+profiling). Each recipe's function declares only its own arguments and ``**flags``; :func:`shared_flags` adds the
+shared ones to its signature and docstring, which is what jsonargparse reads, so ``--help`` lists every flag with
+its type, default and one line of documentation, and a recipe may change a default or a line of doc.
 """
 
 from __future__ import annotations
@@ -55,6 +55,9 @@ SHARED_FLAGS = (
          "nothing with one), ddp, or fsdp (also on one device, e.g. for --fsdp.cpu_offload on a GPU)."),
     Flag("fsdp", FSDPArgs, FSDPArgs(), "FSDP settings: sharding strategy, activation checkpointing, CPU offload, "
          "checkpoint format."),
+    Flag("dist_timeout", float, 600.0, "Seconds a collective may wait for the other ranks before the run counts "
+         "as hung and stops. Waits for work one rank does alone (tokenizing the data, reading or writing a "
+         "checkpoint) go around the GPU and allow the larger of this and two hours."),
     Flag("compile", bool, False, "Compile every transformer block with torch.compile (before FSDP wraps it)."),
     Flag("logger_name", LoggerName, "csv", "Metrics go to out_dir/metrics.csv always; `tensorboard` adds "
          "TensorBoard logs, `wandb` a Weights & Biases run in out_dir/wandb (offline unless WANDB_MODE=online)."),

@@ -72,6 +72,8 @@ class RunSpec:
     """Fine-tuning: a prompt style name; None takes the checkpoint's own, else the model family's."""
     profile: Optional[ProfileArgs] = None
     """--profile's settings when profiling was asked for; None builds no profiler."""
+    dist_timeout: float = 600.0
+    """--dist_timeout: seconds a collective may wait (the default process group's timeout)."""
 
 
 def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: Optional[Path],
@@ -87,6 +89,8 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
     raises the same one before the process group is created.
     """
     train, fsdp, dry = flags["train"], flags["fsdp"], flags["dry_run"]
+    if flags["dist_timeout"] <= 0:
+        raise ValueError(f"--dist_timeout {flags['dist_timeout']:g} must be a positive number of seconds (default 600)")
     seq_len = checks.check_seq_len(train, config)
     devices = _devices(flags, dry)
     layout = dict(devices=devices, num_nodes=flags["num_nodes"], train=train, precision=flags["precision"],
@@ -116,7 +120,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
                    hyperparameters=hyperparameters, fsdp=fsdp, seed=flags["seed"], compile=flags["compile"],
                    logger_name=flags["logger_name"], resume_from=resume_from,
                    initial_checkpoint_dir=initial_checkpoint_dir, tokenizer_dir=tokenizer_dir, lora=lora,
-                   quantize=quantize, prompt_style=prompt_style, profile=profile)
+                   quantize=quantize, prompt_style=prompt_style, profile=profile, dist_timeout=flags["dist_timeout"])
     if spec.lora is not None and spec.fsdp.async_save:
         raise ValueError("--fsdp.async_save is for sharded checkpoints; LoRA checkpoints hold only the "
                          "adapters and are written by rank 0: drop --fsdp.async_save")
@@ -157,7 +161,7 @@ def run(spec: RunSpec) -> None:
     built still stops the run cleanly after its first step (exit code 75, see llmtrain.train.signals);
     before that, nothing is lost when they end the process.
     """
-    runtime = Runtime.for_plan(spec.plan)
+    runtime = Runtime.for_plan(spec.plan, timeout_s=spec.dist_timeout)
     with catch_stop_signals():
         _run(spec, runtime)
 
