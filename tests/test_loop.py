@@ -154,3 +154,107 @@ def test_a_runs_own_callbacks_see_every_step_end_and_the_end_of_fit(fail_at):
     steps = [("start", 1), ("end", 1), ("start", 2)] + ([("end", 2)] if fail_at is None else [])
     assert own == [*steps, ("fit_end",)]  # on_fit_end also when fit() raises
     assert calls[0] == ("own", "start", 1) and calls[-1] == ("installed", "fit_end")  # the run's own come first
+
+
+class TwoRanks(Runtime):
+    """Rank 0 of two, without processes: an all-reduce adds the other rank's numbers (its step counts are this
+    rank's, with the stop and time votes of ``other_votes[step]``); every all-reduce is written down."""
+
+    def __init__(self, other_votes):
+        super().__init__(world_size=2, data_parallel_size=2)
+        self.other_votes, self.reduced = other_votes, []
+
+    def all_reduce(self, tensor, op="sum"):
+        self.reduced.append((tensor.device, tensor.dtype, tensor.tolist()))
+        other = tensor.clone()
+        if tensor.numel() == 4:  # a step's counts: target tokens, input tokens, stop vote, time vote
+            other[2:] = torch.tensor(self.other_votes.get(len(self.reduced), (0.0, 0.0)))
+        return tensor.add_(other)
+
+
+def fit_two_ranks(other_votes, callbacks_=(), max_time=None):
+    from llmtrain.train.loop import TrainState
+
+    torch.manual_seed(0)
+    model = GPT(Config(**CONFIG))
+    model.init_weights()
+    train = TrainArgs(global_batch_size=2, micro_batch_size=1, max_steps=6, max_time=max_time, lr_warmup_steps=0,
+                      save_interval=None, log_interval=100)
+    runtime, state, saved = TwoRanks(other_votes), TrainState(), []
+    job = Fit(runtime=runtime, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+              train_loader=ListLoader(padded_samples(n=16), 1), val_loader=None, train=train,
+              eval=EvalArgs(initial_validation=False, final_validation=False), plan=batch_plan(train, 1),
+              horizon=plan_horizon(train, 2 * 12, None), precision=Precision("32-true"), state=state,
+              save_checkpoint=lambda s: saved.append(s.step), save_final=lambda s: saved.append("final"),
+              callbacks=list(callbacks_))
+    return job, runtime, saved
+
+
+@pytest.fixture
+def no_new_groups(monkeypatch):
+    def refused(*args, **kwargs):
+        raise AssertionError("fit() created a process group")
+
+    monkeypatch.setattr(torch.distributed, "new_group", refused)
+
+
+def test_another_ranks_stop_vote_rides_in_the_steps_one_all_reduce(no_new_groups):
+    """Each step makes one all-reduce, on the run's device, of its target tokens and the host's numbers (input
+    tokens, stop vote, time vote); a stop vote from the other rank at step 2 stops both after step 2."""
+    from llmtrain.train.signals import Preempted
+
+    job, runtime, saved = fit_two_ranks({2: (1.0, 0.0)})
+    with pytest.raises(Preempted):
+        fit(job)
+    assert job.state.step == 2 and job.state.stop_reason == "another rank got a stop signal"
+    assert [(device, dtype) for device, dtype, _ in runtime.reduced] == [(job.runtime.device, torch.float64)] * 2
+    assert [numbers[1:] for _, _, numbers in runtime.reduced] == [[24.0, 0.0, 0.0]] * 2  # 2 micro-batches of 12
+    assert job.state.tokens == 2 * 2 * 24  # summed over both ranks
+    assert saved == [2]  # the checkpoint of a stop signal, no final model
+
+
+def test_this_ranks_signal_counts_in_the_step_that_starts_after_it(no_new_groups):
+    import os
+    import signal
+
+    from llmtrain.train.signals import Preempted
+
+    class SignalAt(callbacks.Callback):
+        def on_step_start(self, step):
+            if step == 3:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    job, runtime, _ = fit_two_ranks({}, [SignalAt()])
+    with pytest.raises(Preempted):
+        fit(job)
+    assert job.state.step == 3 and job.state.stop_reason == "got SIGUSR1"
+    assert [numbers[2] for _, _, numbers in runtime.reduced] == [0.0, 0.0, 1.0]
+
+
+def test_a_max_time_vote_of_another_rank_stops_every_rank_after_that_step(no_new_groups):
+    job, runtime, saved = fit_two_ranks({3: (0.0, 1.0)}, max_time=1e6)
+    state = fit(job)
+    assert state.step == 3 and state.stop_reason == "reached --train.max_time 1000000.0s"
+    assert saved == [3, "final"]
+
+
+def test_the_time_vote_stops_the_run_after_the_step_in_which_max_time_runs_out(monkeypatch):
+    """Votes are cast as a step starts, so the time vote looks one step (as long as the last) ahead."""
+    from types import SimpleNamespace
+
+    from llmtrain.train import loop
+    from llmtrain.train.signals import StopRequest
+
+    clock = [0.0]
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    job = SimpleNamespace(horizon=loop.Horizon(total_steps=100, warmup_steps=0, max_time=10.0), state=loop.TrainState())
+    stops = loop.StopPolicy(job, StopRequest())
+    time_votes = []
+    for step in range(1, 6):  # steps of 3 s: the time runs out during step 4 (9 s to 12 s)
+        time_votes.append(stops.votes()[1])
+        clock[0] += 3.0
+        stops.after_step([0.0, 0.0, time_votes[-1]])
+        if stops.reason():
+            break
+    assert time_votes == [0.0, 0.0, 0.0, 1.0] and job.state.elapsed_s == 12.0
+    assert stops.reason() == "reached --train.max_time 10.0s"

@@ -10,17 +10,17 @@ the optimizer), :class:`NonFiniteSteps` (what a NaN or inf gradient norm does), 
 drives them. Code from outside the loop (--profile's profiler, a test's fault injector) hooks in through
 :mod:`llmtrain.train.callbacks`.
 
-Faults. After each step the ranks sum what their hosts know (input tokens, stop votes for SIGTERM
-or SIGUSR1 received, see :mod:`llmtrain.train.signals`, and ``--train.max_time`` votes) in one
-all-reduce over a CPU (gloo) group, so they agree to stop after the same step without waiting for
-the device; on a signal they checkpoint and raise ``Preempted`` (exit 75). A step whose global
-gradient norm is NaN or inf (a NaN loss makes NaN gradients) changes nothing: no optimizer step,
-gradients zeroed, the fp16 loss scale backed off; it is logged, and ``--train.max_nonfinite_steps``
-of them in a row stop the run. The norm is already reduced over all ranks (the DDP gradients are,
+Faults. The numbers each rank's host knows as a step starts (its input tokens, a stop vote for SIGTERM
+or SIGUSR1 received, see :mod:`llmtrain.train.signals`, and a ``--train.max_time`` vote) ride in the
+all-reduce of the step's target-token count, the one collective that opens every step, so the ranks
+agree to stop after the same step without a collective of their own; on a signal they checkpoint and
+raise ``Preempted`` (exit 75). A step whose global gradient norm is NaN or inf (a NaN loss makes NaN
+gradients) changes nothing: no optimizer step, gradients zeroed, the fp16 loss scale backed off; it is
+logged, and ``--train.max_nonfinite_steps`` of them in a row stop the run. The norm is already reduced over all ranks (the DDP gradients are,
 the FSDP norm is all-reduced by clipping), so every rank decides alike.
 
 Host-device synchronisation. Optimizers that take ``found_inf`` (fused Adam/AdamW, the default,
-without an fp16 loss scaler) read nothing from the device between log, eval and checkpoint steps:
+without an fp16 loss scaler) never wait for a step to finish between log, eval and checkpoint steps:
 the optimizer skips a non-finite step on the device (its step counter too), the loss sums mask it
 out, and the norms of the steps since the last read are read together at the next log or checkpoint
 step, where skipped steps are logged with their step numbers and ``--train.max_nonfinite_steps`` is
@@ -28,6 +28,15 @@ enforced (before any save, so the limit still holds at every checkpoint; a skipp
 weights finite anyway). Any other optimizer must be told on the host whether to step, so once per
 step, after clipping, the host reads whether the norm is finite: the step's only synchronisation.
 Either way the step's target-token count travels to the device asynchronously from pinned memory.
+The host numbers' sums come back the same way (:class:`HostSums`), and the host reads them after the
+step, once the device has run that opening all-reduce: this waits for the step before to finish on the
+device, never for this one, so the host stays at most one step ahead of the device, which is all the
+run-ahead that hiding kernel launches needs. (On a CPU the sums are in host memory at once.)
+
+NOTE: these numbers went over a gloo group of their own for a while, which waits for no device. On
+several GPU nodes that made every step pay a TCP all-reduce across the nodes (through the interface
+GLOO_SOCKET_IFNAME names), beside the NCCL one the step makes anyway. Now a step's collectives are
+all on the run's device: NCCL on GPUs, gloo only for a CPU run.
 """
 
 from __future__ import annotations
@@ -39,7 +48,6 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-import numpy as np
 import torch
 
 from llmtrain.args import BatchPlan, EvalArgs, TrainArgs
@@ -226,10 +234,11 @@ class Trainer:
             self.hooks.on_step_start(state.step + 1)
             lr = self.schedule.set_step(state.step)
             micro_batches = self.interval.fetch(batches, job.plan.grad_accum_steps)
-            result = self.train_step(state.step + 1, micro_batches)
+            input_tokens = sum(batch["input_ids"].numel() for batch in micro_batches)
+            result = self.train_step(state.step + 1, micro_batches, [input_tokens, *self.stops.votes()])
             state.step += 1
             job.console.advance(state.step)
-            step_tokens = self.stops.after_step(sum(batch["input_ids"].numel() for batch in micro_batches))
+            step_tokens = self.stops.after_step(result.host_sums.read())
             state.tokens += step_tokens
             self.interval.add(result, step_tokens)
             self.skips.record(state.step, state.tokens, job.train_loader.epoch, result.grad_norm)
@@ -281,6 +290,8 @@ class StepResult:
     """Whether the optimizer stepped (bool; False for a skipped non-finite step)."""
     grad_norm: torch.Tensor
     """The global gradient norm before clipping."""
+    host_sums: "HostSums"
+    """The host numbers the step was given, summed over all ranks."""
 
 
 class TrainStep:
@@ -295,9 +306,10 @@ class TrainStep:
         self.params = [p for p in job.model.parameters() if p.requires_grad]
         self.max_norm = job.train.max_norm if job.train.max_norm is not None else float("inf")
 
-    def __call__(self, step: int, micro_batches: list[dict]) -> StepResult:
+    def __call__(self, step: int, micro_batches: list[dict], host_numbers: list[float]) -> StepResult:
+        """Train one step; ``host_numbers`` (what this rank's host knows) are summed over the ranks on the way."""
         job = self.job
-        target_tokens = self.target_tokens(micro_batches)
+        target_tokens, host_sums = self.counts(micro_batches, host_numbers)
         # Each rank's loss is its share of (sum over the step's tokens) / (token count of the step);
         # DDP and FSDP average gradients over ranks, hence the factor data_parallel_size.
         loss_scale = job.runtime.data_parallel_size / target_tokens.clamp(min=1).float()
@@ -307,14 +319,16 @@ class TrainStep:
         grad_norm = _replicated(torch.nn.utils.clip_grad_norm_(self.params, self.max_norm))
         stepped = self.skips.step(grad_norm)
         job.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, target_tokens, stepped, grad_norm.detach())
+        return StepResult(loss_sum, target_tokens, stepped, grad_norm.detach(), host_sums)
 
-    def target_tokens(self, micro_batches: list[dict]) -> torch.Tensor:
-        """The step's target tokens over all ranks: its one collective before the forward (nothing is read)."""
+    def counts(self, micro_batches: list[dict], host_numbers: list[float]) -> tuple[torch.Tensor, "HostSums"]:
+        """The step's target tokens and ``host_numbers``, each summed over all ranks in the step's one
+        collective before the forward, on the run's device (nothing is read here)."""
         local = sum((batch["labels"] != IGNORE_INDEX).sum() for batch in micro_batches)  # a host tensor
-        counts = _to_device(local.to(torch.float64).reshape(1), self.job.runtime.device)
+        numbers = torch.cat([local.to(torch.float64).reshape(1), torch.tensor(host_numbers, dtype=torch.float64)])
+        counts = _to_device(numbers, self.job.runtime.device)
         self.job.runtime.all_reduce(counts)
-        return counts[0]
+        return counts[0], HostSums(counts[1:])
 
     def forward_backward(self, step: int, micro_batches: list[dict], loss_scale: torch.Tensor) -> torch.Tensor:
         """Accumulate the gradients of the micro-batches; returns their summed token losses (not scaled)."""
@@ -331,6 +345,28 @@ class TrainStep:
                 (scaler.scale(loss) if scaler else loss).backward()
             loss_sum += token_loss_sum.detach()
         return loss_sum
+
+
+class HostSums:
+    """Sums of host numbers that an all-reduce left on the device, on their way back to the host.
+
+    On a GPU they are copied to pinned memory behind the all-reduce without waiting; :meth:`read` then
+    waits only until the device has run that copy, not for what was queued after it.
+    """
+
+    def __init__(self, sums: torch.Tensor) -> None:
+        self.ready: Optional[torch.cuda.Event] = None
+        self.host = sums
+        if sums.device.type == "cuda":
+            self.host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+            self.host.copy_(sums, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def read(self) -> list[float]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.numpy().tolist()  # host memory: a NumPy view, no device read
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -532,36 +568,44 @@ class LogInterval:
 class StopPolicy:
     """When the run stops and when it saves: the horizon's limits, --train.max_time, stop signals, the save interval.
 
-    After each step the ranks sum what their hosts know in one all-reduce over a CPU (gloo) group,
-    which waits for no device: their input tokens, stop votes (SIGTERM or SIGUSR1 received, see
-    :mod:`llmtrain.train.signals`) and --train.max_time votes, so every rank stops after the same step.
+    As each step starts, every rank votes (:meth:`votes`: a stop signal received, see
+    :mod:`llmtrain.train.signals`, and whether --train.max_time runs out during the step); the votes ride
+    in the step's opening all-reduce with the input tokens, so after the step every rank knows the same
+    sums (:meth:`after_step`) and every rank stops after the same step.
     """
 
     def __init__(self, job: Fit, request: StopRequest) -> None:
         self.job, self.request = job, request
-        self.group = _host_group(job.runtime)
         self.signal = ""
         """Why some rank asked to stop, once the ranks have agreed on it."""
         self.last_saved_step = job.state.step or None
         self.started, self.elapsed_at_start = time.perf_counter(), job.state.elapsed_s
-        self.time_over = False
-        if job.horizon.max_time is not None:  # a resumed run can be out of time before its first step
-            self.time_over = _host_sum([float(self._time_is_up())], self.group)[0] > 0
+        self.last_step_s = 0.0
+        max_time = job.horizon.max_time
+        # A resumed run can be out of time before its first step; every rank read the same elapsed time.
+        self.time_over = max_time is not None and job.state.elapsed_s >= max_time
 
-    def after_step(self, input_tokens: int) -> int:
-        """Advance the clock and agree with the other ranks; returns the step's input tokens over all ranks."""
+    def votes(self) -> list[float]:
+        """This rank's votes as a step starts: a stop signal received; --train.max_time passed by the step's end
+        (were it as long as the last step), so that the run stops after the step in which the time runs out."""
+        max_time = self.job.horizon.max_time
+        runs_out = max_time is not None and self._elapsed() + self.last_step_s >= max_time
+        return [float(self.request.requested), float(runs_out)]
+
+    def after_step(self, sums: list[float]) -> int:
+        """Advance the clock and take the ranks' summed numbers (input tokens, then the votes); returns the
+        step's input tokens over all ranks."""
         state = self.job.state
-        state.elapsed_s = self.elapsed_at_start + time.perf_counter() - self.started
-        tokens, stop_votes, time_votes = _host_sum(
-            [input_tokens, float(self.request.requested), float(self._time_is_up())], self.group)
+        elapsed = self._elapsed()
+        self.last_step_s, state.elapsed_s = elapsed - state.elapsed_s, elapsed
+        tokens, stop_votes, time_votes = sums
         self.time_over = time_votes > 0
         if stop_votes > 0:
             self.signal = f"got {self.request.name}" if self.request.requested else "another rank got a stop signal"
         return int(tokens)
 
-    def _time_is_up(self) -> bool:
-        max_time = self.job.horizon.max_time
-        return max_time is not None and self.job.state.elapsed_s >= max_time
+    def _elapsed(self) -> float:
+        return self.elapsed_at_start + time.perf_counter() - self.started
 
     def reason(self) -> str:
         """The first stop condition that holds, in words; empty while training should go on."""
@@ -586,26 +630,6 @@ class StopPolicy:
         if self.last_saved_step != state.step:
             self.job.save_checkpoint(state)
             self.last_saved_step = state.step
-
-
-def _host_group(runtime: Runtime) -> Any:
-    """A process group over CPU (gloo) for numbers the host knows; None in a single process."""
-    if not runtime.is_distributed:
-        return None
-    import torch.distributed as dist
-
-    # NOTE: every rank calls this at the same point of fit(): creating a group is a collective.
-    return dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-
-
-def _host_sum(values: list[float], group: Any) -> list[float]:
-    """Sum host numbers over the ranks of ``group`` without touching the device queue."""
-    buffer = np.array(values, dtype=np.float64)
-    if group is not None:
-        import torch.distributed as dist
-
-        dist.all_reduce(torch.from_numpy(buffer), group=group)  # in place: the tensor shares the array
-    return buffer.tolist()
 
 
 # --------------------------------------------------------------------------------- validation
