@@ -88,6 +88,20 @@ def test_local_layout_knows_when_the_ranks_share_their_gpus(environ, layout, mon
     assert runtime_module._local_layout() == layout
 
 
+@pytest.mark.parametrize("local_world_size, layout", [("2", (1, 2)), (None, None)])
+def test_gpus_are_compared_only_with_a_known_number_of_local_peers(local_world_size, layout, monkeypatch,
+                                                                    clean_launch_env):
+    """Without LOCAL_WORLD_SIZE a rank could wait for peers that are on other nodes: no comparison then."""
+    started = []
+    monkeypatch.setattr(runtime_module, "start_process_group", lambda *args, **kwargs: started.append(kwargs))
+    environ = {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": local_world_size}
+    for name, value in environ.items():
+        if value is not None:
+            monkeypatch.setenv(name, value)
+    Runtime.from_env("cpu")
+    assert [kwargs["local_layout"] for kwargs in started] == [layout]
+
+
 def test_shared_gpus_names_each_gpu_taken_twice_with_its_ranks():
     assert runtime_module.shared_gpus({0: "GPU-a", 1: "GPU-b", 2: "GPU-c"}) == {}
     assert runtime_module.shared_gpus({3: "GPU-a", 0: "GPU-a", 1: "GPU-b", 2: "GPU-a", 4: "GPU-b", 5: "GPU-c"}) == {
@@ -173,7 +187,8 @@ def test_collectives_time_out_and_waits_for_host_work_do_not(tmp_path, dist_env,
     from pathlib import Path
 
     tests = Path(__file__).parent
-    code = f"import sys; sys.path.insert(0, {str(tests)!r}); import test_runtime; test_runtime.waits_worker(sys.argv[1])"
+    code = (f"import sys; sys.path.insert(0, {str(tests)!r}); import test_runtime; "
+            "test_runtime.waits_worker(sys.argv[1])")
     env = {**dist_env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "LOCAL_WORLD_SIZE": "2", "PYTHONPATH": str(tests.parent)}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env={**env, "RANK": str(rank),

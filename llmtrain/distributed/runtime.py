@@ -100,8 +100,11 @@ class Runtime:
         if world_size > 1 and not dist.is_initialized():
             if rdzv_timeout_s is None:
                 rdzv_timeout_s = _env_float(RDZV_TIMEOUT_ENV) or timeout_s
+            # Without LOCAL_WORLD_SIZE nobody knows how many peers to compare GPUs with (NCCL still refuses a
+            # shared GPU, in its own words).
+            known = os.environ.get("LOCAL_WORLD_SIZE")
             start_process_group(device, rank, world_size, timeout_s, rdzv_timeout_s, backend,
-                                local_layout=_local_layout()[:2])
+                                local_layout=_local_layout()[:2] if known else None)
         # Ranks are laid out pp × dp_replicate × dp_shard × tp, tp innermost: consecutive ranks share a
         # data-parallel shard only under tensor parallelism.
         tp = plan.tp if plan is not None else 1
@@ -169,11 +172,11 @@ def process_group_backend(device_type: str, cpu_offload: bool) -> str:
 
 
 def start_process_group(device: torch.device, rank: int, world_size: int, timeout_s: float,
-                        rdzv_timeout_s: float, backend: str, local_layout: tuple[int, int] = (0, 1)) -> None:
+                        rdzv_timeout_s: float, backend: str, local_layout: Optional[tuple[int, int]] = None) -> None:
     """Meet the other ranks at MASTER_ADDR:MASTER_PORT, then create the default process group.
 
-    ``local_layout`` is (local rank, processes on this node): on GPUs, the local ranks check through the
-    meeting's store that each has a GPU of its own before NCCL starts.
+    ``local_layout`` is (local rank, processes on this node), where known: on GPUs, the local ranks then
+    check through the meeting's store that each has a GPU of its own before NCCL starts.
 
     NOTE: the meeting gets its own, short timeout. Giving ``init_process_group`` a short timeout
     instead would also bound every later collective, and a barrier that waits while rank 0
@@ -195,7 +198,7 @@ def start_process_group(device: torch.device, rank: int, world_size: int, timeou
         # prefix per attempt, restarted ranks can read the addresses the failed attempt left there and
         # fail to connect (pytorch/pytorch#135712).
         store = dist.PrefixStore(f"llmtrain/attempt_{attempt}", store)
-    if device.type == "cuda":
+    if device.type == "cuda" and local_layout is not None:
         check_own_gpu(store, rank, *local_layout, gpu_id=str(torch.cuda.get_device_properties(device).uuid))
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s),

@@ -16,8 +16,9 @@ all-reduce of the step's target-token count, the one collective that opens every
 agree to stop after the same step without a collective of their own; on a signal they checkpoint and
 raise ``Preempted`` (exit 75). A step whose global gradient norm is NaN or inf (a NaN loss makes NaN
 gradients) changes nothing: no optimizer step, gradients zeroed, the fp16 loss scale backed off; it is
-logged, and ``--train.max_nonfinite_steps`` of them in a row stop the run. The norm is already reduced over all ranks (the DDP gradients are,
-the FSDP norm is all-reduced by clipping), so every rank decides alike.
+logged, and ``--train.max_nonfinite_steps`` of them in a row stop the run. The norm is already reduced
+over all ranks (the DDP gradients are, the FSDP norm is all-reduced by clipping), so every rank decides
+alike.
 
 Host-device synchronisation. Optimizers that take ``found_inf`` (fused Adam/AdamW, the default,
 without an fp16 loss scaler) never wait for a step to finish between log, eval and checkpoint steps:
