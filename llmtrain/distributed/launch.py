@@ -42,7 +42,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Mapping, NoReturn, Optional
 
-from llmtrain.distributed.runtime import RDZV_TIMEOUT_ENV
+from llmtrain.distributed.runtime import RDZV_TIMEOUT_ENV, host_barrier
 from llmtrain.train.signals import PREEMPTED_EXIT_CODE
 
 LaunchMode = Literal["single", "env", "slurm_task_per_device", "slurm_task_per_node", "local_spawn"]
@@ -642,7 +642,7 @@ def _close_process_group() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        host_barrier()  # rank 0 may still be closing its loggers (a W&B upload): host work, off the device
         dist.destroy_process_group()
 
 
