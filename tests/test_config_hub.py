@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HUB = ROOT / "config_hub"
 RECIPES = sorted(HUB.rglob("*.yaml"))
 FINETUNE_COMMANDS = {"full": "finetune_full", "lora": "finetune_lora", "qlora": "finetune_lora"}
-PRETRAIN_DATA_WITH_OWN_TOKENIZER = {"BuiltinStories"}
+PRETRAIN_DATA_WITH_OWN_TOKENIZER = {"BuiltinStories", "PythonStdlib"}
 
 
 def command_of(recipe: Path) -> str:
