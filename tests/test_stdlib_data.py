@@ -24,7 +24,7 @@ SMALL = dict(max_bytes=200_000, val_fraction=0.2, vocab_size=512)
 def isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     # A tenth of the real tokenizer's text: the same code path, a fraction of a second.
-    monkeypatch.setattr(stdlib, "TOKENIZER_TRAINING_CHARS", 400_000)
+    monkeypatch.setattr(stdlib, "TOKENIZER_TRAINING_BYTES", 400_000)
     return tmp_path / "cache"
 
 

@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 CORPUS_VERSION = 1
 """Bump whenever the selection or reading of files changes, so cached tokens and tokenizers are rebuilt."""
-TOKENIZER_TRAINING_CHARS = 4_000_000
-"""Characters of training files the tokenizer learns from (about a third of the library, a second of work)."""
+TOKENIZER_TRAINING_BYTES = 4_000_000
+"""Bytes of training files the tokenizer learns from (a third of the library, about a second of work)."""
 TEST_FOLDERS = frozenset({"test", "tests", "idle_test"})
 """Names of the folders (and modules) that hold a package's tests rather than the library."""
 
@@ -51,9 +51,9 @@ class PythonStdlib(PretrainDataModule):
     """The .py source of this interpreter's standard library, split by file, with its own tokenizer; no download."""
 
     val_fraction: float = 0.05
-    """Fraction of the files held out for validation, picked by a hash of each path (the same on every run). 0: no validation."""
+    """Fraction of the files held out for validation, picked by a hash of each path (the same every run). 0: none."""
     max_bytes: Optional[int] = None
-    """Use only about this many bytes of source (a fixed sample of whole files), for quick runs. None: the whole library."""
+    """Use at most this many bytes of source (a fixed sample of whole files), for quick runs. None: all of it."""
     include_tests: bool = False
     """Also train on the library's test suites (test/, tests/, idle_test/: about 19 MB more on Python 3.11)."""
     vocab_size: int = 4096
@@ -63,7 +63,8 @@ class PythonStdlib(PretrainDataModule):
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"--data.val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.max_bytes is not None and self.max_bytes < 1000:
-            raise ValueError(f"--data.max_bytes must be at least 1000 (or None: the whole library), got {self.max_bytes}")
+            raise ValueError(f"--data.max_bytes must be at least 1000 (or None: the whole library), "
+                             f"got {self.max_bytes}")
         if self.vocab_size < 300:  # 256 bytes + special tokens + a few merges
             raise ValueError(f"--data.vocab_size must be at least 300, got {self.vocab_size}")
         list_stdlib_files(self.include_tests)  # says so now if this interpreter ships without its source
@@ -71,22 +72,21 @@ class PythonStdlib(PretrainDataModule):
     def default_tokenizer(self) -> Optional[Tokenizer]:
         """A byte-level BPE trained once on part of the training files (whatever --data.max_bytes), then cached."""
         train, _ = split_files(list_stdlib_files(include_tests=False), self.val_fraction)
-        texts, files = [], []
-        characters = 0
+        files, size = [], 0
         for file in train:
-            if characters >= TOKENIZER_TRAINING_CHARS:
+            if size >= TOKENIZER_TRAINING_BYTES:
                 break
-            texts.append(read_source(file))
-            files.append((file.relative, file.size))
-            characters += len(texts[-1])
-        key = cache_key("python-stdlib-tokenizer", CORPUS_VERSION, python_version(), self.vocab_size, files)
+            files.append(file)
+            size += file.size
+        key = cache_key("python-stdlib-tokenizer", CORPUS_VERSION, python_version(), self.vocab_size,
+                        [(file.relative, file.size) for file in files])
         directory = cache_dir() / "tokenizers" / f"python-stdlib-{key}"
         with exclusive_lock(directory.with_name(directory.name + ".lock")):
             if (directory / TOKENIZER_FILE).is_file():
                 return Tokenizer(directory)
-            log.info("Training a %d-token BPE on %d files (%s characters) of the Python %s standard library",
-                     self.vocab_size, len(texts), f"{characters:,}", python_version())
-            return train_bpe_tokenizer(iter(texts), self.vocab_size, directory)
+            log.info("Training a %d-token BPE on %d files (%.1f MB) of the Python %s standard library",
+                     self.vocab_size, len(files), size / 1e6, python_version())
+            return train_bpe_tokenizer((read_source(file) for file in files), self.vocab_size, directory)
 
     def prepare_data(self) -> None:
         tokenizer = self._require_connected()
@@ -101,9 +101,9 @@ class PythonStdlib(PretrainDataModule):
         if not val:
             raise ValueError(f"--data.max_bytes {self.max_bytes} with --data.val_fraction {self.val_fraction} leaves "
                              "no validation file; raise either, or pass --data.val_fraction 0 for no validation")
+        val_name = f"PythonStdlib ({len(val)} validation files, --data.val_fraction {self.val_fraction}{limit})"
         self._files = TokenFiles(self._tokenize("train", train, tokenizer), train_name,
-                                 self._tokenize("val", val, tokenizer),
-                                 f"PythonStdlib ({len(val)} validation files, --data.val_fraction {self.val_fraction}{limit})")
+                                 self._tokenize("val", val, tokenizer), val_name)
 
     def files(self) -> tuple[list[SourceFile], list[SourceFile]]:
         """(training files, validation files), each in its fixed sample order and within --data.max_bytes."""
@@ -120,7 +120,7 @@ class PythonStdlib(PretrainDataModule):
         size = sum(file.size for file in files)
         return tokenize_to_cache(
             read_documents(files), tokenizer, key, available_cpu_count(), total_chars=size,
-            description=f"{len(files)} {split} files ({size / 1e6:.1f} MB) of the Python {python_version()} standard library",
+            description=f"{len(files)} {split} files ({size / 1e6:.1f} MB) of the Python {python_version()} library",
         )
 
 
