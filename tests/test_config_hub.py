@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HUB = ROOT / "config_hub"
 RECIPES = sorted(HUB.rglob("*.yaml"))
 FINETUNE_COMMANDS = {"full": "finetune_full", "lora": "finetune_lora", "qlora": "finetune_lora"}
-PRETRAIN_DATA_WITH_OWN_TOKENIZER = {"BuiltinStories"}
+PRETRAIN_DATA_WITH_OWN_TOKENIZER = {"BuiltinStories", "PythonStdlib"}
 
 
 def command_of(recipe: Path) -> str:
@@ -47,8 +47,17 @@ def model_of(recipe: Path, resolved: dict) -> Config:
             return Config(**resolved["model_config"])
         assert resolved.get("model_name"), f"{recipe}: names neither model_name nor model_config"
         return Config.from_name(resolved["model_name"])
-    # checkpoints/<org>/<name>: the name is the zoo entry's Hugging Face repository name.
-    return Config.from_name(Path(resolved["checkpoint_dir"]).name)
+    return base_model_of(resolved["checkpoint_dir"])
+
+
+def base_model_of(checkpoint_dir: str) -> Config:
+    """The architecture a finetune recipe starts from: `checkpoints/<org>/<name>` names a zoo entry by its Hugging
+    Face repository name; `<out_dir>/final` is what the pretrain recipe with that out_dir trains."""
+    for recipe in (HUB / "pretrain").glob("*.yaml"):
+        written = yaml.safe_load(recipe.read_text())
+        if f"{written['out_dir']}/final" == checkpoint_dir:
+            return Config.from_name(written["model_name"])
+    return Config.from_name(Path(checkpoint_dir).name)
 
 
 def test_there_are_recipes():
@@ -70,7 +79,7 @@ def test_every_model_family_has_finetune_recipes():
     from llmtrain.prompts import FAMILY_STYLES
 
     names = [yaml.safe_load(path.read_text())["checkpoint_dir"] for path in (HUB / "finetune").rglob("*.yaml")]
-    models = [Config.from_name(Path(name).name).name for name in names]
+    models = [base_model_of(name).name for name in names]
     for pattern, _, _ in FAMILY_STYLES:
         if pattern == r"-debug$":
             continue

@@ -193,7 +193,7 @@ def test_pretrain_sbatch_writes_final_model(cluster, tmp_path, tasks_per_node):
     args = ["--config", str(ROOT / "config_hub/pretrain/debug.yaml"), "--out_dir", str(out_dir),
             "--train.max_steps", "4", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
             "--train.max_seq_length", "64", "--train.lr_warmup_steps", "1", "--eval.max_iters", "2",
-            "--accelerator", "cpu", "--devices", "2", "--num_nodes", "2"]
+            "--accelerator", "cpu", "--devices", "2", "--num_nodes", "2", "--data.max_bytes", "2000000"]
     # One task per node gets the node's two cores for its two workers.
     cpus = ["--cpus-per-task=2"] if tasks_per_node == 1 else []
     job_id = run_job(cluster, PRETRAIN_SBATCH, args, env,
@@ -225,7 +225,7 @@ def test_pretrain_sbatch_preempted_by_usr1_checkpoints_requeues_and_resumes(clus
                 "--train.max_steps", "12", "--train.save_interval", "4", "--train.log_interval", "1",
                 "--train.global_batch_size", "8", "--train.micro_batch_size", "2", "--train.max_seq_length", "64",
                 "--train.lr_warmup_steps", "1", "--eval.max_iters", "2", "--accelerator", "cpu", "--devices", "2",
-                "--num_nodes", "2"]
+                "--num_nodes", "2", "--data.max_bytes", "2000000"]
 
     uninterrupted = tmp_path / "uninterrupted"
     run_job(cluster, PRETRAIN_SBATCH, arguments(uninterrupted), env, options)
