@@ -11,10 +11,11 @@ import pytest
 import yaml
 
 from llmtrain.args import EvalArgs, TrainArgs, batch_plan
+from llmtrain.distributed.launch import resolve_devices
 from llmtrain.cli import main
 from llmtrain.config import Config
 from llmtrain.data import REGISTRY
-from llmtrain.train.precision import Precision
+from llmtrain.train.precision import resolve_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 HUB = ROOT / "config_hub"
@@ -97,9 +98,10 @@ def test_recipe_parses_and_resolves(recipe, capsys):
     # Batch arithmetic at the world size the recipe names.
     train = TrainArgs(**resolved["train"])
     EvalArgs(**resolved["eval"])
-    world = resolved["devices"] * resolved["num_nodes"]
+    devices, _ = resolve_devices(resolved["devices"], resolved["num_nodes"], "cpu", environ={})  # auto: 1 on a CPU
+    world = devices * resolved["num_nodes"]
     plan = batch_plan(train, world)
-    assert plan.grad_accum_steps * world * train.micro_batch_size == train.global_batch_size
+    assert plan.grad_accum_steps * world * plan.micro_batch_size == plan.global_batch_size
     assert any(v is not None for v in (train.max_steps, train.max_tokens, train.epochs)), f"{recipe}: never stops"
 
     # A known model, and sequences it can hold.
@@ -107,7 +109,7 @@ def test_recipe_parses_and_resolves(recipe, capsys):
     seq_len = train.max_seq_length or config.block_size
     assert seq_len <= config.block_size, f"{recipe}: max_seq_length {seq_len} > block_size {config.block_size}"
 
-    precision = Precision(resolved["precision"])
+    precision = resolve_precision(resolved["precision"], "cpu")
     optimizer = resolved["optimizer"]
     if isinstance(optimizer, dict):
         lr = optimizer.get("init_args", {}).get("lr")
