@@ -29,7 +29,7 @@ import torch
 
 from llmtrain.args import EvalArgs, FSDPArgs, TrainArgs
 from llmtrain.distributed.parallel_plan import ParallelPlan
-from llmtrain.train.precision import Precision, PrecisionName
+from llmtrain.train.precision import PrecisionName
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BASELINE = ROOT / "scripts" / "benchmark_baseline.json"
@@ -201,7 +201,8 @@ def benchmark(
     Args:
         model: A zoo name (`llmtrain pretrain list`); the presets are llama-debug (4.9M parameters) and
             pythia-70m.
-        precision: 32-true, bf16-true, bf16-mixed, 16-true or 16-mixed.
+        precision: auto (bf16-mixed on a GPU with bf16, 16-mixed on an older one, 32-true on a CPU), 32-true,
+            bf16-true, bf16-mixed, 16-true or 16-mixed.
         micro_batch_size: Sequences per device per step, no accumulation (global = micro × devices).
             Default 8, or 4 with --short.
         seq_len: Tokens per sequence. Default 256, or 128 with --short.
@@ -224,7 +225,7 @@ def benchmark(
         fail_below: Exit with an error (after recording the run) when that ratio is below this, e.g. 0.3
             to catch a regression and not noise. None: report the ratio, never fail on it.
     """
-    from llmtrain.config import Config
+    from llmtrain.config import Config, resolve_name
     from llmtrain.flops import flops_per_token, num_parameters
 
     defaults = SHORT_DEFAULTS if short else FULL_DEFAULTS
@@ -234,9 +235,10 @@ def benchmark(
                                ("--steps", steps, 1), ("--warmup", warmup, 0), ("--devices", devices, 1)):
         if value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
-    if model not in Config.names():
-        raise ValueError(f"--model {model!r} is not in the zoo; `llmtrain pretrain list` shows the names "
-                         "(presets: llama-debug, pythia-70m)")
+    try:
+        model = resolve_name(model)  # short names and aliases too
+    except ValueError as error:
+        raise ValueError(f"--model: {error} (benchmark presets: llama-debug, pythia-70m)") from None
     if save_interval is not None and save_interval < 1:
         raise ValueError(f"--save_interval must be at least 1, got {save_interval}")
     if async_save and save_interval is None:
@@ -251,7 +253,7 @@ def benchmark(
     config = Config.from_name(model)
     if seq_len > config.block_size:
         raise ValueError(f"--seq_len {seq_len} exceeds {model}'s block size {config.block_size}")
-    dtype = Precision(precision).compute_dtype
+    dtype = plan.precision.compute_dtype
     threads = threads_per_process(devices)
     peak_device = plan.device_type
     print(f"layout: {plan.describe()}", flush=True)
@@ -280,7 +282,7 @@ def benchmark(
     timing = _step_timing(rows, waits, warmup, save_interval)
     tokens_per_sec_per_device = micro_batch_size * seq_len / timing["step_time_median_s"]
     record = {
-        "model": model, "parameters": num_parameters(config), "precision": precision,
+        "model": model, "parameters": num_parameters(config), "precision": plan.precision.name,
         "micro_batch_size": micro_batch_size, "seq_len": seq_len, "devices": devices,
         "sharding_strategy": sharding_strategy, "compile": compile,
         "save_interval": save_interval, "async_save": async_save,

@@ -82,7 +82,7 @@ def test_short_benchmark_fails_far_below_the_baseline_and_still_records(tmp_path
     ({"steps": 0}, "--steps must be at least 1, got 0"),
     ({"warmup": -1}, "--warmup must be at least 0"),
     ({"devices": 0}, "--devices must be at least 1"),
-    ({"model": "gpt-5"}, "--model 'gpt-5' is not in the zoo"),
+    ({"model": "gpt-5"}, "--model: Unknown model name 'gpt-5'"),
     ({"seq_len": 100000}, "--seq_len 100000 exceeds llama-debug's block size 512"),
     ({"sharding_strategy": "HALF_SHARD"}, "--sharding_strategy 'HALF_SHARD' must be one of FULL_SHARD"),
     ({"sharding_strategy": "NO_SHARD"}, "--sharding_strategy NO_SHARD needs --devices 2 or more"),

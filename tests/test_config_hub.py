@@ -11,16 +11,17 @@ import pytest
 import yaml
 
 from llmtrain.args import EvalArgs, TrainArgs, batch_plan
+from llmtrain.distributed.launch import resolve_devices
 from llmtrain.cli import main
 from llmtrain.config import Config
 from llmtrain.data import REGISTRY
-from llmtrain.train.precision import Precision
+from llmtrain.train.precision import resolve_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 HUB = ROOT / "config_hub"
 RECIPES = sorted(HUB.rglob("*.yaml"))
 FINETUNE_COMMANDS = {"full": "finetune_full", "lora": "finetune_lora", "qlora": "finetune_lora"}
-PRETRAIN_DATA_WITH_OWN_TOKENIZER = {"BuiltinStories"}
+PRETRAIN_DATA_WITH_OWN_TOKENIZER = {"BuiltinStories", "PythonStdlib"}
 
 
 def command_of(recipe: Path) -> str:
@@ -47,8 +48,17 @@ def model_of(recipe: Path, resolved: dict) -> Config:
             return Config(**resolved["model_config"])
         assert resolved.get("model_name"), f"{recipe}: names neither model_name nor model_config"
         return Config.from_name(resolved["model_name"])
-    # checkpoints/<org>/<name>: the name is the zoo entry's Hugging Face repository name.
-    return Config.from_name(Path(resolved["checkpoint_dir"]).name)
+    return base_model_of(resolved["checkpoint_dir"])
+
+
+def base_model_of(checkpoint_dir: str) -> Config:
+    """The architecture a finetune recipe starts from: `checkpoints/<org>/<name>` names a zoo entry by its Hugging
+    Face repository name; `<out_dir>/final` is what the pretrain recipe with that out_dir trains."""
+    for recipe in (HUB / "pretrain").glob("*.yaml"):
+        written = yaml.safe_load(recipe.read_text())
+        if f"{written['out_dir']}/final" == checkpoint_dir:
+            return Config.from_name(written["model_name"])
+    return Config.from_name(Path(checkpoint_dir).name)
 
 
 def test_there_are_recipes():
@@ -70,7 +80,7 @@ def test_every_model_family_has_finetune_recipes():
     from llmtrain.prompts import FAMILY_STYLES
 
     names = [yaml.safe_load(path.read_text())["checkpoint_dir"] for path in (HUB / "finetune").rglob("*.yaml")]
-    models = [Config.from_name(Path(name).name).name for name in names]
+    models = [base_model_of(name).name for name in names]
     for pattern, _, _ in FAMILY_STYLES:
         if pattern == r"-debug$":
             continue
@@ -88,9 +98,10 @@ def test_recipe_parses_and_resolves(recipe, capsys):
     # Batch arithmetic at the world size the recipe names.
     train = TrainArgs(**resolved["train"])
     EvalArgs(**resolved["eval"])
-    world = resolved["devices"] * resolved["num_nodes"]
+    devices, _ = resolve_devices(resolved["devices"], resolved["num_nodes"], "cpu", environ={})  # auto: 1 on a CPU
+    world = devices * resolved["num_nodes"]
     plan = batch_plan(train, world)
-    assert plan.grad_accum_steps * world * train.micro_batch_size == train.global_batch_size
+    assert plan.grad_accum_steps * world * plan.micro_batch_size == plan.global_batch_size
     assert any(v is not None for v in (train.max_steps, train.max_tokens, train.epochs)), f"{recipe}: never stops"
 
     # A known model, and sequences it can hold.
@@ -98,7 +109,7 @@ def test_recipe_parses_and_resolves(recipe, capsys):
     seq_len = train.max_seq_length or config.block_size
     assert seq_len <= config.block_size, f"{recipe}: max_seq_length {seq_len} > block_size {config.block_size}"
 
-    precision = Precision(resolved["precision"])
+    precision = resolve_precision(resolved["precision"], "cpu")
     optimizer = resolved["optimizer"]
     if isinstance(optimizer, dict):
         lr = optimizer.get("init_args", {}).get("lr")

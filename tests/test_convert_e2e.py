@@ -11,8 +11,10 @@ from safetensors.torch import load_file
 from llmtrain.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
+# A 2 MB sample of the recipe's corpus: a two-step run needs no more, and it tokenizes in seconds.
 DEBUG = ["--config", str(ROOT / "config_hub/pretrain/debug.yaml"), "--train.max_steps", "2",
-         "--train.max_seq_length", "64", "--eval.max_iters", "1", "--train.save_interval", "2"]
+         "--train.max_seq_length", "64", "--eval.max_iters", "1", "--train.save_interval", "2",
+         "--data.max_bytes", "2000000"]
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +51,7 @@ def test_debug_run_converts_and_transformers_generates_the_same_tokens(tmp_path)
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
         assert (hf_dir / name).is_file(), name
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    prompt_ids = tokenizer("Once upon a time, Lily went to the park")["input_ids"]
+    prompt_ids = tokenizer("import os\n\ndef main(argv):\n    ")["input_ids"]
     assert greedy_transformers(hf_dir, prompt_ids, 16) == greedy_llmtrain(out_dir / "final", prompt_ids, 16)
 
     # And back: an HF folder is a valid starting point for fine-tuning, converted on the fly.
@@ -58,8 +60,9 @@ def test_debug_run_converts_and_transformers_generates_the_same_tokens(tmp_path)
           "--train.micro_batch_size", "2", "--train.max_seq_length", "128", "--eval.max_iters", "1"])
     assert (tmp_path / "lora" / "final" / "model.safetensors").is_file()
     main(["pretrain", "--initial_checkpoint_dir", str(hf_dir), "--out_dir", str(tmp_path / "continued"),
-          "--train.max_steps", "1", "--train.max_seq_length", "64", "--train.global_batch_size", "8",
-          "--train.micro_batch_size", "8", "--eval.max_iters", "1", "--train.lr_warmup_steps", "0"])
+          "--data", "PythonStdlib", "--data.max_bytes", "2000000", "--train.max_steps", "1",
+          "--train.max_seq_length", "64", "--train.global_batch_size", "8", "--train.micro_batch_size", "8",
+          "--eval.max_iters", "1", "--train.lr_warmup_steps", "0"])
     # It started from the converted weights: its first validation equals the original run's last.
     import csv
 

@@ -64,6 +64,21 @@ def simulate_crash_after(out_dir, step, target):
     shutil.copytree(out_dir / name, target / name)
 
 
+@pytest.mark.parametrize("recipe", sorted((ROOT / "config_hub/finetune/debug").glob("*.yaml")), ids=lambda p: p.stem)
+def test_debug_recipe_runs_on_a_pretrained_model(tmp_path, base_model, recipe):
+    """The README's debug fine-tuning recipes, as written but for two steps and the tiny base in place of the
+    debug pretraining's output."""
+    command = "finetune_full" if recipe.stem == "full" else "finetune_lora"
+    out_dir = tmp_path / recipe.stem
+    main([command, "--config", str(recipe), str(base_model), "--out_dir", str(out_dir), "--train.max_steps", "2",
+          "--data.num_train", "64", "--eval.max_iters", "1", "--train.log_interval", "1"])
+    assert sorted(losses(out_dir)) == [1, 2]
+    assert (out_dir / "final" / "model.safetensors").is_file()
+    written = yaml.safe_load((out_dir / "final" / "hyperparameters.yaml").read_text())
+    assert written["checkpoint_dir"] == str(base_model) and written.get("quantize") == (
+        "bnb.nf4" if recipe.stem == "qlora" else None)
+
+
 def test_lora_trains_only_adapters_and_final_is_the_merge(tmp_path, base_model):
     out_dir = tmp_path / "lora"
     main(finetune_args("finetune_lora", base_model, out_dir, "--train.max_steps", "4", "--lora_r", "4",

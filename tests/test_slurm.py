@@ -32,7 +32,8 @@ TEST_LIMIT_S = 1800
 CLUSTER_LIMIT_S = 900
 JOB_TIMEOUT_S = 600
 # The templates ask for GPUs and a day; the fake nodes have 2 CPUs and no GPUs.
-CPU_OPTIONS = ["--nodes=2", "--gpus-per-node=0", "--time=4"]
+# The templates ask for GPUs and 12 cores a task; the fake nodes have two CPUs and no GPU.
+CPU_OPTIONS = ["--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=4"]
 
 DUMP_ENV = """
 import json, os, socket, sys
@@ -149,7 +150,7 @@ def test_pretrain_sbatch_passes_usr1_on_and_requeues_with_resume(cluster, tmp_pa
     job_id = cluster.submit(PRETRAIN_SBATCH, ["--config", "x.yaml"], env,
                             [*CPU_OPTIONS, "--ntasks-per-node=2", f"--chdir={tmp_path}"])
     wait_for_files([marks / f"run0-task{rank}.ready" for rank in range(4)])
-    # What `#SBATCH --signal=B:USR1@120` does 120 s before the time limit.
+    # What `#SBATCH --signal=B:USR1@600` does 600 s before the time limit.
     cluster.run("scancel", "--signal=USR1", "--batch", str(job_id))
     state = cluster.wait(job_id, JOB_TIMEOUT_S)
     output = cluster.output(job_id)
@@ -192,7 +193,7 @@ def test_pretrain_sbatch_writes_final_model(cluster, tmp_path, tasks_per_node):
     args = ["--config", str(ROOT / "config_hub/pretrain/debug.yaml"), "--out_dir", str(out_dir),
             "--train.max_steps", "4", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
             "--train.max_seq_length", "64", "--train.lr_warmup_steps", "1", "--eval.max_iters", "2",
-            "--accelerator", "cpu", "--devices", "2", "--num_nodes", "2"]
+            "--accelerator", "cpu", "--devices", "2", "--num_nodes", "2", "--data.max_bytes", "2000000"]
     # One task per node gets the node's two cores for its two workers.
     cpus = ["--cpus-per-task=2"] if tasks_per_node == 1 else []
     job_id = run_job(cluster, PRETRAIN_SBATCH, args, env,
@@ -210,7 +211,7 @@ def read_losses(out_dir):
 
 
 def test_pretrain_sbatch_preempted_by_usr1_checkpoints_requeues_and_resumes(cluster, tmp_path):
-    """The real time-limit path: USR1 to the batch script (what `--signal=B:USR1@120` sends) reaches the
+    """The real time-limit path: USR1 to the batch script (what `--signal=B:USR1@600` sends) reaches the
     ranks through srun and the launchers; they checkpoint and exit 75, the script requeues the job, the
     next run continues through --resume auto, and every loss equals an uninterrupted job's."""
     python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
@@ -224,7 +225,7 @@ def test_pretrain_sbatch_preempted_by_usr1_checkpoints_requeues_and_resumes(clus
                 "--train.max_steps", "12", "--train.save_interval", "4", "--train.log_interval", "1",
                 "--train.global_batch_size", "8", "--train.micro_batch_size", "2", "--train.max_seq_length", "64",
                 "--train.lr_warmup_steps", "1", "--eval.max_iters", "2", "--accelerator", "cpu", "--devices", "2",
-                "--num_nodes", "2"]
+                "--num_nodes", "2", "--data.max_bytes", "2000000"]
 
     uninterrupted = tmp_path / "uninterrupted"
     run_job(cluster, PRETRAIN_SBATCH, arguments(uninterrupted), env, options)
