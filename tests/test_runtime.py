@@ -178,6 +178,7 @@ def waits_worker(out_dir: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.multiproc
 def test_collectives_time_out_and_waits_for_host_work_do_not(tmp_path, dist_env, free_port):
     """The timeout reaches the default process group (a lone all-reduce fails after it), while waiting longer
     than it for another rank's host work (main_process_first, around the device) succeeds."""
