@@ -68,10 +68,13 @@ def test_debug_recipe_trains_and_writes_final(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_reproduces_uninterrupted_losses(tmp_path, tiny_model_file):
-    """Stop at step 10 of 20, resume, and steps 11-20 equal the uninterrupted run's."""
+@pytest.mark.parametrize("strategy", ["auto", "fsdp"], ids=["one-process", "one-rank-fsdp"])
+def test_resume_reproduces_uninterrupted_losses(tmp_path, tiny_model_file, strategy):
+    """Stop at step 10 of 20, resume, and steps 11-20 equal the uninterrupted run's. One-rank FSDP (DTensor
+    parameters and fused AdamW moments) resumes from its full checkpoint too."""
     full = tmp_path / "full"
-    main(tiny_args(tiny_model_file, full, "--train.max_steps", "20", "--train.save_interval", "10"))
+    main(tiny_args(tiny_model_file, full, "--train.max_steps", "20", "--train.save_interval", "10",
+                   "--strategy", strategy))
     # A run that died right after its step-10 checkpoint: only that checkpoint survives.
     crashed = tmp_path / "crashed"
     crashed.mkdir()
@@ -82,7 +85,7 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, tiny_model_file):
         writer.writeheader()
         writer.writerows(rows)
     main(tiny_args(tiny_model_file, crashed, "--train.max_steps", "20", "--train.save_interval", "10",
-                   "--resume", "auto"))
+                   "--resume", "auto", "--strategy", strategy))
     expected, resumed = train_losses(full), train_losses(crashed)
     assert sorted(resumed) == list(range(1, 21))  # rows after the checkpoint were replaced, not duplicated
     assert [resumed[s] for s in range(11, 21)] == [expected[s] for s in range(11, 21)]

@@ -260,7 +260,9 @@ class Checkpointer:
         else:
             load_weights(self.model, checkpoint_dir)
         options = None
-        if self.runtime.is_distributed:
+        # NOTE: a process group, not a world above one: one-rank FSDP (--strategy fsdp --devices 1) keeps DTensor
+        # moments too, which a plain optimizer state dict would mix with tensors.
+        if is_distributed():
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
             optimizer_state = optimizer_state if self.runtime.is_main else {}
         set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
