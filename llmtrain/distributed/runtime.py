@@ -187,9 +187,16 @@ def pick_device(accelerator: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def configure_process(runtime: Optional[Runtime] = None) -> None:
-    """Per-process settings; spawned workers are fresh interpreters, so every entrypoint calls this."""
+def configure_process(runtime: Optional[Runtime] = None, precision: Any = None) -> None:
+    """Per-process settings; spawned workers are fresh interpreters, so every entrypoint calls this.
+
+    ``precision``: the run's :class:`~llmtrain.train.precision.Precision`; float32 matmuls use TF32 where
+    it says so (see ``Precision.uses_tf32``).
+    """
     import warnings
+
+    if runtime is not None and precision is not None and precision.uses_tf32(runtime.device.type):
+        torch.set_float32_matmul_precision("high")
 
     # Warnings read as one line for people, not as a source listing.
     warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"

@@ -163,7 +163,7 @@ def run(spec: RunSpec) -> None:
 
 
 def _run(spec: RunSpec, runtime: Runtime) -> None:
-    configure_process(runtime)
+    configure_process(runtime, spec.plan.precision)
     plan = spec.plan
     say = print if runtime.is_main else (lambda *a, **k: None)
 
