@@ -130,6 +130,35 @@ def test_no_intact_checkpoint_left_is_an_error_not_a_fresh_start(tmp_path):
             resolve_resume("auto", tmp_path, None)
 
 
+# ------------------------------------------------------------------------------------ loading
+def _file_mapped(tensor: torch.Tensor) -> set[str]:
+    """The files whose memory mapping holds ``tensor``'s data (Linux's /proc/self/maps)."""
+    files = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(address, 16) for address in fields[0].split("-"))
+        if len(fields) == 6 and start <= tensor.data_ptr() < end:
+            files.add(fields[5].strip())
+    return files
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads Linux's /proc/self/maps")
+def test_a_full_checkpoints_optimizer_state_is_mapped_from_the_file_not_read_whole(tmp_path):
+    saver = _checkpointer(tmp_path / "run")
+    saver.model(torch.randint(0, 1100, (2, 8)), labels=torch.randint(0, 1100, (2, 8))).backward()
+    saver.optimizer.step()
+    state = TrainState(step=1)
+    checkpoint = saver.save(state)
+    loader = _checkpointer(tmp_path / "resumed")
+    loader.load(checkpoint, TrainState())
+    saved, loaded = saver.optimizer.state_dict()["state"], loader.optimizer.state_dict()["state"]
+    state_file = str(checkpoint / layout.STATE_FILE)
+    for index, moments in saved.items():
+        torch.testing.assert_close(loaded[index]["exp_avg_sq"], moments["exp_avg_sq"], rtol=0, atol=0)
+        # Pages of the file, read when touched: the load itself copied nothing into memory.
+        assert _file_mapped(loaded[index]["exp_avg"]) == {state_file}
+
+
 # ------------------------------------------------------------------------------------ the CLI
 def _pretrain(model_file: Path, out_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     argv = ["pretrain", "--model_config", str(model_file), "--out_dir", str(out_dir), "--data", "BuiltinStories",

@@ -236,11 +236,14 @@ class Checkpointer:
 
         Under DDP or FSDP only rank 0 reads full weights and optimizer state and broadcasts them; DCP
         reshards sharded ones to this world's layout. Either way the checkpoint loads at any world size.
+        ``training_state.pt`` is memory-mapped: a rank reads only the tensors it uses (the full format's
+        optimizer state on rank 0 alone, a page at a time as it is broadcast), so eight ranks of a node
+        never hold eight copies of the optimizer.
         """
         checkpoint_dir = Path(checkpoint_dir)
         verify_checkpoint(checkpoint_dir, load_state=False)
         fmt = checkpoint_format(checkpoint_dir)
-        training_state = load_training_state(checkpoint_dir)
+        training_state = load_training_state(checkpoint_dir, mmap=True)
         if fmt == "sharded":
             self._load_shards(checkpoint_dir / layout.DCP_DIR)
         else:
