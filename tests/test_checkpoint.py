@@ -285,3 +285,64 @@ def test_a_lora_runs_final_and_merge_lora_give_the_lora_models_logits(tmp_path):
             merged_model = load_model_dir(directory)[0]
             torch.testing.assert_close(merged_model(tokens), expected, rtol=1e-5, atol=1e-5)
     assert (final / layout.LORA_FILE).is_file() and files.read_marker(final)["lora_merged"]
+
+
+# ----------------------------------------------------------------------------------- QLoRA base
+def _base_dir(directory: Path, config: Config) -> Path:
+    """A directory holding only the bf16 weights of a seeded model of ``config``: all a quantized build reads."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    model.init_weights()
+    directory.mkdir()
+    files.save_weights(model.to(torch.bfloat16).state_dict(), directory / layout.MODEL_FILE)
+    return directory
+
+
+def _refuse_init(monkeypatch: pytest.MonkeyPatch) -> None:
+    def init_weights(self):
+        raise AssertionError("init_weights ran: random weights that loading would overwrite")
+
+    monkeypatch.setattr(GPT, "init_weights", init_weights)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_quantized_base_streams_from_the_file_and_equals_quantizing_the_loaded_model(tmp_path, monkeypatch, tied):
+    from llmtrain.checkpoint.model_dir import build_model_from_dir, build_quantized_model_from_dir
+    from llmtrain.quantize import quantize_model
+
+    config = Config(**{**TINY, "tie_embeddings": tied})
+    base_dir = _base_dir(tmp_path / "base", config)
+    _refuse_init(monkeypatch)
+    streamed = build_quantized_model_from_dir(base_dir, config, "bnb.nf4", compute_dtype=torch.bfloat16)
+    reference = quantize_model(build_model_from_dir(base_dir, config, dtype=torch.bfloat16), "bnb.nf4",
+                               compute_dtype=torch.bfloat16)
+    assert (streamed.lm_head.weight is streamed.wte.weight) == tied
+    expected = reference.state_dict()
+    assert list(streamed.state_dict()) == list(expected)
+    for name, tensor in streamed.state_dict().items():
+        assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
+    tokens = torch.randint(0, TINY["vocab_size"], (1, 8))
+    with torch.no_grad():
+        assert torch.equal(streamed.eval()(tokens), reference.eval()(tokens))
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "32-true"])
+def test_qlora_build_quantizes_in_the_precisions_dtype_without_a_random_init(tmp_path, monkeypatch, precision):
+    import bitsandbytes as bnb
+
+    from llmtrain.args import TrainArgs
+    from llmtrain.distributed.parallel_plan import ParallelPlan
+    from llmtrain.recipes.build import build_model
+
+    config = Config(**TINY)
+    base_dir = _base_dir(tmp_path / "base", config)
+    _refuse_init(monkeypatch)
+    plan = ParallelPlan.resolve(devices=1, num_nodes=1, train=TrainArgs(global_batch_size=2, micro_batch_size=2),
+                                precision=precision, accelerator="cpu")
+    model = build_model(config, plan=plan, runtime=Runtime(), seed=0, initial_checkpoint_dir=base_dir,
+                        lora=LORA, quantize="bnb.nf4")
+    quantized = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(quantized) == 7 * TINY["n_layer"]
+    dtype = plan.precision.compute_dtype
+    assert {m.weight.quant_state.dtype for m in quantized} == {dtype}
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {dtype}

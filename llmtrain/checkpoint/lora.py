@@ -17,11 +17,11 @@ import torch
 import yaml
 
 from llmtrain.checkpoint import files, layout
-from llmtrain.checkpoint.model_dir import build_model_from_dir, check_model_dir
+from llmtrain.checkpoint.model_dir import build_model_from_dir, build_quantized_model_from_dir, check_model_dir
 from llmtrain.config import Config
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.lora import LoRAArgs, LoRALinear, apply_lora, fold_lora, load_lora_state_dict, lora_modules
-from llmtrain.quantize import compute_dtype_of, dequantize_weight, is_quantized_linear, quantize_model
+from llmtrain.quantize import compute_dtype_of, dequantize_weight, is_quantized_linear
 from llmtrain.tokenizer import Tokenizer
 
 
@@ -121,9 +121,11 @@ def merged_lora_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     base_dir = check_model_dir(base_dir, flag=f"the base model of {checkpoint_dir / layout.LORA_SETTINGS_FILE}")
     config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
     adapters = load_file(str(checkpoint_dir / layout.LORA_FILE))
-    model = build_model_from_dir(base_dir, config)
     if quantize:
-        quantize_model(model, quantize, compute_dtype=next(iter(adapters.values())).dtype)
+        model = build_quantized_model_from_dir(base_dir, config, quantize,
+                                               compute_dtype=next(iter(adapters.values())).dtype)
+    else:
+        model = build_model_from_dir(base_dir, config)
     apply_lora(model, lora)
     try:
         load_lora_state_dict(model, adapters)
