@@ -263,6 +263,40 @@ def test_merged_weights_are_the_effective_weights_and_give_the_same_logits():
         torch.testing.assert_close(from_state[name], tensor, rtol=0, atol=0)
 
 
+def test_a_qlora_merge_moves_each_layer_to_the_host_before_it_merges_the_next(monkeypatch):
+    from llmtrain.checkpoint import lora as checkpoint_lora
+    from llmtrain.quantize import quantize_model
+
+    # Adapters on every linear layer but k_proj, which stays quantized only: both kinds of layer are merged.
+    model = _with_adapters(quantize_model(_plain_model(), "bnb.nf4", compute_dtype=torch.bfloat16))
+    events = []
+    merge_layer, to_host = checkpoint_lora._merged_linear, torch.Tensor.cpu
+
+    def merged_linear(module):
+        weight, bias = merge_layer(module)
+        events.append(("merged", id(weight)))
+        return weight, bias
+
+    def cpu(tensor, *args, **kwargs):
+        events.append(("to host", id(tensor)))
+        return to_host(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_lora, "_merged_linear", merged_linear)
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    merged = merged_state_dict(model)
+    monkeypatch.undo()
+    on_device = None  # the merged layer not yet on the host
+    for kind, tensor_id in events:
+        if kind == "merged":
+            assert on_device is None, "a layer was merged while the previous one was still on the device"
+            on_device = tensor_id
+        elif tensor_id == on_device:
+            on_device = None
+    assert on_device is None
+    assert sum(kind == "merged" for kind, _ in events) == 7 * TINY["n_layer"]
+    assert {tensor.dtype for name, tensor in merged.items() if name.startswith("blocks.")} == {torch.bfloat16}
+
+
 def test_a_lora_runs_final_and_merge_lora_give_the_lora_models_logits(tmp_path):
     from llmtrain.data import BuiltinStories
 

@@ -82,11 +82,8 @@ def merged_state_dict(model: torch.nn.Module,
         prefix = f"{name}." if name else ""
         if isinstance(module, LoRALinear) or is_quantized_linear(module):
             merged_layers.append(name)
-            if isinstance(module, LoRALinear):
-                weight, bias = module.merged_weight(), module.base.bias
-            else:
-                weight, bias = dequantize_weight(module).to(compute_dtype_of(module)), module.bias
-            out[f"{prefix}weight"] = weight.cpu()
+            weight, bias = _merged_linear(module)
+            out[f"{prefix}weight"] = weight.cpu()  # before the next layer is merged: one at a time on the device
             if bias is not None:
                 out[f"{prefix}bias"] = bias.detach().to(weight.dtype).cpu()
             continue
@@ -96,6 +93,13 @@ def merged_state_dict(model: torch.nn.Module,
             if buffer_name not in module._non_persistent_buffers_set:
                 out[prefix + buffer_name] = to_cpu(buffer)
     return out
+
+
+def _merged_linear(module: torch.nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The plain weight and bias of an adapted or quantized linear layer, on its device (a quantized one dequantized)."""
+    if isinstance(module, LoRALinear):
+        return module.merged_weight(), module.base.bias
+    return dequantize_weight(module).to(compute_dtype_of(module)), module.bias
 
 
 def _merged_from_state(model: torch.nn.Module, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
