@@ -231,7 +231,7 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
 
 def _connect_data(spec: RunSpec, tokenizer: Any, micro_batch_size: int) -> Any:
     """Connect the data module; instruction data also gets the prompt style, which is returned."""
-    from llmtrain.data.instruct import InstructDataModule
+    from llmtrain.data.instruct import InstructDataModule, pad_multiple
 
     if not isinstance(spec.data, InstructDataModule):
         spec.data.connect(tokenizer, micro_batch_size, spec.seq_len, spec.seed)
@@ -244,7 +244,8 @@ def _connect_data(spec: RunSpec, tokenizer: Any, micro_batch_size: int) -> Any:
         style = load_prompt_style(spec.initial_checkpoint_dir)
     else:
         style = PromptStyle.from_config(spec.config)
-    spec.data.connect(tokenizer, micro_batch_size, spec.seq_len, spec.seed, prompt_style=style)
+    spec.data.connect(tokenizer, micro_batch_size, spec.seq_len, spec.seed, prompt_style=style,
+                      pad_multiple=pad_multiple(spec.compile))
     return spec.data.resolved_prompt_style
 
 
