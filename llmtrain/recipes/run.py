@@ -263,9 +263,26 @@ def _extras_writer(spec: RunSpec, prompt_style: Any) -> Optional[Callable[[Path]
     return write
 
 
+EXAMPLE_TOKENS = 64
+"""Most tokens the validation example decodes."""
+SHARDED_EXAMPLE_TOKENS = 16
+"""Most tokens it decodes under FSDP."""
+
+
+def example_tokens(plan: ParallelPlan, seq_len: int) -> int:
+    """How many tokens the validation example may decode: 64, 16 under FSDP, at most half the sequence.
+
+    NOTE: under FSDP each decoded token is a forward that gathers every layer from every rank (across
+    nodes, too) for one token's worth of compute; 16 tokens still show whether the answers take shape.
+    """
+    limit = SHARDED_EXAMPLE_TOKENS if plan.wrapper == "fsdp" else EXAMPLE_TOKENS
+    return min(limit, seq_len // 2)
+
+
 def _example_generator(spec: RunSpec, model: Any, tokenizer: Any, prompt_style: Any,
                        val_loader: Any) -> Optional[Callable[[], str]]:
-    """Fine-tuning prints one greedy answer to the first validation prompt after each validation.
+    """Fine-tuning prints one greedy answer to the first validation prompt after each validation
+    (:func:`example_tokens` long at most).
 
     Greedy decoding keeps every rank's step count equal, which a sharded model's forward needs.
     """
@@ -274,10 +291,11 @@ def _example_generator(spec: RunSpec, model: Any, tokenizer: Any, prompt_style: 
     from llmtrain.generate import PromptTooLongError, generate_text
 
     prompt = spec.data.validation_prompts()[0]
+    max_new_tokens = example_tokens(spec.plan, spec.seq_len)
 
     def example() -> str:
         try:
-            answer = generate_text(model, tokenizer, prompt_style, prompt, max_new_tokens=min(64, spec.seq_len // 2))
+            answer = generate_text(model, tokenizer, prompt_style, prompt, max_new_tokens=max_new_tokens)
         except PromptTooLongError:  # an example is a courtesy; it must never stop training
             return f"example | skipped: the first validation prompt is longer than --train.max_seq_length {spec.seq_len}"
         return f"example | {prompt[-1]['content']!r} -> {answer!r}"
