@@ -218,7 +218,8 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
               loggers=build_loggers(spec.logger_name, spec.out_dir, state.step if spec.resume_from else None,
                                     spec.hyperparameters)
               if runtime.is_main else [],
-              flops_per_token=flops_per_token(spec.config, spec.seq_len),
+              flops_per_token=flops_per_token(spec.config, spec.seq_len,
+                                              adapter_parameters=n_trainable if spec.lora is not None else None),
               peak_flops_per_device=device_peak_flops(runtime.device, plan.precision.compute_dtype),
               state=state, scaler=scaler, autocast_enabled=not plan.mixed_precision_policy,
               grad_sync_only_last=plan.grad_sync_only_last,
