@@ -245,6 +245,7 @@ def test_a_compiled_run_gets_batches_padded_to_multiples_of_64(tmp_path: Path, t
         widths[compile] = {batch["input_ids"].shape[1] for batch in batches}
         for batch in batches:  # the same samples, only more padding
             assert all(row in samples(data) for row in unpadded(batch))
+            assert int(batch["real_tokens"]) == sum(len(ids) for ids, _ in unpadded(batch))  # what MFU counts
     assert widths[True] <= {64, 100} and len(widths[False]) > len(widths[True])
 
 

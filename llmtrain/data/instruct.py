@@ -367,7 +367,8 @@ class PaddedSamples:
             length = len(self.inputs[index])
             input_ids[row, :length] = torch.from_numpy(self.inputs[index])
             labels[row, :length] = torch.from_numpy(self.labels[index])
-        return {"input_ids": input_ids, "labels": labels}
+        real = sum(len(self.inputs[index]) for index in indices)
+        return {"input_ids": input_ids, "labels": labels, "real_tokens": torch.tensor(real)}
 
 
 def padded_width(longest: int, multiple: int, max_width: Optional[int] = None) -> int:
