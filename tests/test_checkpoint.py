@@ -321,6 +321,57 @@ def test_a_lora_runs_final_and_merge_lora_give_the_lora_models_logits(tmp_path):
     assert (final / layout.LORA_FILE).is_file() and files.read_marker(final)["lora_merged"]
 
 
+def test_streamed_weights_make_the_file_save_file_makes_and_are_checked_against_the_shapes(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b.weight": torch.randn(7), "c": torch.arange(4),
+               "d": torch.ones(2, 2, dtype=torch.bool).t(), "e": torch.zeros(0, 3)}  # a transposed one too
+    shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+    files.stream_weights(iter(tensors.items()), tmp_path / "streamed.safetensors", shapes)
+    loaded = load_file(str(tmp_path / "streamed.safetensors"))
+    assert list(loaded) == sorted(tensors)  # (safetensors lists names sorted)
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    with safe_open(str(tmp_path / "streamed.safetensors"), framework="pt") as handle:
+        assert handle.metadata() == {"format": "pt"}
+    for pairs, message in ((list(tensors.items()) + [("f", torch.ones(1))], "'f' of shape"),
+                           ([("a", torch.ones(5, 3))] + list(tensors.items())[1:], "'a' of shape"),
+                           (list(tensors.items())[:-1], "lack 1 tensors")):
+        with pytest.raises(ValueError, match=message):
+            files.stream_weights(iter(pairs), tmp_path / "bad.safetensors", shapes)
+
+
+def test_a_lora_runs_final_is_written_as_it_is_merged_never_whole(tmp_path, monkeypatch):
+    import weakref
+
+    from llmtrain.checkpoint import lora as checkpoint_lora
+
+    model = _with_adapters(_plain_model())
+    merged_layers, merge_layer = [], checkpoint_lora._merged_linear
+
+    def merged_linear(module):
+        alive = [layer for layer in merged_layers if layer() is not None]
+        assert len(alive) <= 1, f"{len(alive)} merged layers held at once"  # the last one may be being written
+        weight, bias = merge_layer(module)
+        merged_layers.append(weakref.ref(weight))
+        return weight, bias
+
+    monkeypatch.setattr(checkpoint_lora, "_merged_linear", merged_linear)
+    checkpointer = _checkpointer(tmp_path / "run", "lora", model=model)
+    checkpointer.write_extras = lambda directory: write_lora_settings(directory, LORA, tmp_path, None)
+    final = checkpointer.save_final(TrainState(step=1))
+    assert len(merged_layers) == len(lora_modules(model))
+    monkeypatch.undo()
+    from safetensors.torch import load_file
+
+    expected = merged_state_dict(model)
+    stored = load_file(str(final / layout.MODEL_FILE))
+    assert sorted(stored) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(stored[name], tensor), name
+
+
 # ----------------------------------------------------------------------------------- QLoRA base
 def _base_dir(directory: Path, config: Config) -> Path:
     """A directory holding only the bf16 weights of a seeded model of ``config``: all a quantized build reads."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import yaml
@@ -64,10 +64,20 @@ def merged_state_dict(model: torch.nn.Module,
     in their compute dtype. ``full_state``: a sharded model's full state dict (gathered to the CPU on
     rank 0), merged in place of the model's own tensors.
     """
-    model = unwrap(model)
     if full_state is not None:
-        return _merged_from_state(model, full_state)
-    out: dict[str, torch.Tensor] = {}
+        return _merged_from_state(unwrap(model), full_state)
+    return dict(iter_merged_weights(model))
+
+
+@torch.no_grad()
+def iter_merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`merged_state_dict`'s (name, tensor) pairs, one at a time, in the model's order: a writer that takes
+    them as they come (``files.write_model_dir``) never holds more than one merged layer.
+
+    Each merged tensor moves to the CPU before the next layer is merged. A tied weight comes under both its
+    names, as the same tensor.
+    """
+    model = unwrap(model)
     on_cpu: dict[int, torch.Tensor] = {}  # id(tensor) -> its CPU copy: tied weights stay one tensor
 
     def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
@@ -83,16 +93,16 @@ def merged_state_dict(model: torch.nn.Module,
         if isinstance(module, LoRALinear) or is_quantized_linear(module):
             merged_layers.append(name)
             weight, bias = _merged_linear(module)
-            out[f"{prefix}weight"] = weight.cpu()  # before the next layer is merged: one at a time on the device
+            weight = weight.cpu()  # before the next layer is merged: one at a time on the device
+            yield f"{prefix}weight", weight
             if bias is not None:
-                out[f"{prefix}bias"] = bias.detach().to(weight.dtype).cpu()
+                yield f"{prefix}bias", bias.detach().to(weight.dtype).cpu()
             continue
         for param_name, param in module.named_parameters(recurse=False):
-            out[prefix + param_name] = to_cpu(param)
+            yield prefix + param_name, to_cpu(param)
         for buffer_name, buffer in module.named_buffers(recurse=False):
             if buffer_name not in module._non_persistent_buffers_set:
-                out[prefix + buffer_name] = to_cpu(buffer)
-    return out
+                yield prefix + buffer_name, to_cpu(buffer)
 
 
 def _merged_linear(module: torch.nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
