@@ -286,8 +286,8 @@ def kv_layout(device_type: str, dtype: torch.dtype, n_head: int, n_query_groups:
 
     NOTE: on CUDA the flash kernel takes no fp32 and the memory-efficient one no grouped heads, so fp32
     grouped-query attention with ``enable_gqa`` falls back to the math kernel, which materializes the
-    (B, nh, T, T) scores; copies of k and v (nh / ng times their size) cost far less. The kernels that
-    take an explicit mask take no grouped heads either.
+    (B, nh, T, T) scores; copies of k and v (nh / ng times their size) cost far less. Not every kernel
+    takes grouped heads together with an explicit mask either, so a masked layout repeats them too.
     """
     if n_query_groups == n_head:
         return "plain"
