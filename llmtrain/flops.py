@@ -31,7 +31,8 @@ def num_parameters(config: Config, include_embeddings: bool = True) -> int:
     return total
 
 
-def flops_per_token(config: Config, seq_len: int, training: bool = True) -> float:
+def flops_per_token(config: Config, seq_len: int, training: bool = True,
+                    adapter_parameters: Optional[int] = None) -> float:
     """Model FLOPs per token for sequences of `seq_len` tokens.
 
     Forward: 2 FLOPs per weight of every matmul (attention and MLP projections and the output
@@ -44,11 +45,20 @@ def flops_per_token(config: Config, seq_len: int, training: bool = True) -> floa
     flash and memory-efficient SDPA kernels FlopCounterMode counts one more QK^T in the backward
     (the kernels recompute the scores); we leave that out, as the PaLM definition of MFU counts
     the work the model needs, not the work an implementation chooses to redo.
+
+    adapter_parameters: LoRA's adapter weights (the trainable ones), with every other weight frozen. A
+    frozen weight costs the forward and its input's gradient, 4 FLOPs per token, not the 6 of a weight
+    that trains; each adapter weight costs 2 in the forward and 6 in training. NOTE: like the backward of
+    any layer, the input gradient is counted for the first block too, whose q/k/v inputs (the frozen
+    embedding's output) need none: a slight overcount, worth one layer's attention projections.
     """
-    forward = 2 * _matmul_weights(config)
-    attention_per_layer = 2 * (2 * seq_len * config.head_size * config.n_head)  # QK^T and AV
-    forward += config.n_layer * attention_per_layer
-    return float(3 * forward if training else forward)
+    matmul_weights = _matmul_weights(config)
+    attention = config.n_layer * 2 * (2 * seq_len * config.head_size * config.n_head)  # QK^T and AV
+    if adapter_parameters is None:
+        return float(3 * (2 * matmul_weights + attention) if training else 2 * matmul_weights + attention)
+    if not training:
+        return float(2 * (matmul_weights + adapter_parameters) + attention)
+    return float(4 * matmul_weights + 6 * adapter_parameters + 3 * attention)
 
 
 def _matmul_weights(config: Config) -> int:
@@ -91,12 +101,18 @@ def _norm_parameters(config: Config) -> int:
 # Order matters: the first pattern that matches the device name wins, so specific names come first.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "B200": {"bf16": 2.25e15, "fp16": 2.25e15, "tf32": 1.1e15},
+    "GH200": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},  # the H100 of Grace Hopper
     "H200 NVL": {"bf16": 835e12, "fp16": 835e12, "tf32": 417.5e12, "fp32": 60e12},
     "H200": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
     "H100 NVL": {"bf16": 835e12, "fp16": 835e12, "tf32": 417.5e12, "fp32": 60e12},
     "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12},
     "H100": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},  # SXM / HBM3
+    # H800 and A800: the H100 and A100 with slower NVLink for export; the same compute.
+    "H800 PCIe": {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12},
+    "H800": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
+    "H20": {"bf16": 148e12, "fp16": 148e12, "tf32": 74e12, "fp32": 44e12},
     "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+    "A800": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
     "L40S": {"bf16": 362.05e12, "fp16": 362.05e12, "tf32": 183.2e12, "fp32": 91.6e12},
     "L4": {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
     "A10": {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12},

@@ -13,7 +13,7 @@ Weights follow Hugging Face layouts where it costs nothing: separate q/k/v/o pro
 """
 
 import math
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 import torch.nn as nn
@@ -238,15 +238,9 @@ class CausalSelfAttention(nn.Module):
         if input_pos is not None:
             k, v = self.kv_cache(input_pos, k, v)  # (B, ng, S, hs) each
             y = grouped_attention(q, k.to(q.dtype), v.to(q.dtype), mask)
-        elif mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_query_groups != self.n_head)
         else:
-            # NOTE: not every SDPA kernel supports enable_gqa together with an explicit mask, so
-            # give each query head its own copy of its group's keys and values.
-            repeats = self.n_head // self.n_query_groups
-            k = k.repeat_interleave(repeats, dim=1)  # (B, nh, T, hs)
-            v = v.repeat_interleave(repeats, dim=1)  # (B, nh, T, hs)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            layout = kv_layout(q.device.type, q.dtype, self.n_head, self.n_query_groups, masked=mask is not None)
+            y = causal_attention(q, k, v, layout, mask)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_size)  # (B, T, nh * hs)
         return self.o_proj(y)
 
@@ -276,6 +270,42 @@ class KVCache(nn.Module):
         cache_k.index_copy_(2, input_pos, k.to(cache_k.dtype))
         cache_v.index_copy_(2, input_pos, v.to(cache_v.dtype))
         return cache_k, cache_v  # (B, ng, S, hs)
+
+
+KVLayout = Literal["plain", "grouped", "repeat"]
+
+
+def kv_layout(device_type: str, dtype: torch.dtype, n_head: int, n_query_groups: int,
+              masked: bool = False) -> KVLayout:
+    """How training attention hands its keys and values to SDPA, chosen so that a fused kernel can take them.
+
+    plain: one key/value head per query head (multi-head attention): nothing to do.
+    grouped: grouped heads as they are (``enable_gqa``): the flash kernels (CUDA in fp16/bf16, CPU) read them.
+    repeat: each query head gets a copy of its group's keys and values (``repeat_interleave``).
+    masked: an explicit mask (sliding window) instead of the causal flag.
+
+    NOTE: on CUDA the flash kernel takes no fp32 and the memory-efficient one no grouped heads, so fp32
+    grouped-query attention with ``enable_gqa`` falls back to the math kernel, which materializes the
+    (B, nh, T, T) scores; copies of k and v (nh / ng times their size) cost far less. Not every kernel
+    takes grouped heads together with an explicit mask either, so a masked layout repeats them too.
+    """
+    if n_query_groups == n_head:
+        return "plain"
+    if masked or (device_type == "cuda" and dtype == torch.float32):
+        return "repeat"
+    return "grouped"
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: KVLayout,
+                     mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention of q (B, nh, T, hs) over k, v (B, ng, T, hs) in the given layout; mask: boolean (T, T) or None."""
+    if layout == "repeat":
+        repeats = q.size(1) // k.size(1)
+        k = k.repeat_interleave(repeats, dim=1)  # (B, nh, T, hs)
+        v = v.repeat_interleave(repeats, dim=1)  # (B, nh, T, hs)
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=layout == "grouped")
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=layout == "grouped")
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -84,15 +84,27 @@ def quantize_model(
         raise ValueError("quantize_model must run before apply_lora: quantize the base model, then add adapters")
     bnb = import_bitsandbytes()
     for block in model.blocks:
-        for name, module in list(block.named_modules()):
-            # NOTE: the exact type, so layers that are already quantized (subclasses) are left alone.
-            if type(module) is not nn.Linear:
-                continue
-            parent_name, _, child_name = name.rpartition(".")
-            parent = block.get_submodule(parent_name)
-            setattr(parent, child_name, quantize_linear(module, mode, compute_dtype, device, bnb))
+        quantize_block(block, mode, compute_dtype, device, bnb)
     _convert_unquantized(model, compute_dtype, device)
     return model
+
+
+def quantize_block(block: nn.Module, mode: QuantizeMode, compute_dtype: torch.dtype,
+                   device: Optional[torch.device | str] = None, bnb=None) -> nn.Module:
+    """`quantize_model` for one `Block`: its linear layers quantized, its other parameters cast, all onto `device`.
+
+    Each replaced layer's full-precision weight is freed as soon as its quantized copy exists.
+    """
+    bnb = bnb or import_bitsandbytes()
+    for name, module in list(block.named_modules()):
+        # NOTE: the exact type, so layers that are already quantized (subclasses) are left alone.
+        if type(module) is not nn.Linear:
+            continue
+        parent_name, _, child_name = name.rpartition(".")
+        parent = block.get_submodule(parent_name)
+        setattr(parent, child_name, quantize_linear(module, mode, compute_dtype, device, bnb))
+    _convert_unquantized(block, compute_dtype, device)
+    return block
 
 
 def quantize_linear(

@@ -117,6 +117,17 @@ def mesh_ndim(model: torch.nn.Module, plan: ParallelPlan) -> int:
     return 1 if plan.wrapper == "ddp" else 0
 
 
+def fsdp_units(model: torch.nn.Module) -> list[list[str]]:
+    """The modules fully_shard made into units, grouped by unit (modules sharded together share one), sorted."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            units.setdefault(id(module._get_fsdp_state()), []).append(name)
+    return sorted(units.values())
+
+
 def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] = None, precision: str = "32-true",
           num_nodes: int = 1, micro_batch_size: int = 1, out_dir: Optional[Path] = None,
           checkpoint_formats: tuple[str, ...] = ("sharded",), resume_from: Optional[Path] = None) -> dict:
@@ -152,14 +163,15 @@ def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] 
             "mesh_ndim": mesh_ndim(model, info), "wrapper": info.wrapper,
             "sharding_strategy": info.sharding_strategy, "autocast_enabled": not info.mixed_precision_policy,
             "weights": gather_full_model_state(model),
-            "grad_accum_steps": plan.grad_accum_steps}
+            "grad_accum_steps": plan.grad_accum_steps, "fsdp_units": fsdp_units(model)}
 
 
 def initial_weights(runtime: Runtime, **build_args) -> dict:
     """The full weights right after materialize (gathered on rank 0), and whether the embedding is still tied."""
     model, info = build(runtime, config=uneven_tied_config(), **build_args)
     tied = model.lm_head.weight is model.wte.weight
-    return {"weights": gather_full_model_state(model), "tied": tied, "mesh_shape": info.describe_mesh()}
+    return {"weights": gather_full_model_state(model), "tied": tied, "mesh_shape": info.describe_mesh(),
+            "fsdp_units": fsdp_units(model)}
 
 
 # ------------------------------------------------------------------------------------ suites

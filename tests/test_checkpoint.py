@@ -130,6 +130,35 @@ def test_no_intact_checkpoint_left_is_an_error_not_a_fresh_start(tmp_path):
             resolve_resume("auto", tmp_path, None)
 
 
+# ------------------------------------------------------------------------------------ loading
+def _file_mapped(tensor: torch.Tensor) -> set[str]:
+    """The files whose memory mapping holds ``tensor``'s data (Linux's /proc/self/maps)."""
+    files = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(address, 16) for address in fields[0].split("-"))
+        if len(fields) == 6 and start <= tensor.data_ptr() < end:
+            files.add(fields[5].strip())
+    return files
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads Linux's /proc/self/maps")
+def test_a_full_checkpoints_optimizer_state_is_mapped_from_the_file_not_read_whole(tmp_path):
+    saver = _checkpointer(tmp_path / "run")
+    saver.model(torch.randint(0, 1100, (2, 8)), labels=torch.randint(0, 1100, (2, 8))).backward()
+    saver.optimizer.step()
+    state = TrainState(step=1)
+    checkpoint = saver.save(state)
+    loader = _checkpointer(tmp_path / "resumed")
+    loader.load(checkpoint, TrainState())
+    saved, loaded = saver.optimizer.state_dict()["state"], loader.optimizer.state_dict()["state"]
+    state_file = str(checkpoint / layout.STATE_FILE)
+    for index, moments in saved.items():
+        torch.testing.assert_close(loaded[index]["exp_avg_sq"], moments["exp_avg_sq"], rtol=0, atol=0)
+        # Pages of the file, read when touched: the load itself copied nothing into memory.
+        assert _file_mapped(loaded[index]["exp_avg"]) == {state_file}
+
+
 # ------------------------------------------------------------------------------------ the CLI
 def _pretrain(model_file: Path, out_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     argv = ["pretrain", "--model_config", str(model_file), "--out_dir", str(out_dir), "--data", "BuiltinStories",
@@ -234,6 +263,40 @@ def test_merged_weights_are_the_effective_weights_and_give_the_same_logits():
         torch.testing.assert_close(from_state[name], tensor, rtol=0, atol=0)
 
 
+def test_a_qlora_merge_moves_each_layer_to_the_host_before_it_merges_the_next(monkeypatch):
+    from llmtrain.checkpoint import lora as checkpoint_lora
+    from llmtrain.quantize import quantize_model
+
+    # Adapters on every linear layer but k_proj, which stays quantized only: both kinds of layer are merged.
+    model = _with_adapters(quantize_model(_plain_model(), "bnb.nf4", compute_dtype=torch.bfloat16))
+    events = []
+    merge_layer, to_host = checkpoint_lora._merged_linear, torch.Tensor.cpu
+
+    def merged_linear(module):
+        weight, bias = merge_layer(module)
+        events.append(("merged", id(weight)))
+        return weight, bias
+
+    def cpu(tensor, *args, **kwargs):
+        events.append(("to host", id(tensor)))
+        return to_host(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_lora, "_merged_linear", merged_linear)
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    merged = merged_state_dict(model)
+    monkeypatch.undo()
+    on_device = None  # the merged layer not yet on the host
+    for kind, tensor_id in events:
+        if kind == "merged":
+            assert on_device is None, "a layer was merged while the previous one was still on the device"
+            on_device = tensor_id
+        elif tensor_id == on_device:
+            on_device = None
+    assert on_device is None
+    assert sum(kind == "merged" for kind, _ in events) == 7 * TINY["n_layer"]
+    assert {tensor.dtype for name, tensor in merged.items() if name.startswith("blocks.")} == {torch.bfloat16}
+
+
 def test_a_lora_runs_final_and_merge_lora_give_the_lora_models_logits(tmp_path):
     from llmtrain.data import BuiltinStories
 
@@ -256,3 +319,115 @@ def test_a_lora_runs_final_and_merge_lora_give_the_lora_models_logits(tmp_path):
             merged_model = load_model_dir(directory)[0]
             torch.testing.assert_close(merged_model(tokens), expected, rtol=1e-5, atol=1e-5)
     assert (final / layout.LORA_FILE).is_file() and files.read_marker(final)["lora_merged"]
+
+
+def test_streamed_weights_make_the_file_save_file_makes_and_are_checked_against_the_shapes(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b.weight": torch.randn(7), "c": torch.arange(4),
+               "d": torch.ones(2, 2, dtype=torch.bool).t(), "e": torch.zeros(0, 3)}  # a transposed one too
+    shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+    files.stream_weights(iter(tensors.items()), tmp_path / "streamed.safetensors", shapes)
+    loaded = load_file(str(tmp_path / "streamed.safetensors"))
+    assert list(loaded) == sorted(tensors)  # (safetensors lists names sorted)
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    with safe_open(str(tmp_path / "streamed.safetensors"), framework="pt") as handle:
+        assert handle.metadata() == {"format": "pt"}
+    for pairs, message in ((list(tensors.items()) + [("f", torch.ones(1))], "'f' of shape"),
+                           ([("a", torch.ones(5, 3))] + list(tensors.items())[1:], "'a' of shape"),
+                           (list(tensors.items())[:-1], "lack 1 tensors")):
+        with pytest.raises(ValueError, match=message):
+            files.stream_weights(iter(pairs), tmp_path / "bad.safetensors", shapes)
+
+
+def test_a_lora_runs_final_is_written_as_it_is_merged_never_whole(tmp_path, monkeypatch):
+    import weakref
+
+    from llmtrain.checkpoint import lora as checkpoint_lora
+
+    model = _with_adapters(_plain_model())
+    merged_layers, merge_layer = [], checkpoint_lora._merged_linear
+
+    def merged_linear(module):
+        alive = [layer for layer in merged_layers if layer() is not None]
+        assert len(alive) <= 1, f"{len(alive)} merged layers held at once"  # the last one may be being written
+        weight, bias = merge_layer(module)
+        merged_layers.append(weakref.ref(weight))
+        return weight, bias
+
+    monkeypatch.setattr(checkpoint_lora, "_merged_linear", merged_linear)
+    checkpointer = _checkpointer(tmp_path / "run", "lora", model=model)
+    checkpointer.write_extras = lambda directory: write_lora_settings(directory, LORA, tmp_path, None)
+    final = checkpointer.save_final(TrainState(step=1))
+    assert len(merged_layers) == len(lora_modules(model))
+    monkeypatch.undo()
+    from safetensors.torch import load_file
+
+    expected = merged_state_dict(model)
+    stored = load_file(str(final / layout.MODEL_FILE))
+    assert sorted(stored) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(stored[name], tensor), name
+
+
+# ----------------------------------------------------------------------------------- QLoRA base
+def _base_dir(directory: Path, config: Config) -> Path:
+    """A directory holding only the bf16 weights of a seeded model of ``config``: all a quantized build reads."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    model.init_weights()
+    directory.mkdir()
+    files.save_weights(model.to(torch.bfloat16).state_dict(), directory / layout.MODEL_FILE)
+    return directory
+
+
+def _refuse_init(monkeypatch: pytest.MonkeyPatch) -> None:
+    def init_weights(self):
+        raise AssertionError("init_weights ran: random weights that loading would overwrite")
+
+    monkeypatch.setattr(GPT, "init_weights", init_weights)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_quantized_base_streams_from_the_file_and_equals_quantizing_the_loaded_model(tmp_path, monkeypatch, tied):
+    from llmtrain.checkpoint.model_dir import build_model_from_dir, build_quantized_model_from_dir
+    from llmtrain.quantize import quantize_model
+
+    config = Config(**{**TINY, "tie_embeddings": tied})
+    base_dir = _base_dir(tmp_path / "base", config)
+    _refuse_init(monkeypatch)
+    streamed = build_quantized_model_from_dir(base_dir, config, "bnb.nf4", compute_dtype=torch.bfloat16)
+    reference = quantize_model(build_model_from_dir(base_dir, config, dtype=torch.bfloat16), "bnb.nf4",
+                               compute_dtype=torch.bfloat16)
+    assert (streamed.lm_head.weight is streamed.wte.weight) == tied
+    expected = reference.state_dict()
+    assert list(streamed.state_dict()) == list(expected)
+    for name, tensor in streamed.state_dict().items():
+        assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
+    tokens = torch.randint(0, TINY["vocab_size"], (1, 8))
+    with torch.no_grad():
+        assert torch.equal(streamed.eval()(tokens), reference.eval()(tokens))
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "32-true"])
+def test_qlora_build_quantizes_in_the_precisions_dtype_without_a_random_init(tmp_path, monkeypatch, precision):
+    import bitsandbytes as bnb
+
+    from llmtrain.args import TrainArgs
+    from llmtrain.distributed.parallel_plan import ParallelPlan
+    from llmtrain.recipes.build import build_model
+
+    config = Config(**TINY)
+    base_dir = _base_dir(tmp_path / "base", config)
+    _refuse_init(monkeypatch)
+    plan = ParallelPlan.resolve(devices=1, num_nodes=1, train=TrainArgs(global_batch_size=2, micro_batch_size=2),
+                                precision=precision, accelerator="cpu")
+    model = build_model(config, plan=plan, runtime=Runtime(), seed=0, initial_checkpoint_dir=base_dir,
+                        lora=LORA, quantize="bnb.nf4")
+    quantized = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(quantized) == 7 * TINY["n_layer"]
+    dtype = plan.precision.compute_dtype
+    assert {m.weight.quant_state.dtype for m in quantized} == {dtype}
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {dtype}

@@ -8,12 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from llmtrain.args import BatchDefaults, TrainArgs, batch_plan
 from llmtrain.distributed.launch import resolve_devices
+from llmtrain.distributed.runtime import Runtime, configure_process
 from llmtrain.recipes.hub import pretrain_batch_defaults, pretrain_recipe, with_default_length
-from llmtrain.train.precision import resolve_precision
+from llmtrain.train.precision import Precision, resolve_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}
@@ -50,6 +52,26 @@ def test_precision_auto(device_type, gpu, expected):
     assert chosen.name == expected and chosen.chosen_because
     assert chosen.describe().startswith(f"{expected} (auto: ")
     assert resolve_precision("bf16-true", device_type, gpu=gpu).describe() == "bf16-true"  # a named one is kept
+
+
+@pytest.mark.parametrize("name, device_type, expected", [
+    ("32-true", "cuda", True), ("bf16-mixed", "cuda", True), ("16-mixed", "cuda", True),
+    ("bf16-true", "cuda", False), ("16-true", "cuda", False), ("32-true", "cpu", False), ("bf16-mixed", "cpu", False),
+])
+def test_tf32_is_for_fp32_matmuls_on_cuda(name, device_type, expected):
+    assert Precision(name).uses_tf32(device_type) is expected
+
+
+def test_configure_process_turns_tf32_on_for_a_cuda_run_and_leaves_a_cpu_run_exact():
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        configure_process(Runtime(), Precision("32-true"))
+        assert torch.get_float32_matmul_precision() == "highest"
+        configure_process(Runtime(device=torch.device("cuda", 0)), Precision("bf16-mixed"))
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def test_an_unset_global_batch_is_rounded_up_so_that_it_divides_and_a_given_one_is_not():

@@ -217,3 +217,17 @@ def test_a_prompt_longer_than_the_sequence_skips_the_example_not_the_run(tmp_pat
                        "--eval.interval", "1"))
     assert "example | skipped: the first validation prompt is longer than --train.max_seq_length 16" in capsys.readouterr().out
     assert (out_dir / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("devices, strategy, seq_len, expected", [
+    (1, "auto", 1024, 64), (2, "ddp", 1024, 64), (2, "fsdp", 1024, 16), (1, "auto", 40, 20), (2, "fsdp", 24, 12),
+])
+def test_the_validation_example_decodes_fewer_tokens_under_fsdp(devices, strategy, seq_len, expected):
+    from llmtrain.args import TrainArgs
+    from llmtrain.distributed.parallel_plan import ParallelPlan
+    from llmtrain.recipes.run import example_tokens
+
+    plan = ParallelPlan.resolve(devices=devices, num_nodes=1, train=TrainArgs(global_batch_size=4, micro_batch_size=2),
+                                precision="32-true", strategy=strategy, accelerator="cpu")
+    assert plan.wrapper == {"auto": "none"}.get(strategy, strategy)
+    assert example_tokens(plan, seq_len) == expected

@@ -5,6 +5,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from llmtrain.config import Config
 from llmtrain.flops import device_peak_flops, flops_per_token, lookup_peak_flops, num_parameters
+from llmtrain.lora import LoRAArgs, apply_lora, mark_only_lora_trainable
 from llmtrain.model import GPT
 
 SMALL = dict(n_layer=2, n_embd=64, n_head=4, block_size=64, vocab_size=256, intermediate_size=160)
@@ -52,6 +53,30 @@ def test_training_flops_follow_the_6n_rule_for_short_sequences():
     assert flops_per_token(config, 8192) > flops_per_token(config, 1)
 
 
+@pytest.mark.parametrize("lora", [
+    LoRAArgs(lora_r=4),  # query and value
+    LoRAArgs(lora_r=8, lora_key=True, lora_projection=True, lora_mlp=True, lora_head=True),
+])
+def test_lora_flops_count_frozen_weights_at_4_and_adapters_at_6_per_token(lora):
+    config = Config.from_name("llama-debug", **SMALL, n_query_groups=2)
+    model = GPT(config)
+    model.init_weights()
+    matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    apply_lora(model, lora)
+    mark_only_lora_trainable(model)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # The input gradient of every layer counts, also of the first block's projections, whose input (the frozen
+    # embedding's output) needs none in a real run: the hook makes it need one, so the counter sees that work too.
+    model.wte.register_forward_hook(lambda module, args, out: out.detach().requires_grad_())
+    batch_size, seq_len = 2, 32
+    idx = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+    expected = counted_flops(model, idx, training=True)
+    lora_flops = flops_per_token(config, seq_len, adapter_parameters=adapters)
+    assert lora_flops * batch_size * seq_len == pytest.approx(expected, rel=0.01)
+    full_flops = flops_per_token(config, seq_len)
+    assert full_flops - lora_flops == pytest.approx(2 * matmul_weights - 6 * adapters)
+
+
 @pytest.mark.parametrize("name", ["llama-debug", "gpt-neox-debug", "phi-debug", "gemma-debug", "qwen2-debug"])
 def test_num_parameters_matches_the_model(name):
     config = Config.from_name(name)
@@ -67,6 +92,12 @@ def test_peak_flops_lookup():
     assert lookup_peak_flops("NVIDIA A10", torch.bfloat16) == 125e12
     assert lookup_peak_flops("NVIDIA L4", torch.bfloat16) == 121e12
     assert lookup_peak_flops("NVIDIA L40S", torch.bfloat16) == 362.05e12
+    assert lookup_peak_flops("NVIDIA GH200 480GB", torch.bfloat16) == 989.4e12
+    assert lookup_peak_flops("NVIDIA H800", torch.bfloat16) == 989.4e12
+    assert lookup_peak_flops("NVIDIA H800 PCIe", torch.bfloat16) == 756e12
+    assert lookup_peak_flops("NVIDIA A800-SXM4-80GB", torch.bfloat16) == 312e12
+    assert lookup_peak_flops("NVIDIA H20", torch.bfloat16) == 148e12
+    assert lookup_peak_flops("NVIDIA H200", torch.bfloat16) == 989.4e12  # neither H20 nor GH200
     assert lookup_peak_flops("Tesla V100-SXM2-16GB", torch.bfloat16) is None  # no bf16 tensor cores
     assert lookup_peak_flops("Some Future GPU", torch.bfloat16) is None
 

@@ -10,7 +10,7 @@ from llmtrain.config import Config
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
 from llmtrain.train import callbacks
-from llmtrain.train.loop import IGNORE_INDEX, Fit, fit, plan_horizon
+from llmtrain.train.loop import IGNORE_INDEX, Fit, fit, interval_memory, plan_horizon
 from llmtrain.train.precision import Precision
 
 from conftest import ListLoader
@@ -258,3 +258,86 @@ def test_the_time_vote_stops_the_run_after_the_step_in_which_max_time_runs_out(m
             break
     assert time_votes == [0.0, 0.0, 0.0, 1.0] and job.state.elapsed_s == 12.0
     assert stops.reason() == "reached --train.max_time 10.0s"
+
+
+# ------------------------------------------------------------------------------------ metrics
+class MetricsRecorder:
+    def __init__(self):
+        self.rows = []
+
+    def log(self, metrics):
+        self.rows.append(metrics)
+
+    def close(self):
+        pass
+
+
+class PaddedLoader(ListLoader):
+    """ListLoader whose batches say how many of their input tokens are real: the first `real` of each row."""
+
+    def __init__(self, samples, micro_batch_size, real):
+        super().__init__(samples, micro_batch_size)
+        self.real = real
+
+    def __next__(self):
+        batch = super().__next__()
+        return {**batch, "real_tokens": torch.tensor(self.real * batch["input_ids"].size(0))}
+
+
+def test_mfu_counts_the_real_tokens_and_not_the_padding():
+    torch.manual_seed(0)
+    model = GPT(Config(**CONFIG))
+    model.init_weights()
+    train = TrainArgs(global_batch_size=2, micro_batch_size=1, max_steps=2, log_interval=1, lr_warmup_steps=0,
+                      save_interval=None)
+    recorder = MetricsRecorder()
+    job = Fit(runtime=Runtime(), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+              train_loader=PaddedLoader(padded_samples(), 1, real=3), val_loader=None, train=train,
+              eval=EvalArgs(initial_validation=False, final_validation=False), plan=batch_plan(train, 1),
+              horizon=plan_horizon(train, 2 * 12, None), precision=Precision("32-true"),
+              save_checkpoint=lambda s: None, save_final=lambda s: None, loggers=[recorder],
+              flops_per_token=1e6, peak_flops_per_device=1e9)
+    fit(job)
+    rows = [row for row in recorder.rows if "loss" in row]
+    assert len(rows) == 2
+    for row in rows:  # 3 real tokens in each sample of 12: a quarter of the work counts
+        padded_mfu = row["tokens_per_sec_per_device"] * 1e6 / 1e9
+        assert row["mfu"] == pytest.approx(padded_mfu * 3 / 12, rel=1e-3)
+
+
+class FakeCUDAAllocator:
+    """The numbers torch.cuda.memory_stats reports, for a process that allocates and frees by hand."""
+
+    def __init__(self):
+        self.allocated = self.allocated_peak = self.reserved = self.reserved_peak = self.retries = 0
+
+    def allocate(self, gib, retried=False):
+        self.allocated += gib * 2**30
+        self.reserved = max(self.reserved, self.allocated)
+        self.allocated_peak = max(self.allocated_peak, self.allocated)
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
+        self.retries += retried
+
+    def free(self, gib):
+        self.allocated -= gib * 2**30
+
+    def memory_stats(self, device=None):
+        return {"allocated_bytes.all.peak": self.allocated_peak, "reserved_bytes.all.peak": self.reserved_peak,
+                "num_alloc_retries": self.retries}
+
+    def reset_peak_memory_stats(self, device=None):
+        self.allocated_peak, self.reserved_peak = self.allocated, self.reserved
+
+
+def test_cuda_memory_is_reported_per_log_interval(monkeypatch):
+    allocator = FakeCUDAAllocator()
+    monkeypatch.setattr(torch.cuda, "memory_stats", allocator.memory_stats)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", allocator.reset_peak_memory_stats)
+    cuda = torch.device("cuda", 0)
+    allocator.allocate(3)  # the first interval: a 3 GiB peak, then back down to 1
+    allocator.free(2)
+    assert interval_memory(cuda) == {"peak_memory_gb": 3.0, "reserved_memory_gb": 3.0, "alloc_retries": 0}
+    allocator.allocate(0.5, retried=True)  # the second interval: 1.5 GiB at most, though 3 stay reserved
+    assert interval_memory(cuda) == {"peak_memory_gb": 1.5, "reserved_memory_gb": 3.0, "alloc_retries": 1}
+    assert interval_memory(cuda)["peak_memory_gb"] == 1.5  # nothing allocated since: the level it stays at
+    assert set(interval_memory(torch.device("cpu"))) == {"peak_memory_gb"}

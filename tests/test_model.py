@@ -4,7 +4,7 @@ import torch
 from llmtrain.config import Config
 from llmtrain.convert import state_dict_from_hf
 from llmtrain.flops import num_parameters
-from llmtrain.model import GPT, build_rope_cache
+from llmtrain.model import GPT, build_rope_cache, build_sliding_window_mask, causal_attention, kv_layout
 
 from conftest import build_model, tiny_config
 
@@ -51,6 +51,38 @@ def test_attention_head_shapes(n_query_groups):
     assert attn.v_proj.weight.shape == (n_query_groups * 16, 64)
     assert attn.o_proj.weight.shape == (64, 4 * 16)
     assert model(torch.randint(0, 128, (2, 8))).shape == (2, 8, 128)
+
+
+@pytest.mark.parametrize("device_type, dtype, n_query_groups, masked, expected", [
+    ("cuda", torch.float32, 2, False, "repeat"),  # 32-true: the memory-efficient kernel, not math's T x T scores
+    ("cuda", torch.bfloat16, 2, False, "grouped"),  # bf16: the flash kernel reads grouped heads
+    ("cuda", torch.float16, 1, False, "grouped"),  # multi-query is grouped too
+    ("cuda", torch.float32, 4, False, "plain"),  # multi-head: nothing to expand in any precision
+    ("cuda", torch.bfloat16, 4, True, "plain"),
+    ("cpu", torch.float32, 2, False, "grouped"),  # CPU's flash kernel takes fp32 grouped heads
+    ("cpu", torch.bfloat16, 2, False, "grouped"),
+    ("cuda", torch.bfloat16, 2, True, "repeat"),  # a sliding-window mask: no kernel takes it with grouped heads
+    ("cpu", torch.float32, 2, True, "repeat"),
+])
+def test_kv_layout_per_precision_and_head_layout(device_type, dtype, n_query_groups, masked, expected):
+    assert kv_layout(device_type, dtype, n_head=4, n_query_groups=n_query_groups, masked=masked) == expected
+
+
+@pytest.mark.parametrize("n_query_groups", [2, 1])
+@pytest.mark.parametrize("window", [None, 3])
+def test_every_kv_layout_computes_the_same_attention(n_query_groups, window):
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 8, 16, generator=generator)  # (B, nh, T, hs)
+    k, v = (torch.randn(2, n_query_groups, 8, 16, generator=generator) for _ in range(2))  # (B, ng, T, hs)
+    mask = build_sliding_window_mask(8, window, q.device)
+    # Reference: every query head over its group's keys (head h reads group h // (nh / ng)), causal, in float64.
+    group = torch.arange(4) // (4 // n_query_groups)
+    scores = q.double() @ k.double()[:, group].transpose(-1, -2) / 16**0.5  # (B, nh, T, T)
+    allowed = mask if mask is not None else torch.ones(8, 8, dtype=torch.bool).tril()
+    expected = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.double()[:, group]
+    layouts = ["repeat"] if window else ["repeat", "grouped"]
+    for layout in layouts:
+        torch.testing.assert_close(causal_attention(q, k, v, layout, mask).double(), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_head_size_independent_of_n_embd():

@@ -92,6 +92,14 @@ def test_two_ranks_match_single_process(two, single, scenario, wrapper, mesh):
 
 
 @pytest.mark.multiproc
+def test_embedding_and_head_are_fsdp_units_of_their_own_unless_tied(two):
+    blocks = [["blocks.0"], ["blocks.1"]]
+    assert two["full_shard"]["fsdp_units"] == [[""], *blocks, ["norm_f", "lm_head"], ["wte"]]
+    assert two["init"]["fsdp_units"] == [[""], *blocks]  # tied: embedding, norm and head stay in the root's unit
+    assert two["ddp"]["fsdp_units"] == []
+
+
+@pytest.mark.multiproc
 def test_hybrid_shard_on_two_nodes_uses_a_2d_mesh_and_matches(four, single):
     result = four["hsdp"]
     assert result["sharding_strategy"] == "HYBRID_SHARD"  # the default for num_nodes > 1

@@ -22,7 +22,7 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Iterator, Literal, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from llmtrain.checkpoint import files, layout
-from llmtrain.checkpoint.lora import merged_state_dict
+from llmtrain.checkpoint.lora import iter_merged_weights, merged_state_dict
 from llmtrain.checkpoint.resume import CheckpointFormat, checkpoint_format, verify_checkpoint
 from llmtrain.checkpoint.state import (
     Stateful,
@@ -215,12 +215,15 @@ class Checkpointer:
         self.runtime.barrier()
         return target
 
-    def _final_weights(self) -> dict[str, torch.Tensor]:
-        """The full weights on rank 0's CPU (LoRA: merged); an empty dict on the other ranks."""
+    def _final_weights(self) -> Union[dict[str, torch.Tensor], Iterator[tuple[str, torch.Tensor]]]:
+        """The full weights on rank 0's CPU (LoRA: merged); an empty dict on the other ranks.
+
+        One process merges LoRA layer by layer as the file is written: the merged model never exists whole.
+        """
         if self.format == "sharded":
             return gather_full_model_state(self.model)
         if not self.runtime.is_distributed:
-            return merged_state_dict(self.model)
+            return iter_merged_weights(self.model)
         # Merged on rank 0 from the gathered full weights: no rank ever holds a second model.
         full = gather_full_model_state(self.model)
         return merged_state_dict(self.model, full) if self.runtime.is_main else {}
@@ -237,11 +240,14 @@ class Checkpointer:
 
         Under DDP or FSDP only rank 0 reads full weights and optimizer state and broadcasts them; DCP
         reshards sharded ones to this world's layout. Either way the checkpoint loads at any world size.
+        ``training_state.pt`` is memory-mapped: a rank reads only the tensors it uses (the full format's
+        optimizer state on rank 0 alone, a page at a time as it is broadcast), so eight ranks of a node
+        never hold eight copies of the optimizer.
         """
         checkpoint_dir = Path(checkpoint_dir)
         verify_checkpoint(checkpoint_dir, load_state=False)
         fmt = checkpoint_format(checkpoint_dir)
-        training_state = load_training_state(checkpoint_dir)
+        training_state = load_training_state(checkpoint_dir, mmap=True)
         if fmt == "sharded":
             self._load_shards(checkpoint_dir / layout.DCP_DIR)
         else:

@@ -14,7 +14,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 import yaml
@@ -150,7 +150,59 @@ def model_weights_for_saving(state_dict: dict[str, torch.Tensor]) -> dict[str, t
 def save_weights(state_dict: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file  # NOTE: lazy, as in every CLI path that may not save at all
 
-    save_file(model_weights_for_saving(state_dict), str(path), metadata={"format": "pt"})
+    save_file(model_weights_for_saving(state_dict), str(path), metadata=SAFETENSORS_METADATA)
+
+
+SAFETENSORS_METADATA = {"format": "pt"}
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def stream_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], path: Path,
+                   shapes: dict[str, tuple[int, ...]]) -> None:
+    """Write a safetensors file from (name, tensor) pairs as they come, so that the caller can free each tensor
+    once it is written and the whole state dict never exists. ``shapes``: every tensor the file must hold.
+
+    A safetensors file is an 8-byte header length, a JSON header (each tensor's dtype, shape and byte range)
+    and the data. The header goes first but is known last: room for its longest possible form is reserved
+    from ``shapes``, the data written after it, and the header written into the room, padded with spaces
+    (which the format allows).
+    """
+    longest = {name: {"dtype": "F8_E4M3", "shape": list(shape), "data_offsets": [2**64, 2**64]}
+               for name, shape in shapes.items()}
+    room = -(-len(json.dumps({"__metadata__": SAFETENSORS_METADATA, **longest}).encode()) // 8) * 8
+    header: dict[str, Any] = {"__metadata__": SAFETENSORS_METADATA}
+    offset = 0
+    with open(path, "wb") as handle:
+        handle.seek(8 + room)
+        for name, tensor in named_tensors:
+            if name in header or shapes.get(name) != tuple(tensor.shape):
+                raise ValueError(f"{path}: {name!r} of shape {tuple(tensor.shape)} is not a tensor this file holds "
+                                 f"once (expected: {shapes.get(name, 'no such name')})")
+            data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            handle.write(memoryview(data))
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                            "data_offsets": [offset, offset + data.nbytes]}
+            offset += data.nbytes
+        missing = [name for name in shapes if name not in header]
+        if missing:
+            raise ValueError(f"{path}: the weights lack {len(missing)} tensors, e.g. {missing[:3]}")
+        handle.seek(0)
+        handle.write(room.to_bytes(8, "little"))
+        handle.write(json.dumps(header).encode().ljust(room, b" "))
+
+
+def stored_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor a model directory of ``config`` stores (a tied output layer is the embedding)."""
+    from llmtrain.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(config)
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    if config.tie_embeddings:
+        del shapes["lm_head.weight"]
+    return shapes
 
 
 def write_metadata_files(directory: Path, *, model_config: Any, hyperparameters: Optional[dict], tokenizer: Any,
@@ -165,11 +217,13 @@ def write_metadata_files(directory: Path, *, model_config: Any, hyperparameters:
         write_extras(directory)
 
 
-def write_model_dir(target: Path, *, state_dict: dict[str, torch.Tensor], model_config: Any,
-                    hyperparameters: Optional[dict], tokenizer: Any, marker: Optional[dict] = None,
+def write_model_dir(target: Path, *, state_dict: Union[dict[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]],
+                    model_config: Any, hyperparameters: Optional[dict], tokenizer: Any, marker: Optional[dict] = None,
                     write_extras: Optional[Callable[[Path], None]] = None) -> Path:
     """Write a complete model directory atomically at ``target`` (replacing an older one only once complete).
 
+    ``state_dict``: a dict, or (name, tensor) pairs, which are written as they come (:func:`stream_weights`:
+    every tensor of ``model_config``'s model, a tied output layer's second name skipped).
     ``write_extras(directory)`` adds any other files (the prompt style, LoRA settings) before the marker.
     """
     target = Path(target)
@@ -177,7 +231,17 @@ def write_model_dir(target: Path, *, state_dict: dict[str, torch.Tensor], model_
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_weights(state_dict, tmp / layout.MODEL_FILE)
+    try:
+        if isinstance(state_dict, dict):
+            save_weights(state_dict, tmp / layout.MODEL_FILE)
+        else:
+            shapes = stored_shapes(model_config)
+            tied_head = "lm_head.weight" not in shapes  # stored once, as the embedding
+            stream_weights(((name, tensor) for name, tensor in state_dict
+                            if not (tied_head and name == "lm_head.weight")), tmp / layout.MODEL_FILE, shapes)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     write_metadata_files(tmp, model_config=model_config, hyperparameters=hyperparameters, tokenizer=tokenizer,
                          write_extras=write_extras)
     write_marker(tmp, marker or {})

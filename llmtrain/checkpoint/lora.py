@@ -11,17 +11,17 @@ from __future__ import annotations
 import dataclasses
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import yaml
 
 from llmtrain.checkpoint import files, layout
-from llmtrain.checkpoint.model_dir import build_model_from_dir, check_model_dir
+from llmtrain.checkpoint.model_dir import build_model_from_dir, build_quantized_model_from_dir, check_model_dir
 from llmtrain.config import Config
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.lora import LoRAArgs, LoRALinear, apply_lora, fold_lora, load_lora_state_dict, lora_modules
-from llmtrain.quantize import compute_dtype_of, dequantize_weight, is_quantized_linear, quantize_model
+from llmtrain.quantize import compute_dtype_of, dequantize_weight, is_quantized_linear
 from llmtrain.tokenizer import Tokenizer
 
 
@@ -64,10 +64,20 @@ def merged_state_dict(model: torch.nn.Module,
     in their compute dtype. ``full_state``: a sharded model's full state dict (gathered to the CPU on
     rank 0), merged in place of the model's own tensors.
     """
-    model = unwrap(model)
     if full_state is not None:
-        return _merged_from_state(model, full_state)
-    out: dict[str, torch.Tensor] = {}
+        return _merged_from_state(unwrap(model), full_state)
+    return dict(iter_merged_weights(model))
+
+
+@torch.no_grad()
+def iter_merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`merged_state_dict`'s (name, tensor) pairs, one at a time, in the model's order: a writer that takes
+    them as they come (``files.write_model_dir``) never holds more than one merged layer.
+
+    Each merged tensor moves to the CPU before the next layer is merged. A tied weight comes under both its
+    names, as the same tensor.
+    """
+    model = unwrap(model)
     on_cpu: dict[int, torch.Tensor] = {}  # id(tensor) -> its CPU copy: tied weights stay one tensor
 
     def to_cpu(tensor: torch.Tensor) -> torch.Tensor:
@@ -82,20 +92,24 @@ def merged_state_dict(model: torch.nn.Module,
         prefix = f"{name}." if name else ""
         if isinstance(module, LoRALinear) or is_quantized_linear(module):
             merged_layers.append(name)
-            if isinstance(module, LoRALinear):
-                weight, bias = module.merged_weight(), module.base.bias
-            else:
-                weight, bias = dequantize_weight(module).to(compute_dtype_of(module)), module.bias
-            out[f"{prefix}weight"] = weight.cpu()
+            weight, bias = _merged_linear(module)
+            weight = weight.cpu()  # before the next layer is merged: one at a time on the device
+            yield f"{prefix}weight", weight
             if bias is not None:
-                out[f"{prefix}bias"] = bias.detach().to(weight.dtype).cpu()
+                yield f"{prefix}bias", bias.detach().to(weight.dtype).cpu()
             continue
         for param_name, param in module.named_parameters(recurse=False):
-            out[prefix + param_name] = to_cpu(param)
+            yield prefix + param_name, to_cpu(param)
         for buffer_name, buffer in module.named_buffers(recurse=False):
             if buffer_name not in module._non_persistent_buffers_set:
-                out[prefix + buffer_name] = to_cpu(buffer)
-    return out
+                yield prefix + buffer_name, to_cpu(buffer)
+
+
+def _merged_linear(module: torch.nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The plain weight and bias of an adapted or quantized linear layer, on its device (a quantized one dequantized)."""
+    if isinstance(module, LoRALinear):
+        return module.merged_weight(), module.base.bias
+    return dequantize_weight(module).to(compute_dtype_of(module)), module.bias
 
 
 def _merged_from_state(model: torch.nn.Module, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -121,9 +135,11 @@ def merged_lora_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     base_dir = check_model_dir(base_dir, flag=f"the base model of {checkpoint_dir / layout.LORA_SETTINGS_FILE}")
     config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
     adapters = load_file(str(checkpoint_dir / layout.LORA_FILE))
-    model = build_model_from_dir(base_dir, config)
     if quantize:
-        quantize_model(model, quantize, compute_dtype=next(iter(adapters.values())).dtype)
+        model = build_quantized_model_from_dir(base_dir, config, quantize,
+                                               compute_dtype=next(iter(adapters.values())).dtype)
+    else:
+        model = build_model_from_dir(base_dir, config)
     apply_lora(model, lora)
     try:
         load_lora_state_dict(model, adapters)

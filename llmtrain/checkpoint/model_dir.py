@@ -8,11 +8,11 @@ from typing import Optional
 import torch
 
 from llmtrain.checkpoint import layout
-from llmtrain.checkpoint.weights import load_weights
+from llmtrain.checkpoint.weights import check_weights_match, load_weights, tied_twins
 from llmtrain.config import Config
 from llmtrain.model import GPT
 from llmtrain.prompts import PromptStyle, has_prompt_style, load_prompt_style
-from llmtrain.quantize import QuantizeMode, quantize_model
+from llmtrain.quantize import QuantizeMode
 from llmtrain.tokenizer import Tokenizer
 
 
@@ -40,17 +40,18 @@ def load_model_dir(checkpoint_dir: Path, device: torch.device | str = "cpu", dty
     """Model (eval mode, frozen), config, tokenizer and prompt style of a model directory.
 
     The prompt style is the directory's prompt_style.yaml (written by fine-tuning), else the one
-    the model's family uses. With `quantize`, the weights are loaded on the CPU and quantized onto
-    `device`, so the device only ever holds the quantized model; `dtype` is then the compute dtype.
+    the model's family uses. With `quantize`, the weights are quantized onto `device` a block at a
+    time (:func:`build_quantized_model_from_dir`); `dtype` is then the compute dtype.
     """
     checkpoint_dir = check_model_dir(checkpoint_dir)
     config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
     tokenizer = Tokenizer(checkpoint_dir)
     prompt_style = (load_prompt_style(checkpoint_dir) if has_prompt_style(checkpoint_dir)
                     else PromptStyle.from_config(config))
-    model = build_model_from_dir(checkpoint_dir, config, device="cpu" if quantize else device, dtype=dtype)
     if quantize is not None:
-        quantize_model(model, quantize, compute_dtype=dtype, device=torch.device(device))
+        model = build_quantized_model_from_dir(checkpoint_dir, config, quantize, compute_dtype=dtype, device=device)
+    else:
+        model = build_model_from_dir(checkpoint_dir, config, device=device, dtype=dtype)
     model.eval().requires_grad_(False)
     return model, config, tokenizer, prompt_style
 
@@ -65,4 +66,53 @@ def build_model_from_dir(checkpoint_dir: Path, config: Config, device: torch.dev
     model.to_empty(device=device)
     load_weights(model, checkpoint_dir)
     model.reset_rope_cache()  # to_empty left the non-persistent RoPE tables uninitialised
+    return model
+
+
+def build_quantized_model_from_dir(checkpoint_dir: Path, config: Config, mode: QuantizeMode,
+                                   compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> GPT:
+    """A GPT holding the directory's weights with the linear layers of its blocks quantized (QLoRA's frozen base).
+
+    Streamed: each block's weights are read from the file in ``compute_dtype``, quantized onto ``device`` and
+    dropped before the next block is read, and the embedding, final norm and head go straight to ``device``.
+    Neither the host nor the device ever holds the model in full precision, nothing is initialised only to be
+    overwritten, and the quantization statistics are in ``compute_dtype``, the dtype the layers compute in.
+    """
+    from safetensors import safe_open  # NOTE: lazy, as in every CLI path that may not load weights
+
+    from llmtrain.quantize import quantize_block
+
+    path = Path(checkpoint_dir) / layout.MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; a model directory needs {layout.MODEL_FILE}")
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = GPT(config)
+    twins = tied_twins(model)
+    # NOTE: pread, not mmap: the pages of a mapped file count in this process's resident memory until
+    # the whole file is unmapped, which would be once every weight had been read.
+    with safe_open(str(path), framework="pt", device="cpu", backend="pread") as file:
+        check_weights_match({name: torch.empty(file.get_slice(name).get_shape(), device="meta")
+                             for name in file.keys()}, model, path)
+
+        def assign(module: torch.nn.Module, prefix: str, to: torch.device) -> None:
+            state = {}
+            for name in module.state_dict():
+                if prefix + name in twins:  # tied: the parameter its twin, loaded earlier, already is
+                    state[name] = model.get_parameter(twins[prefix + name])
+                    continue
+                stored = file.get_tensor(prefix + name)
+                state[name] = stored.to(to, compute_dtype if stored.is_floating_point() else None)
+            module.load_state_dict(state, assign=True)
+
+        for name, child in model.named_children():
+            if name != "blocks":
+                assign(child, f"{name}.", device)
+                continue
+            for index, block in enumerate(child):
+                assign(block, f"blocks.{index}.", torch.device("cpu"))
+                quantize_block(block, mode, compute_dtype, device)
+    # The RoPE tables are not in the file: recompute them on the device.
+    model.rope_cos, model.rope_sin = (torch.empty(0, device=device) for _ in range(2))
+    model.reset_rope_cache()
     return model

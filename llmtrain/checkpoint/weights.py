@@ -91,26 +91,28 @@ def check_weights_match(weights: dict[str, torch.Tensor], model: torch.nn.Module
 
 def tied_names(model: torch.nn.Module) -> set[str]:
     """Names that refer to a parameter already registered under another name."""
-    seen: set[int] = set()
-    tied = set()
+    return set(tied_twins(model))
+
+
+def tied_twins(model: torch.nn.Module) -> dict[str, str]:
+    """Each name of a parameter already registered under another name -> that first name (``lm_head.weight`` ->
+    ``wte.weight`` for tied embeddings)."""
+    first_name: dict[int, str] = {}
+    twins = {}
     for name, param in unwrap(model).named_parameters(remove_duplicate=False):
-        if id(param) in seen:
-            tied.add(name)
-        seen.add(id(param))
-    return tied
+        if id(param) in first_name:
+            twins[name] = first_name[id(param)]
+        else:
+            first_name[id(param)] = name
+    return twins
 
 
 def _with_tied_names(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Add the second name of each tied parameter (safetensors stores it once)."""
     if not state_dict:
         return state_dict
-    first_name: dict[int, str] = {}
     out = dict(state_dict)
-    for name, param in unwrap(model).named_parameters(remove_duplicate=False):
-        if id(param) in first_name:
-            twin = first_name[id(param)]
-            if name not in out and twin in out:
-                out[name] = out[twin]
-        else:
-            first_name[id(param)] = name
+    for name, twin in tied_twins(model).items():
+        if name not in out and twin in out:
+            out[name] = out[twin]
     return out

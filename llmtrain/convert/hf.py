@@ -66,13 +66,13 @@ def from_hf(hf_dir: Path, output_dir: Path, model_name: Optional[str] = None,
         config = named_config(config, model_name, hf_dir / HF_CONFIG_FILE)
     else:
         config = zoo_config(config, hints=[config.hf_config.get("name", ""), hf_dir.name])
-    state_dict = _read_hf_weights(hf_dir, adapter, config, _torch_dtype(dtype))
+    weights = _read_hf_weights(hf_dir, adapter, config, _torch_dtype(dtype))
     tokenizer = _tokenizer_or_none(hf_dir)
 
     def extras(directory: Path) -> None:
         _copy_files(hf_dir, directory, EXTRA_FILES)
 
-    return files.write_model_dir(output_dir, state_dict=state_dict, model_config=config, hyperparameters=None,
+    return files.write_model_dir(output_dir, state_dict=weights, model_config=config, hyperparameters=None,
                                   tokenizer=tokenizer, write_extras=extras,
                                   marker={"kind": "model", "converted_from": str(hf_dir.resolve())})
 
@@ -94,11 +94,13 @@ def read_hf_config(hf_dir: Path) -> tuple[Adapter, Config]:
 
 
 def _read_hf_weights(hf_dir: Path, adapter: Adapter, config: Config,
-                     dtype: Optional["torch.dtype"]) -> dict[str, "torch.Tensor"]:
-    """llmtrain weights from the transformers files, checked tensor by tensor against config.json."""
-    expected = _hf_shapes(adapter, config, _model_shapes(config))
+                     dtype: Optional["torch.dtype"]) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """llmtrain weights from the transformers files, one at a time, checked tensor by tensor against config.json.
+
+    A generator: the conversion writes each weight as it comes, so the model never exists whole in memory.
+    """
+    expected = _hf_shapes(adapter, config, files.stored_shapes(config))
     tied_head = adapter.hf_name("lm_head.weight") if config.tie_embeddings else None
-    state_dict: dict[str, "torch.Tensor"] = {}
     found = set()
     for file, hf_name, tensor in _iter_hf_tensors(hf_dir):
         if IGNORED_HF_TENSORS.search(hf_name):
@@ -113,13 +115,12 @@ def _read_hf_weights(hf_dir: Path, adapter: Adapter, config: Config,
             raise ValueError(f"{file}: {hf_name!r} has shape {tuple(tensor.shape)}, but {hf_dir / HF_CONFIG_FILE} "
                              f"implies {expected[hf_name]}")
         for name, part in adapter.tensors_from_hf(config, hf_name, tensor):
-            state_dict[name] = _cast(part, dtype)
+            yield name, _cast(part, dtype)
         found.add(hf_name)
     missing = [name for name in expected if name not in found]
     if missing:
         raise ValueError(f"{hf_dir}: the weights lack {len(missing)} tensors that {HF_CONFIG_FILE} implies, "
                          f"e.g. {missing[:3]}")
-    return state_dict
 
 
 def hf_weight_files(hf_dir: Path) -> list[Path]:
@@ -145,7 +146,8 @@ def _iter_hf_tensors(hf_dir: Path) -> Iterator[tuple[Path, str, "torch.Tensor"]]
 
     for file in hf_weight_files(hf_dir):
         if file.suffix == ".safetensors":
-            with safe_open(str(file), framework="pt") as handle:
+            # NOTE: pread, not mmap: a mapped file's pages count in this process's memory until it is closed.
+            with safe_open(str(file), framework="pt", backend="pread") as handle:
                 for name in handle.keys():
                     yield file, name, handle.get_tensor(name)
             continue
@@ -243,7 +245,7 @@ def _open_checkpoint_weights(checkpoint_dir: Path, config: Config) -> _Weights:
 
 
 def _check_checkpoint_weights(weights: _Weights, config: Config, config_path: Path) -> None:
-    expected = _model_shapes(config)
+    expected = files.stored_shapes(config)
     if config.tie_embeddings and "lm_head.weight" in weights.shapes:
         del weights.shapes["lm_head.weight"]  # the embedding, stored a second time (e.g. by DCP)
     for name, shape in weights.shapes.items():
@@ -406,20 +408,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     for size in shape:
         count *= size
     return count
-
-
-def _model_shapes(config: Config) -> dict[str, tuple[int, ...]]:
-    """Shape of every tensor a checkpoint of `config` stores (a tied output layer is the embedding)."""
-    import torch
-
-    from llmtrain.model import GPT
-
-    with torch.device("meta"):
-        model = GPT(config)
-    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    if config.tie_embeddings:
-        del shapes["lm_head.weight"]
-    return shapes
 
 
 def _hf_shapes(adapter: Adapter, config: Config, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:

@@ -6,7 +6,8 @@ The training loop calls, in order:
     → train_dataloader() / val_dataloader()
 
 A batch is ``{"input_ids": LongTensor (B, T), "labels": LongTensor (B, T)}``; labels are the
-inputs shifted by one, and -100 marks positions that must not count in the loss.
+inputs shifted by one, and -100 marks positions that must not count in the loss. A padded batch also
+has ``"real_tokens"``: a LongTensor () counting its input tokens that are not padding.
 """
 
 from collections import deque
@@ -23,6 +24,12 @@ from llmtrain.loss import IGNORE_INDEX  # the label value the loss skips
 from llmtrain.tokenizer import Tokenizer
 
 Batch = dict[str, torch.Tensor]
+
+
+def real_tokens(batch: Batch) -> int:
+    """The input tokens of ``batch`` that are not padding (all of them in a batch without ``real_tokens``)."""
+    count = batch.get("real_tokens")
+    return int(count) if count is not None else batch["input_ids"].numel()
 
 
 class DataModule:

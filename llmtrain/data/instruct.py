@@ -8,9 +8,9 @@ see it; the text up to the end of each segment, tokenized too, says where that s
 A sample is bos (if the tokenizer adds one) + segments + eos (unless the last token is eos
 already). Inputs are the sample without its last token, labels the sample without its first;
 when the prompt is masked, a label is kept only where it is a response token. Every
-micro-batch is padded to its longest sample, with the pad token (or eos) in the inputs and
-`ignore_index` in the labels. A causal model needs no attention mask for this: right padding
-comes after every real token.
+micro-batch is padded to its longest sample (under --compile, to a multiple of
+`COMPILE_PAD_MULTIPLE`), with the pad token (or eos) in the inputs and `ignore_index` in the
+labels. A causal model needs no attention mask for this: right padding comes after every real token.
 
 These datasets are small: they are tokenized once, in memory, by `prepare_data()`.
 """
@@ -29,6 +29,19 @@ from llmtrain.prompts import Message, PromptStyle, Segment, split_turns
 from llmtrain.tokenizer import Tokenizer
 
 Conversation = list[Message]
+
+COMPILE_PAD_MULTIPLE = 64
+"""Under --compile, batches are padded to a multiple of this many tokens (at most --train.max_seq_length)."""
+
+
+def pad_multiple(compile: bool) -> int:
+    """What a batch's width is rounded up to: 1 (its longest sample) unless the model is compiled.
+
+    NOTE: a compiled block is specialised to the shapes it has seen; batches padded to their longest
+    sample bring a new length nearly every step, and each one costs a recompilation (or, once torch
+    turns the length dynamic, slower generic kernels). A few widths, multiples of 64, waste little.
+    """
+    return COMPILE_PAD_MULTIPLE if compile else 1
 
 
 @dataclass(kw_only=True)
@@ -52,6 +65,7 @@ class InstructDataModule(DataModule):
     _samples = None  # dict split -> PaddedSamples, set by prepare_data()
     _truncation_note = ""
     _val_prompts = ()
+    _pad_multiple = 1
     _dp_rank = 0
     _dp_size = 1
 
@@ -60,12 +74,14 @@ class InstructDataModule(DataModule):
             PromptStyle.from_name(self.prompt_style)  # unknown names fail now, with the choices
 
     def connect(self, tokenizer: Tokenizer, micro_batch_size: int, max_seq_length: int, seed: int = 42,
-                prompt_style: Union[PromptStyle, str, None] = None) -> None:
+                prompt_style: Union[PromptStyle, str, None] = None, pad_multiple: int = 1) -> None:
         """As `DataModule.connect`; `prompt_style` is the model's own style, used unless --data.prompt_style is set.
 
-        Without either, Alpaca's template is used.
+        Without either, Alpaca's template is used. `pad_multiple`: batches are padded to a multiple of it
+        (see :func:`pad_multiple`).
         """
         super().connect(tokenizer, micro_batch_size, max_seq_length, seed)
+        self._pad_multiple = pad_multiple
         if self.prompt_style is not None:
             prompt_style = self.prompt_style
         if isinstance(prompt_style, str):
@@ -92,7 +108,7 @@ class InstructDataModule(DataModule):
                 continue
             samples, truncated, emptied = tokenize_conversations(
                 conversations, self.resolved_prompt_style, tokenizer, self.max_seq_length, self.mask_prompt,
-                self.ignore_index)
+                self.ignore_index, self._pad_multiple)
             self._samples[split] = samples
             if truncated:
                 lost = f" ({emptied} of them kept no response token to learn from)" if emptied else ""
@@ -263,9 +279,12 @@ def split_records(records: list, fraction: float, seed: int) -> tuple[list, Opti
 # ------------------------------------------------------------------------------------------ tokens
 def tokenize_conversations(
     conversations: Iterable[Conversation], style: PromptStyle, tokenizer: Tokenizer, max_seq_length: int,
-    mask_prompt: bool = True, ignore_index: int = IGNORE_INDEX,
+    mask_prompt: bool = True, ignore_index: int = IGNORE_INDEX, pad_multiple: int = 1,
 ) -> tuple["PaddedSamples", int, int]:
-    """Samples of the conversations, the number truncated, and how many of those lost every response token."""
+    """Samples of the conversations, the number truncated, and how many of those lost every response token.
+
+    Their batches are padded to a multiple of `pad_multiple` tokens, at most `max_seq_length`.
+    """
     rendered = [style.render(conversation) for conversation in conversations]
     # NOTE: the tokens are those of the whole text, as generation will see it; encoding each segment
     # alone would differ where a tokenizer prepends a space to every call (sentencepiece-style ones).
@@ -301,7 +320,8 @@ def tokenize_conversations(
         labels.append(targets)
     pad_id = getattr(tokenizer, "pad_id", None)
     pad_id = pad_id if pad_id is not None else (tokenizer.eos_id if tokenizer.eos_id is not None else 0)
-    return PaddedSamples(inputs, labels, pad_id, ignore_index), truncated, emptied
+    samples = PaddedSamples(inputs, labels, pad_id, ignore_index, pad_multiple=pad_multiple, max_width=max_seq_length)
+    return samples, truncated, emptied
 
 
 def _running_texts(segments: list[Segment]) -> list[str]:
@@ -323,24 +343,35 @@ def _common_prefix_length(a: list[int], b: list[int]) -> int:
 
 
 class PaddedSamples:
-    """Variable-length samples; a batch is padded to its longest member."""
+    """Variable-length samples; a batch is padded to its longest member, rounded up to a multiple of
+    `pad_multiple` but not beyond `max_width`."""
 
-    def __init__(self, inputs: list[np.ndarray], labels: list[np.ndarray], pad_id: int, ignore_index: int) -> None:
+    def __init__(self, inputs: list[np.ndarray], labels: list[np.ndarray], pad_id: int, ignore_index: int,
+                 pad_multiple: int = 1, max_width: Optional[int] = None) -> None:
         self.inputs = inputs
         self.labels = labels
         self.pad_id = pad_id
         self.ignore_index = ignore_index
+        self.pad_multiple = pad_multiple
+        self.max_width = max_width
 
     def __len__(self) -> int:
         return len(self.inputs)
 
     def batch(self, indices: np.ndarray) -> Batch:
         indices = indices.tolist()
-        width = max(len(self.inputs[i]) for i in indices)
+        width = padded_width(max(len(self.inputs[i]) for i in indices), self.pad_multiple, self.max_width)
         input_ids = torch.full((len(indices), width), self.pad_id, dtype=torch.long)  # (B, longest)
         labels = torch.full((len(indices), width), self.ignore_index, dtype=torch.long)
         for row, index in enumerate(indices):
             length = len(self.inputs[index])
             input_ids[row, :length] = torch.from_numpy(self.inputs[index])
             labels[row, :length] = torch.from_numpy(self.labels[index])
-        return {"input_ids": input_ids, "labels": labels}
+        real = sum(len(self.inputs[index]) for index in indices)
+        return {"input_ids": input_ids, "labels": labels, "real_tokens": torch.tensor(real)}
+
+
+def padded_width(longest: int, multiple: int, max_width: Optional[int] = None) -> int:
+    """`longest` rounded up to a multiple of `multiple`, but never beyond `max_width` (nor below `longest`)."""
+    width = -(-longest // multiple) * multiple
+    return max(longest, min(width, max_width)) if max_width is not None else width

@@ -1,6 +1,7 @@
 """Apply data parallelism to a plain ``GPT``, from outside, in one fixed order.
 
-    activation checkpointing (each Block) → compile (each Block) → fully_shard(each Block) → fully_shard(root)
+    activation checkpointing (each Block) → compile (each Block) →
+    fully_shard(embedding, each Block, [final norm, head]) → fully_shard(root)
 
 The user names a sharding strategy they know; it maps onto PyTorch's wrappers:
 
@@ -91,7 +92,12 @@ def apply_compile(model: nn.Module) -> None:
 
 def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision: Precision,
                cpu_offload: bool) -> None:
-    """``fully_shard`` each Block, then the root (embedding, final norm, head: tied weights stay in one group)."""
+    """``fully_shard`` the embedding, each Block and [final norm, head] as units of their own, then the root.
+
+    Each unit is gathered only while it computes, so the embedding is not held whole through the forward
+    and the head not from the forward's start. Tied embeddings are one weight in two places, which must
+    sit in one unit: then embedding, final norm and head stay together in the root's.
+    """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp_policy = MixedPrecisionPolicy()
@@ -102,9 +108,15 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
     pin_memory = mesh.device_type == "cuda"
     offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy()
     options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    tied = model.lm_head.weight is model.wte.weight
+    if not tied:
+        fully_shard(model.wte, reshard_after_forward=reshard_after_forward, **options)
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
-    # The root's parameters are needed first in backward, so they stay gathered after forward.
+    # NOTE: the head (and the root, which holds it when tied) is the first thing backward needs, right
+    # after the forward; resharding it there would only gather it again at once.
+    if not tied:
+        fully_shard([model.norm_f, model.lm_head], reshard_after_forward=False, **options)
     fully_shard(model, reshard_after_forward=False, **options)
 
 

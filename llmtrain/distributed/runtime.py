@@ -334,9 +334,16 @@ def _local_layout() -> tuple[int, int, bool]:
             "TORCHELASTIC_RUN_ID" in os.environ)
 
 
-def configure_process(runtime: Optional[Runtime] = None) -> None:
-    """Per-process settings; spawned workers are fresh interpreters, so every entrypoint calls this."""
+def configure_process(runtime: Optional[Runtime] = None, precision: Any = None) -> None:
+    """Per-process settings; spawned workers are fresh interpreters, so every entrypoint calls this.
+
+    ``precision``: the run's :class:`~llmtrain.train.precision.Precision`; float32 matmuls use TF32 where
+    it says so (see ``Precision.uses_tf32``).
+    """
     import warnings
+
+    if runtime is not None and precision is not None and precision.uses_tf32(runtime.device.type):
+        torch.set_float32_matmul_precision("high")
 
     # Warnings read as one line for people, not as a source listing.
     warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"

@@ -13,6 +13,7 @@ from llmtrain.distributed.parallelize import materialize, parallelize
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.lora import LoRAArgs, apply_lora, mark_only_lora_trainable, reset_lora_parameters
 from llmtrain.model import GPT
+from llmtrain.checkpoint.model_dir import build_quantized_model_from_dir
 from llmtrain.checkpoint.weights import load_weights
 from llmtrain.tokenizer import Tokenizer
 
@@ -70,15 +71,23 @@ def build_model(config: Config, *, plan: ParallelPlan, runtime: Runtime, seed: i
 def _build_quantized(config: Config, *, plan: ParallelPlan, runtime: Runtime, seed: int,
                      initial_checkpoint_dir: Optional[Path], lora: Optional[LoRAArgs], quantize: str,
                      compile: bool) -> torch.nn.Module:
-    """QLoRA on one device: real weights first (quantizing needs them), then 4-bit/int8 layers, then adapters."""
+    """QLoRA on one device: real weights first (quantizing needs them), then 4-bit/int8 layers, then adapters.
+
+    The weights of a checkpoint are quantized a block at a time as they are read, in the compute dtype
+    (:func:`~llmtrain.checkpoint.model_dir.build_quantized_model_from_dir`); only a model without one is
+    initialised, and then in the compute dtype too.
+    """
     from llmtrain.quantize import quantize_model  # NOTE: imports bitsandbytes, which only QLoRA needs
 
-    with torch.device("meta"):
-        model = GPT(config)
-    materialize(model, torch.device("cpu"), seed)
+    dtype = plan.precision.compute_dtype
     if initial_checkpoint_dir is not None:
-        load_weights(model, initial_checkpoint_dir)
-    quantize_model(model, quantize, compute_dtype=plan.precision.compute_dtype, device=runtime.device)
+        model = build_quantized_model_from_dir(initial_checkpoint_dir, config, quantize, compute_dtype=dtype,
+                                               device=runtime.device)
+    else:
+        with torch.device("meta"):
+            model = GPT(config).to(dtype)
+        materialize(model, torch.device("cpu"), seed)
+        quantize_model(model, quantize, compute_dtype=dtype, device=runtime.device)
     if lora is not None:
         apply_lora(model, lora)
         with torch.random.fork_rng(devices=[]):

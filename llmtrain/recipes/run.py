@@ -167,7 +167,7 @@ def run(spec: RunSpec) -> None:
 
 
 def _run(spec: RunSpec, runtime: Runtime) -> None:
-    configure_process(runtime)
+    configure_process(runtime, spec.plan.precision)
     plan = spec.plan
     say = print if runtime.is_main else (lambda *a, **k: None)
 
@@ -222,7 +222,8 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
               loggers=build_loggers(spec.logger_name, spec.out_dir, state.step if spec.resume_from else None,
                                     spec.hyperparameters)
               if runtime.is_main else [],
-              flops_per_token=flops_per_token(spec.config, spec.seq_len),
+              flops_per_token=flops_per_token(spec.config, spec.seq_len,
+                                              adapter_parameters=n_trainable if spec.lora is not None else None),
               peak_flops_per_device=device_peak_flops(runtime.device, plan.precision.compute_dtype),
               state=state, scaler=scaler, autocast_enabled=not plan.mixed_precision_policy,
               grad_sync_only_last=plan.grad_sync_only_last,
@@ -235,7 +236,7 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
 
 def _connect_data(spec: RunSpec, tokenizer: Any, micro_batch_size: int) -> Any:
     """Connect the data module; instruction data also gets the prompt style, which is returned."""
-    from llmtrain.data.instruct import InstructDataModule
+    from llmtrain.data.instruct import InstructDataModule, pad_multiple
 
     if not isinstance(spec.data, InstructDataModule):
         spec.data.connect(tokenizer, micro_batch_size, spec.seq_len, spec.seed)
@@ -248,7 +249,8 @@ def _connect_data(spec: RunSpec, tokenizer: Any, micro_batch_size: int) -> Any:
         style = load_prompt_style(spec.initial_checkpoint_dir)
     else:
         style = PromptStyle.from_config(spec.config)
-    spec.data.connect(tokenizer, micro_batch_size, spec.seq_len, spec.seed, prompt_style=style)
+    spec.data.connect(tokenizer, micro_batch_size, spec.seq_len, spec.seed, prompt_style=style,
+                      pad_multiple=pad_multiple(spec.compile))
     return spec.data.resolved_prompt_style
 
 
@@ -266,9 +268,26 @@ def _extras_writer(spec: RunSpec, prompt_style: Any) -> Optional[Callable[[Path]
     return write
 
 
+EXAMPLE_TOKENS = 64
+"""Most tokens the validation example decodes."""
+SHARDED_EXAMPLE_TOKENS = 16
+"""Most tokens it decodes under FSDP."""
+
+
+def example_tokens(plan: ParallelPlan, seq_len: int) -> int:
+    """How many tokens the validation example may decode: 64, 16 under FSDP, at most half the sequence.
+
+    NOTE: under FSDP each decoded token is a forward that gathers every layer from every rank (across
+    nodes, too) for one token's worth of compute; 16 tokens still show whether the answers take shape.
+    """
+    limit = SHARDED_EXAMPLE_TOKENS if plan.wrapper == "fsdp" else EXAMPLE_TOKENS
+    return min(limit, seq_len // 2)
+
+
 def _example_generator(spec: RunSpec, model: Any, tokenizer: Any, prompt_style: Any,
                        val_loader: Any) -> Optional[Callable[[], str]]:
-    """Fine-tuning prints one greedy answer to the first validation prompt after each validation.
+    """Fine-tuning prints one greedy answer to the first validation prompt after each validation
+    (:func:`example_tokens` long at most).
 
     Greedy decoding keeps every rank's step count equal, which a sharded model's forward needs.
     """
@@ -277,10 +296,11 @@ def _example_generator(spec: RunSpec, model: Any, tokenizer: Any, prompt_style: 
     from llmtrain.generate import PromptTooLongError, generate_text
 
     prompt = spec.data.validation_prompts()[0]
+    max_new_tokens = example_tokens(spec.plan, spec.seq_len)
 
     def example() -> str:
         try:
-            answer = generate_text(model, tokenizer, prompt_style, prompt, max_new_tokens=min(64, spec.seq_len // 2))
+            answer = generate_text(model, tokenizer, prompt_style, prompt, max_new_tokens=max_new_tokens)
         except PromptTooLongError:  # an example is a courtesy; it must never stop training
             return f"example | skipped: the first validation prompt is longer than --train.max_seq_length {spec.seq_len}"
         return f"example | {prompt[-1]['content']!r} -> {answer!r}"

@@ -15,7 +15,7 @@ LoggerName = Literal["csv", "tensorboard", "wandb"]
 # The columns of metrics.csv, in order. TensorBoard and W&B use the same names, and only these.
 METRICS = ("step", "tokens", "epoch", "loss", "lr", "grad_norm", "tokens_per_sec",
            "tokens_per_sec_per_device", "mfu", "peak_memory_gb", "val_loss", "val_ppl", "elapsed_s",
-           "skipped", "data_wait_fraction")
+           "skipped", "data_wait_fraction", "reserved_memory_gb", "alloc_retries")
 
 
 class CSVLogger:
@@ -156,6 +156,10 @@ def format_line(metrics: dict) -> str:
     if metrics.get("mfu") is not None:
         parts.append(f"mfu {100 * metrics['mfu']:.1f}%")
     parts.append(f"peak_mem {metrics['peak_memory_gb']:.2f}GB")
+    if metrics.get("reserved_memory_gb") is not None:
+        parts.append(f"reserved {metrics['reserved_memory_gb']:.2f}GB")
+    if metrics.get("alloc_retries"):
+        parts.append(f"alloc_retries {metrics['alloc_retries']}")
     if metrics.get("eta_s") is not None:
         parts.append(f"eta {format_seconds(metrics['eta_s'])}")
     return " | ".join(parts)

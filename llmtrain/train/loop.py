@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from llmtrain.args import BatchPlan, EvalArgs, TrainArgs
+from llmtrain.data.base import real_tokens
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.loss import IGNORE_INDEX
 from llmtrain.train import callbacks
@@ -241,7 +242,7 @@ class Trainer:
             job.console.advance(state.step)
             step_tokens = self.stops.after_step(result.host_sums.read())
             state.tokens += step_tokens
-            self.interval.add(result, step_tokens)
+            self.interval.add(result, step_tokens, micro_batches)
             self.skips.record(state.step, state.tokens, job.train_loader.epoch, result.grad_norm)
             self._after_step(lr, result.grad_norm)
             self.hooks.on_step_end(state.step)
@@ -536,6 +537,7 @@ class LogInterval:
         self.target_sum.zero_()
         self.updates.zero_()
         self.started, self.tokens = time.perf_counter(), 0
+        self.real_tokens = 0  # this rank's input tokens that are not padding
         self.data_wait = 0.0  # seconds spent waiting for batches
 
     def fetch(self, batches: Iterator[dict], count: int) -> list[dict]:
@@ -545,21 +547,26 @@ class LogInterval:
         self.data_wait += time.perf_counter() - started
         return micro_batches
 
-    def add(self, result: StepResult, tokens: int) -> None:
-        """Count a step in (its losses only if the optimizer stepped) and its input tokens over all ranks."""
+    def add(self, result: StepResult, tokens: int, micro_batches: list[dict]) -> None:
+        """Count a step in (its losses only if the optimizer stepped), its input tokens over all ranks and the
+        real (not padding) tokens of this rank's ``micro_batches``."""
         self.loss_sum += torch.where(result.stepped, result.loss_sum, 0.0)
         self.target_sum += torch.where(result.stepped, result.target_tokens.float(), 0.0)
         self.updates += result.stepped
         self.tokens += tokens
+        self.real_tokens += sum(real_tokens(batch) for batch in micro_batches)
 
     def log(self, lr: float, grad_norm: torch.Tensor) -> None:
         """Log the mean loss and throughput since the last log (if any step was taken); start the next interval."""
         job = self.job
-        job.runtime.all_reduce(self.loss_sum)
+        # One all-reduce for both sums: the losses, and the real tokens that MFU counts.
+        sums = torch.stack([self.loss_sum.double(), torch.tensor(float(self.real_tokens), dtype=torch.float64,
+                                                                 device=self.loss_sum.device)])
+        job.runtime.all_reduce(sums)
         if self.updates.item():  # the same on every rank: the skip decision is
-            loss = (self.loss_sum / self.target_sum.clamp(min=1)).item()
+            loss = (sums[0] / self.target_sum.clamp(min=1)).item()
             seconds = time.perf_counter() - self.started
-            metrics = _step_metrics(job, loss, lr, float(grad_norm), self.tokens / seconds)
+            metrics = _step_metrics(job, loss, lr, float(grad_norm), self.tokens / seconds, sums[1].item() / seconds)
             metrics["data_wait_fraction"] = self.data_wait / seconds
             _log(job, metrics)
         self._restart()
@@ -671,17 +678,19 @@ def _validation_loss(job: Fit) -> float:
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
-def _step_metrics(job: Fit, loss: float, lr: float, grad_norm: float, tokens_per_sec: float) -> dict:
+def _step_metrics(job: Fit, loss: float, lr: float, grad_norm: float, tokens_per_sec: float,
+                  real_tokens_per_sec: float) -> dict:
+    """One log line's numbers. MFU counts the real tokens: padding costs FLOPs that do no work."""
     state = job.state
     per_device = tokens_per_sec / job.runtime.world_size
     mfu = None
     if job.flops_per_token and job.peak_flops_per_device:
-        mfu = per_device * job.flops_per_token / job.peak_flops_per_device
+        mfu = real_tokens_per_sec / job.runtime.world_size * job.flops_per_token / job.peak_flops_per_device
     remaining = max(0, job.horizon.total_steps - state.step)
     seconds_per_step = state.elapsed_s / max(1, state.step)
     return {"step": state.step, "tokens": state.tokens, "epoch": job.train_loader.epoch, "loss": loss,
             "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
-            "tokens_per_sec_per_device": per_device, "mfu": mfu, "peak_memory_gb": peak_memory_gb(job.runtime.device),
+            "tokens_per_sec_per_device": per_device, "mfu": mfu, **interval_memory(job.runtime.device),
             "elapsed_s": state.elapsed_s, "eta_s": remaining * seconds_per_step}
 
 
@@ -697,10 +706,21 @@ def _log(job: Fit, metrics: dict, line: Optional[str] = None) -> None:
         job.console.update(metrics, metrics["step"])
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak allocated accelerator memory, or this process's peak resident set size on the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
+def interval_memory(device: torch.device) -> dict:
+    """The memory numbers of a log line; on CUDA, for the interval since the previous line.
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+    CUDA: the peak of allocated (``peak_memory_gb``) and reserved (``reserved_memory_gb``) memory since the
+    last call, whose peaks it then resets, and ``alloc_retries``: the allocations so far that found no free
+    block until the caching allocator had given its cache back and tried again (each one a stall; many of
+    them mean memory is nearly full). CPU: this process's peak resident set size, over its lifetime (Linux
+    cannot reset it).
+    """
+    if device.type != "cuda":
+        import resource
+
+        return {"peak_memory_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
+    stats = torch.cuda.memory_stats(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return {"peak_memory_gb": stats.get("allocated_bytes.all.peak", 0) / 2**30,
+            "reserved_memory_gb": stats.get("reserved_bytes.all.peak", 0) / 2**30,
+            "alloc_retries": stats.get("num_alloc_retries", 0)}

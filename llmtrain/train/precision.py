@@ -56,6 +56,16 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.compute_dtype)
 
+    def uses_tf32(self, device_type: str) -> bool:
+        """Whether float32 matmuls run on TF32 tensor cores: on CUDA, for 32-true and the mixed precisions.
+
+        32-true computes everything in fp32, and under mixed precision what autocast leaves in fp32 (the
+        loss head's softmax, the optimizer's math) still multiplies matrices; TF32 keeps fp32's range with
+        a 10-bit mantissa, as bf16 compute does with 7. ``-true`` low-precision runs have no fp32 matmuls
+        worth it. Never on a CPU, which has no TF32.
+        """
+        return device_type == "cuda" and (self.name == "32-true" or self.is_mixed)
+
     def grad_scaler(self, device: torch.device) -> Optional[torch.amp.GradScaler]:
         """fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 does not."""
         if self.name == "16-mixed":
