@@ -239,7 +239,7 @@ def test_a_run_sized_by_epochs_is_checked_once_the_data_is_read(tmp_path, tiny_m
 def test_the_issue_example_exits_2_with_one_message(tmp_path):
     out_dir = tmp_path / "o"
     command = [sys.executable, "-m", "llmtrain", "pretrain", "--config", "config_hub/pretrain/debug.yaml",
-               "--profile.start_step", "500", "--out_dir", str(out_dir)]
+               "--train.max_steps", "300", "--profile.start_step", "500", "--out_dir", str(out_dir)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("error: --profile.start_step 500 is past the run's last step, 300 "
@@ -250,7 +250,7 @@ def test_the_issue_example_exits_2_with_one_message(tmp_path):
 @pytest.mark.slow
 def test_debug_recipe_writes_a_trace_and_prints_the_table(tmp_path, capsys):
     out_dir = tmp_path / "out"
-    main(["pretrain", "--config", str(ROOT / "config_hub/pretrain/debug.yaml"), *SMALL_DATA,
+    main(["pretrain", "--config", str(ROOT / "config_hub/pretrain/debug.yaml"), "--data.max_bytes", "2000000",
           "--train.global_batch_size", "4", "--train.micro_batch_size", "2", "--train.max_seq_length", "64",
           "--eval.max_iters", "1", "--train.max_steps", "3", "--profile.start_step", "2", "--profile.end_step", "3",
           "--out_dir", str(out_dir)])

@@ -32,8 +32,10 @@ TEST_LIMIT_S = 1800
 CLUSTER_LIMIT_S = 900
 JOB_TIMEOUT_S = 600
 # The templates ask for GPUs and a day; the fake nodes have 2 CPUs and no GPUs.
-# The templates ask for GPUs and 12 cores a task; the fake nodes have two CPUs and no GPU.
-CPU_OPTIONS = ["--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=4"]
+# The templates ask for GPUs and 12 cores a task; the fake nodes have two CPUs and no GPU. Their USR1 comes 600 s
+# before the time limit, which a short test job is already within: here it comes 60 s before a 10-minute limit,
+# and the tests send it themselves.
+CPU_OPTIONS = ["--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10", "--signal=B:USR1@60"]
 
 DUMP_ENV = """
 import json, os, socket, sys

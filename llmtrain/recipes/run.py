@@ -162,8 +162,12 @@ def run(spec: RunSpec) -> None:
     before that, nothing is lost when they end the process.
     """
     runtime = Runtime.for_plan(spec.plan, timeout_s=spec.dist_timeout)
-    with catch_stop_signals():
-        _run(spec, runtime)
+    try:
+        with catch_stop_signals():
+            _run(spec, runtime)
+    finally:
+        if spec.plan.world_size == 1:  # one-rank FSDP's own group: the process goes on (a test, a notebook)
+            runtime.shutdown()
 
 
 def _run(spec: RunSpec, runtime: Runtime) -> None:
