@@ -132,6 +132,16 @@ def launch(entrypoint: Callable[..., None], args: tuple = (), kwargs: Optional[d
 # Deciding the path
 
 
+def _under_torchrun(env: Mapping[str, str]) -> bool:
+    """torchrun (or a launcher that sets its variables) started this process as one rank."""
+    return "TORCHELASTIC_RUN_ID" in env or all(name in env for name in _TORCHRUN_VARS)
+
+
+def _under_srun(env: Mapping[str, str]) -> bool:
+    """This process is a task of a SLURM job step (srun), not merely inside an allocation."""
+    return all(name in env for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID"))
+
+
 def is_first_process(environ: Optional[Mapping[str, str]] = None) -> bool:
     """Rank 0 of a torchrun or srun job, or a plain process: the one that speaks before the ranks meet (every rank
     parses the same flags, so the others stay quiet)."""
@@ -155,7 +165,7 @@ def resolve_devices(devices: int | str, num_nodes: int, device_type: str,
         return devices, ""
     if num_nodes < 1:
         raise ValueError(f"--num_nodes {num_nodes} must be at least 1")
-    if "TORCHELASTIC_RUN_ID" in env or all(name in env for name in _TORCHRUN_VARS):
+    if _under_torchrun(env):
         world = int(env.get("WORLD_SIZE", "1"))
         if env.get("LOCAL_WORLD_SIZE"):
             per_node = int(env["LOCAL_WORLD_SIZE"])
@@ -168,7 +178,7 @@ def resolve_devices(devices: int | str, num_nodes: int, device_type: str,
             raise ValueError(f"--devices {devices}: the launcher started {world} processes, which --num_nodes "
                              f"{num_nodes} does not divide; pass --num_nodes to match, or --devices N")
         return world // num_nodes, f"{world} processes over {num_nodes} node(s)"
-    if all(name in env for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID")):
+    if _under_srun(env):
         tasks = _first_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS") or 1
         nodes = _first_int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
         if tasks % nodes:
@@ -195,9 +205,9 @@ def plan_launch(devices: int, num_nodes: int, environ: Optional[Mapping[str, str
     env = os.environ if environ is None else environ
     if devices < 1 or num_nodes < 1:
         raise ValueError(f"--devices {devices} and --num_nodes {num_nodes} must both be at least 1")
-    if "TORCHELASTIC_RUN_ID" in env or all(name in env for name in _TORCHRUN_VARS):
+    if _under_torchrun(env):
         return _plan_torchrun(devices, num_nodes, env)
-    if all(name in env for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID")):
+    if _under_srun(env):
         return _plan_slurm(devices, num_nodes, env)
     if devices * num_nodes == 1:
         return LaunchPlan("single", devices, num_nodes)
