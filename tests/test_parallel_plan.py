@@ -172,7 +172,7 @@ def test_mesh_dimensions_multiply_to_the_world():
     assert hybrid.pp * hybrid.dp_replicate * hybrid.dp_shard * hybrid.tp == hybrid.world_size == 32
     with pytest.raises(ValueError, match="the mesh pp 1 × dp_replicate 4 × dp_shard 4 × tp 1 = 16 ranks"):
         ParallelPlan(**{**hybrid.__dict__, "dp_shard": 4}).check_mesh()
-    with pytest.raises(ValueError, match="tensor parallelism of degree 16 must fit in one node of 8"):
+    with pytest.raises(ValueError, match="--tp_size 16 must divide --devices 8"):
         ParallelPlan(**{**hybrid.__dict__, "dp_replicate": 2, "dp_shard": 1, "tp": 16}).check_mesh()
 
 

@@ -12,16 +12,18 @@ The mesh has four named dimensions, outermost first::
 
     pp × dp_replicate × dp_shard × tp
 
-``dp_replicate × dp_shard`` is the data-parallel size. FULL_SHARD and SHARD_GRAD_OP shard over every rank
-(``dp_shard = world``); HYBRID_SHARD replicates across nodes and shards within one (``dp_replicate =
-num_nodes``); NO_SHARD (DDP) replicates everywhere. Tensor and pipeline degrees are 1 until llmtrain grows
-tensor and pipeline parallelism; the plan already checks that they divide the world.
+``tp`` (``--tp_size``) and ``pp`` (``--pp_size``) split the model; the ranks left, ``world / (tp × pp)``, are
+the data-parallel ranks, ``dp_replicate × dp_shard`` of them. FULL_SHARD and SHARD_GRAD_OP shard over all of
+them; HYBRID_SHARD shards within a node and replicates across nodes; NO_SHARD (DDP) replicates everywhere.
+Tensor parallelism is innermost, so its ranks are neighbours on one node (its collectives run every layer);
+the pipeline is outermost (it sends one activation per micro-batch and stage).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 
@@ -31,6 +33,7 @@ from llmtrain.train.precision import Precision, resolve_precision
 Wrapper = Literal["none", "ddp", "fsdp"]
 DeviceType = Literal["cpu", "cuda"]
 STRATEGIES = ("auto", "ddp", "fsdp")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
@@ -53,7 +56,15 @@ class ParallelPlan:
     precision: Precision
     device_type: DeviceType
     tp: int = 1
+    """Tensor-parallel degree (``--tp_size``): ranks one block's heads and MLP are split over."""
     pp: int = 1
+    """Pipeline stages' ranks (``--pp_size``)."""
+    sequence_parallel: bool = False
+    """Under tensor parallelism, norms and the residual stream are split over the sequence."""
+    pp_schedule: Optional[str] = None
+    """gpipe, 1f1b or interleaved_1f1b under pipeline parallelism, else None."""
+    pp_virtual_stages: int = 1
+    """Pipeline stages per pipeline rank (more than one only for interleaved_1f1b)."""
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     """FSDP keeps parameters, gradients and optimizer state in host memory (applied only under FSDP)."""
@@ -72,6 +83,16 @@ class ParallelPlan:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def pp_stages(self) -> int:
+        """Pipeline stages in all: ``pp × pp_virtual_stages`` (1 without pipeline parallelism)."""
+        return self.pp * self.pp_virtual_stages
+
+    @property
+    def pp_microbatches(self) -> int:
+        """Micro-batches each optimizer step sends through the pipeline: the accumulation steps."""
+        return self.batch.grad_accum_steps
+
+    @property
     def shard_size(self) -> int:
         """Ranks one parameter is split over: what divides each rank's parameters, gradients and moments."""
         return self.dp_shard
@@ -80,6 +101,11 @@ class ParallelPlan:
     def uses_process_group(self) -> bool:
         """Several processes, or FSDP on one (``--strategy fsdp --devices 1``, e.g. for CPU offload on a GPU)."""
         return self.world_size > 1 or self.wrapper != "none"
+
+    @property
+    def splits_model(self) -> bool:
+        """Tensor or pipeline parallelism: ranks hold different parts of the model."""
+        return self.tp > 1 or self.pp > 1
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -91,21 +117,23 @@ class ParallelPlan:
         return self.wrapper == "fsdp" and self.precision.is_mixed
 
     def mesh_shape(self) -> dict[str, int]:
-        """The mesh dimensions larger than one, outermost first (for FSDP: at least ``dp_shard``)."""
+        """The mesh dimensions larger than one, outermost first (a data-parallel wrapper gets at least one
+        data-parallel dimension, of size 1 if need be: ``dp_shard`` for FSDP, ``dp_replicate`` for DDP)."""
         sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
-        shape = {name: size for name, size in sizes.items() if size > 1}
-        if not shape and self.wrapper == "fsdp":
-            shape = {"dp_shard": 1}
-        if not shape and self.wrapper == "ddp":
-            shape = {"dp_replicate": 1}
-        return shape
+        keep = {name for name, size in sizes.items() if size > 1}
+        if self.wrapper != "none" and not keep & {"dp_replicate", "dp_shard"}:
+            keep.add("dp_shard" if self.wrapper == "fsdp" else "dp_replicate")
+        return {name: size for name, size in sizes.items() if name in keep}
 
     def build_mesh(self):
-        """The named DeviceMesh of this plan (needs the process group); None without a wrapper."""
+        """The named DeviceMesh of this plan (needs the process group); None for one process without a wrapper.
+
+        Its sub-meshes: :func:`data_parallel_mesh`, ``mesh["tp"]``, ``mesh["pp"]`` (those larger than one).
+        """
         from torch.distributed.device_mesh import init_device_mesh
 
         shape = self.mesh_shape()
-        if self.wrapper == "none" or not shape:
+        if not shape:
             return None
         return init_device_mesh(self.device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
 
@@ -118,7 +146,13 @@ class ParallelPlan:
         """The run's one-line layout, e.g. "fsdp, FULL_SHARD, mesh shard 2 | world 2, micro batch 8, ...". """
         layout = ("no data-parallel wrapper, one process" if self.wrapper == "none" else
                   f"{self.wrapper}, {self.sharding_strategy}, mesh {self.describe_mesh()}")
-        extras = [name for name, on in (("activation checkpointing", self.activation_checkpointing),
+        if self.wrapper == "none" and self.splits_model:
+            layout = f"no data-parallel wrapper, mesh {self.describe_mesh()}"
+        extras = [name for name, on in (("sequence parallel", self.sequence_parallel),
+                                        (f"pipeline schedule {self.pp_schedule}"
+                                         + (f" × {self.pp_virtual_stages} stages per rank"
+                                            if self.pp_virtual_stages > 1 else ""), self.pp > 1),
+                                        ("activation checkpointing", self.activation_checkpointing),
                                         ("CPU offload", self.cpu_offload)) if on]
         batch = (f"micro batch {self.batch.micro_batch_size}, global batch {self.batch.global_batch_size}, "
                  f"grad accumulation {self.batch.grad_accum_steps}" if self.batch_problem is None else
@@ -132,13 +166,17 @@ class ParallelPlan:
     def resolve(cls, *, devices: int, num_nodes: int, train: TrainArgs, precision: Precision | str,
                 strategy: str = "auto", fsdp: Optional[FSDPArgs] = None, accelerator: str = "auto",
                 device_type: Optional[DeviceType] = None, strict_batch: bool = True,
-                batch_defaults: BatchDefaults = BatchDefaults(), gpu: Optional[str] = None) -> "ParallelPlan":
+                batch_defaults: BatchDefaults = BatchDefaults(), gpu: Optional[str] = None, tp: int = 1,
+                pp: int = 1, sequence_parallel: Optional[bool] = None, pp_schedule: Optional[str] = None,
+                pp_virtual_stages: Optional[int] = None) -> "ParallelPlan":
         """Check the flags against each other and lay the run out; a bad combination raises ``ValueError``.
 
         ``device_type`` overrides what ``accelerator`` resolves to on this machine (the dry run plans for
         GPUs it does not have, ``gpu`` names the one it plans for). With ``strict_batch=False`` a batch that
         does not divide is recorded in ``batch_problem`` instead of raised, so that the dry run can still print
-        the rest of the plan. ``batch_defaults`` fill the batch sizes the flags leave unset.
+        the rest of the plan. ``batch_defaults`` fill the batch sizes the flags leave unset. ``tp``, ``pp``,
+        ``sequence_parallel``, ``pp_schedule`` and ``pp_virtual_stages`` are ``--tp_size``,
+        ``--tp_sequence_parallel``, ``--pp_size``, ``--pp_schedule`` and ``--pp_virtual_stages``.
         """
         fsdp = fsdp or FSDPArgs()
         if devices < 1 or num_nodes < 1:
@@ -149,20 +187,70 @@ class ParallelPlan:
         if not isinstance(precision, Precision):
             precision = resolve_precision(precision, device_type, gpu=gpu)
         world = devices * num_nodes
-        wrapper, sharding = _wrapper(strategy, fsdp, world, num_nodes)
-        _check_single_process_flags(wrapper, fsdp, strategy)
+        split = _model_split(tp, pp, sequence_parallel, pp_schedule, pp_virtual_stages, devices, world)
+        dp_world = world // (tp * pp)
+        wrapper, sharding = _wrapper(strategy, fsdp, dp_world, num_nodes)
+        if wrapper == "ddp" and (tp > 1 or pp > 1):
+            raise ValueError(f"--tp_size {tp} and --pp_size {pp} compose with FSDP, not with DDP (NO_SHARD): use "
+                             "--strategy fsdp (or auto) and a sharded --fsdp.sharding_strategy")
+        _check_single_process_flags(wrapper, fsdp, strategy, world)
         if fsdp.cpu_offload and wrapper != "fsdp":
             raise ValueError("--fsdp.cpu_offload needs a sharded strategy; DDP (NO_SHARD) keeps every weight on the "
                              "device. Use --fsdp.sharding_strategy FULL_SHARD, or drop --fsdp.cpu_offload")
-        dp_replicate, dp_shard = _data_parallel_dims(sharding, world, num_nodes)
+        dp_replicate, dp_shard = _data_parallel_dims(sharding, dp_world, num_nodes, devices // tp)
         batch, batch_problem = _batch(train, dp_replicate * dp_shard, strict_batch, batch_defaults)
         plan = cls(devices=devices, num_nodes=num_nodes, dp_replicate=dp_replicate, dp_shard=dp_shard,
                    wrapper=wrapper, sharding_strategy=sharding, batch=batch, precision=precision,
                    device_type=device_type, activation_checkpointing=fsdp.activation_checkpointing,
-                   cpu_offload=fsdp.cpu_offload, batch_problem=batch_problem)
+                   cpu_offload=fsdp.cpu_offload, batch_problem=batch_problem, **split)
         plan.check_mesh()
-        syncs_once = fsdp.skip_gradient_sync and wrapper != "none" and plan.batch.grad_accum_steps > 1
+        if batch_problem is None:
+            problem = plan.pipeline_batch_problem()
+            if problem and strict_batch:
+                raise ValueError(problem)
+            plan = replace(plan, batch_problem=problem)
+        # NOTE: a pipeline schedule turns gradient sync off for all but the last micro-batch itself.
+        syncs_once = (fsdp.skip_gradient_sync and wrapper != "none" and plan.batch.grad_accum_steps > 1
+                      and pp == 1)
         return replace(plan, grad_sync_only_last=syncs_once)
+
+    def pipeline_batch_problem(self) -> Optional[str]:
+        """Why the batch plan's micro-batches do not suit the pipeline schedule, or None."""
+        if self.pp == 1:
+            return None
+        n, how = self.pp_microbatches, (
+            f"global batch {self.batch.global_batch_size} / (data-parallel {self.data_parallel_size} × micro batch "
+            f"{self.batch.micro_batch_size}) = {self.pp_microbatches} micro-batches per step")
+        fix = ("raise --train.global_batch_size or lower --train.micro_batch_size, or use --pp_schedule gpipe")
+        if self.pp_schedule == "1f1b" and n < self.pp:
+            return f"--pp_schedule 1f1b needs at least --pp_size {self.pp} micro-batches per step, but {how}: {fix}"
+        if self.pp_schedule == "interleaved_1f1b" and (n < self.pp or n % self.pp):
+            return (f"--pp_schedule interleaved_1f1b needs a multiple of --pp_size {self.pp} micro-batches per "
+                    f"step, but {how}: {fix}")
+        return None
+
+    def check_model(self, config: Any, seq_len: int) -> None:
+        """The model divides as tensor and pipeline parallelism split it; a ``ValueError`` names the flag."""
+        if self.tp > 1:
+            for what, count in (("attention heads (n_head)", config.n_head),
+                                ("key/value heads (n_query_groups)", config.n_query_groups),
+                                ("MLP width (intermediate_size)", config.intermediate_size),
+                                ("vocabulary rows (padded_vocab_size)", config.padded_vocab_size)):
+                if count % self.tp:
+                    sizes = [t for t in range(1, count + 1) if count % t == 0 and self.devices % t == 0]
+                    raise ValueError(f"--tp_size {self.tp} must divide the {count} {what} of model "
+                                     f"{config.name or 'custom'!r}; use --tp_size {max(sizes)} or another divisor")
+            if self.sequence_parallel and seq_len % self.tp:
+                raise ValueError(f"--tp_sequence_parallel splits each sequence over --tp_size {self.tp} ranks, so "
+                                 f"--train.max_seq_length {seq_len} must be a multiple of {self.tp}; change it, or "
+                                 "pass --tp_sequence_parallel false")
+        if self.pp > 1 and config.n_layer < self.pp_stages:
+            raise ValueError(f"--pp_size {self.pp}{self._virtual_words()} makes {self.pp_stages} pipeline stages, "
+                             f"more than the {config.n_layer} layers of model {config.name or 'custom'!r}: use at most "
+                             f"{config.n_layer} stages")
+
+    def _virtual_words(self) -> str:
+        return f" × --pp_virtual_stages {self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else ""
 
     def check_mesh(self) -> None:
         """The mesh dimensions multiply to the world size, and each divides what it splits."""
@@ -175,7 +263,8 @@ class ParallelPlan:
                              f"tp {self.tp} = {product} ranks, but --devices {self.devices} × --num_nodes "
                              f"{self.num_nodes} start {self.world_size}")
         if self.tp > 1 and self.devices % self.tp:
-            raise ValueError(f"tensor parallelism of degree {self.tp} must fit in one node of {self.devices} devices")
+            raise ValueError(f"--tp_size {self.tp} must divide --devices {self.devices}: tensor parallelism "
+                             "communicates in every layer, so its ranks must share one node")
 
 
 def _batch(train: TrainArgs, data_parallel_size: int, strict: bool,
@@ -203,7 +292,7 @@ def resolve_device_type(accelerator: str, *, here: bool = True) -> DeviceType:
 
 
 def _wrapper(strategy: str, fsdp: FSDPArgs, world: int, num_nodes: int) -> tuple[Wrapper, Optional[str]]:
-    """The data-parallel wrapper and the user-facing sharding strategy."""
+    """The data-parallel wrapper and the user-facing sharding strategy for ``world`` data-parallel ranks."""
     if strategy == "ddp":
         if fsdp.sharding_strategy not in (None, "NO_SHARD"):
             raise ValueError(f"--strategy ddp contradicts --fsdp.sharding_strategy {fsdp.sharding_strategy}; "
@@ -229,26 +318,71 @@ def _wrapper(strategy: str, fsdp: FSDPArgs, world: int, num_nodes: int) -> tuple
     return "fsdp", chosen
 
 
-def _check_single_process_flags(wrapper: Wrapper, fsdp: FSDPArgs, strategy: str) -> None:
-    """With one process and no wrapper, an FSDP flag would be accepted and ignored: refuse it instead."""
+def _check_single_process_flags(wrapper: Wrapper, fsdp: FSDPArgs, strategy: str, world: int) -> None:
+    """Without a data-parallel wrapper an FSDP flag would be accepted and ignored: refuse it instead."""
     if wrapper != "none":
         return
     defaults = FSDPArgs()
     ignored = [f"--fsdp.{name} {getattr(fsdp, name)}" for name in ("sharding_strategy", "cpu_offload",
                                                                     "skip_gradient_sync")
                if getattr(fsdp, name) != getattr(defaults, name)]
+    if ignored and world > 1:
+        raise ValueError(f"{', '.join(ignored)} needs data-parallel ranks: --tp_size × --pp_size take all {world} "
+                         "processes, so there is no data-parallel wrapper and it would do nothing. Pass --strategy "
+                         "fsdp, add processes, or drop the flag")
     if ignored:
         raise ValueError(f"{', '.join(ignored)} needs --devices 2 or more: one process uses no data-parallel wrapper, "
                          "so it would do nothing. Or pass --strategy fsdp to run FSDP on one device (e.g. to offload "
                          "to the CPU on a GPU), or drop the flag")
 
 
-def _data_parallel_dims(sharding: Optional[str], world: int, num_nodes: int) -> tuple[int, int]:
-    """(dp_replicate, dp_shard) for a sharding strategy: the one place the shard size is worked out."""
+def _model_split(tp: int, pp: int, sequence_parallel: Optional[bool], schedule: Optional[str],
+                 virtual_stages: Optional[int], devices: int, world: int) -> dict:
+    """The plan's tensor- and pipeline-parallel fields from their flags, or a ``ValueError`` naming the flag."""
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tp_size {tp} and --pp_size {pp} must both be at least 1")
+    if world % (tp * pp):
+        raise ValueError(f"--tp_size {tp} × --pp_size {pp} = {tp * pp} must divide the {world} processes "
+                         "(--devices × --num_nodes); the ranks left over are the data-parallel ones")
+    if tp > 1 and devices % tp:
+        raise ValueError(f"--tp_size {tp} must divide --devices {devices}: tensor parallelism communicates in every "
+                         "layer, so its ranks must share one node")
+    if sequence_parallel is not None and tp == 1:
+        raise ValueError(f"--tp_sequence_parallel {str(sequence_parallel).lower()} needs --tp_size 2 or more; drop it")
+    if schedule is not None and pp == 1:
+        raise ValueError(f"--pp_schedule {schedule} needs --pp_size 2 or more; drop it")
+    if schedule is not None and schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"--pp_schedule {schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")
+    schedule = schedule or ("1f1b" if pp > 1 else None)
+    if virtual_stages is not None and schedule != "interleaved_1f1b":
+        raise ValueError(f"--pp_virtual_stages {virtual_stages} is for --pp_schedule interleaved_1f1b (with "
+                         "--pp_size 2 or more); drop it")
+    if virtual_stages is not None and virtual_stages < 2:
+        raise ValueError(f"--pp_virtual_stages {virtual_stages}: interleaving needs at least 2 stages per process")
+    virtual = (virtual_stages or 2) if schedule == "interleaved_1f1b" else 1
+    return dict(tp=tp, pp=pp, sequence_parallel=tp > 1 and sequence_parallel is not False, pp_schedule=schedule,
+                pp_virtual_stages=virtual)
+
+
+def _data_parallel_dims(sharding: Optional[str], dp_world: int, num_nodes: int,
+                        dp_per_node: int) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) for a sharding strategy: the one place the shard size is worked out.
+
+    ``dp_world`` data-parallel ranks in all, ``dp_per_node`` of a node's ranks in one tensor-parallel slot.
+    HYBRID_SHARD shards within a node: over the data-parallel ranks a node holds (fewer when the pipeline
+    stages share a node).
+    """
     if sharding is None:
         return 1, 1
     if sharding == "NO_SHARD":
-        return world, 1
+        return dp_world, 1
     if sharding == "HYBRID_SHARD":
-        return num_nodes, world // num_nodes
-    return 1, world
+        shard = math.gcd(dp_world, dp_per_node)
+        return dp_world // shard, shard
+    return 1, dp_world
+
+
+def data_parallel_mesh(mesh):
+    """The data-parallel dimensions of a plan's mesh (``dp_replicate``, ``dp_shard``, or both for HSDP)."""
+    names = tuple(name for name in ("dp_replicate", "dp_shard") if name in (mesh.mesh_dim_names or ()))
+    return mesh[names] if len(names) > 1 else mesh[names[0]]

@@ -52,6 +52,19 @@ class Runtime:
     device: torch.device = torch.device("cpu")
     data_parallel_rank: int = 0
     data_parallel_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    @property
+    def counts_batch(self) -> bool:
+        """Whether this rank's batch numbers (tokens, loss sums) count in a sum over all ranks.
+
+        The tensor-parallel ranks of a data-parallel shard and its pipeline stages all read the same batch;
+        one of them counts it: tensor rank 0 of the last stage, which alone has the loss under a pipeline.
+        """
+        return self.tp_rank == 0 and self.pp_rank == self.pp_size - 1
 
     @property
     def is_main(self) -> bool:
@@ -108,10 +121,12 @@ class Runtime:
         # Ranks are laid out pp × dp_replicate × dp_shard × tp, tp innermost: consecutive ranks share a
         # data-parallel shard only under tensor parallelism.
         tp = plan.tp if plan is not None else 1
+        pp = plan.pp if plan is not None else 1
         dp_size = plan.data_parallel_size if plan is not None else world_size
         return cls(rank=rank, world_size=world_size, local_rank=_env_int("LOCAL_RANK", 0),
                    local_world_size=_env_int("LOCAL_WORLD_SIZE", world_size), device=device,
-                   data_parallel_rank=(rank // tp) % dp_size, data_parallel_size=dp_size)
+                   data_parallel_rank=(rank // tp) % dp_size, data_parallel_size=dp_size,
+                   tp_rank=rank % tp, tp_size=tp, pp_rank=rank // (dp_size * tp), pp_size=pp)
 
     def barrier(self) -> None:
         """Wait until every rank gets here: a wait for host work, around the device (:func:`host_barrier`)."""

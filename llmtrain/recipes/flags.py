@@ -1,8 +1,8 @@
 """The flags every training recipe shares, defined once.
 
-``pretrain``, ``finetune_full`` and ``finetune_lora`` take the same eighteen flags (where to write, precision,
-resume, data, batch and schedule, optimizer, the process layout and its timeout, logging, seed, dry run,
-profiling). Each recipe's function declares only its own arguments and ``**flags``; :func:`shared_flags` adds the
+``pretrain``, ``finetune_full`` and ``finetune_lora`` take the same flags (where to write, precision, resume,
+data, batch and schedule, optimizer, the process layout (data, tensor and pipeline parallel) and its timeout,
+logging, seed, dry run, profiling). Each recipe's function declares only its own arguments and ``**flags``; :func:`shared_flags` adds the
 shared ones to its signature and docstring, which is what jsonargparse reads, so ``--help`` lists every flag with
 its type, default and one line of documentation, and a recipe may change a default or a line of doc.
 """
@@ -23,6 +23,7 @@ from llmtrain.train.precision import PrecisionName
 ResumeArg = Union[bool, Literal["auto"], Path]
 Accelerator = Literal["auto", "cpu", "cuda", "gpu"]
 StrategyName = Literal["auto", "ddp", "fsdp"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 LoggerName = Literal["csv", "tensorboard", "wandb"]
 
 
@@ -55,6 +56,17 @@ SHARED_FLAGS = (
          "nothing with one), ddp, or fsdp (also on one device, e.g. for --fsdp.cpu_offload on a GPU)."),
     Flag("fsdp", FSDPArgs, FSDPArgs(), "FSDP settings: sharding strategy, activation checkpointing, CPU offload, "
          "checkpoint format."),
+    Flag("tp_size", int, 1, "Tensor parallelism: split every block's attention heads and MLP (and the embedding "
+         "and head over the vocabulary) across this many processes of one node. Heads and query groups must "
+         "divide by it."),
+    Flag("tp_sequence_parallel", Optional[bool], None, "With --tp_size > 1, split the norms and the residual "
+         "stream over the sequence between the tensor-parallel ranks (less activation memory). Default: on."),
+    Flag("pp_size", int, 1, "Pipeline parallelism: split the blocks into this many stages, one group of "
+         "processes each; the gradient-accumulation micro-batches become the pipeline's micro-batches."),
+    Flag("pp_schedule", Optional[PipelineSchedule], None, "With --pp_size > 1: gpipe, 1f1b (the default) or "
+         "interleaved_1f1b (several stages per process, see --pp_virtual_stages)."),
+    Flag("pp_virtual_stages", Optional[int], None, "With --pp_schedule interleaved_1f1b: stages per pipeline "
+         "process (default 2)."),
     Flag("dist_timeout", float, 600.0, "Seconds a collective may wait for the other ranks before the run counts "
          "as hung and stops. Waits for work one rank does alone (tokenizing the data, reading or writing a "
          "checkpoint) go around the GPU and allow the larger of this and two hours."),

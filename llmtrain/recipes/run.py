@@ -94,11 +94,14 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
     seq_len = checks.check_seq_len(train, config)
     devices = _devices(flags, dry)
     layout = dict(devices=devices, num_nodes=flags["num_nodes"], train=train, precision=flags["precision"],
-                  strategy=flags["strategy"], fsdp=fsdp, batch_defaults=batch_defaults)
+                  strategy=flags["strategy"], fsdp=fsdp, batch_defaults=batch_defaults, tp=flags["tp_size"],
+                  pp=flags["pp_size"], sequence_parallel=flags["tp_sequence_parallel"],
+                  pp_schedule=flags["pp_schedule"], pp_virtual_stages=flags["pp_virtual_stages"])
     profile = flags["profile"] if flags["profile"].requested else None
     if dry.requested:
         plan = ParallelPlan.resolve(**layout, device_type=dry.device_type or resolve_device_type(
             flags["accelerator"], here=False), gpu=dry.gpu, strict_batch=False)
+        _check_model_split(plan, config, seq_len, lora=lora, quantize=quantize)
         if profile is not None:
             _check_profile_window(profile, _with_batch(train, plan), seq_len)
         planning.dry_run(recipe=recipe, config=config, plan=plan, train=_with_batch(train, plan), seq_len=seq_len,
@@ -107,6 +110,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
         return
     plan_launch(devices, flags["num_nodes"])  # the launcher's environment agrees with the flags
     plan = ParallelPlan.resolve(**layout, accelerator=flags["accelerator"])
+    _check_model_split(plan, config, seq_len, lora=lora, quantize=quantize)
     train = _with_batch(train, plan)
     if profile is not None:
         _check_profile_window(profile, train, seq_len)
@@ -138,6 +142,19 @@ def _devices(flags: dict[str, Any], dry: planning.DryRunArgs) -> int:
     if how and not (devices == 1 and device_type == "cpu") and is_first_process():
         print(f"--devices {flags['devices']}: {devices} per node ({how})")
     return devices
+
+
+def _check_model_split(plan: ParallelPlan, config: Config, seq_len: int, *, lora: Optional[LoRAArgs],
+                       quantize: Optional[str]) -> None:
+    """Tensor and pipeline parallelism against the model and the recipe, before anything is built."""
+    plan.check_model(config, seq_len)
+    if quantize is not None and plan.splits_model:
+        raise ValueError(f"--quantize {quantize} (QLoRA) keeps each 4-bit or int8 weight whole on one device, so it "
+                         "cannot be split by --tp_size or --pp_size: drop --quantize (plain LoRA), or use data "
+                         "parallelism alone")
+    if lora is not None and plan.splits_model:
+        raise ValueError("finetune_lora trains with data parallelism only: drop --tp_size and --pp_size (the "
+                         "frozen base model can be sharded with --strategy fsdp instead), or use finetune_full")
 
 
 def _with_batch(train: TrainArgs, plan: ParallelPlan) -> TrainArgs:

@@ -53,6 +53,7 @@ import torch
 
 from llmtrain.args import BatchPlan, EvalArgs, TrainArgs
 from llmtrain.data.base import real_tokens
+from llmtrain.distributed.grad_norm import clip_grad_norm_
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.loss import IGNORE_INDEX
 from llmtrain.train import callbacks
@@ -182,6 +183,8 @@ class Fit:
     """Called on every rank after each validation (e.g. to generate an example); rank 0 prints what it returns."""
     callbacks: list[callbacks.Callback] = field(default_factory=list)
     """This run's own callbacks (--profile's profiler), called before those installed in the process."""
+    pp_mesh: Any = None
+    """The pipeline dimension of the mesh under pipeline parallelism (the gradient norm sums over it), else None."""
 
 
 def fit(job: Fit) -> TrainState:
@@ -236,7 +239,8 @@ class Trainer:
             self.hooks.on_step_start(state.step + 1)
             lr = self.schedule.set_step(state.step)
             micro_batches = self.interval.fetch(batches, job.plan.grad_accum_steps)
-            input_tokens = sum(batch["input_ids"].numel() for batch in micro_batches)
+            # One rank of each data-parallel shard counts its batch (Runtime.counts_batch), so sums count each once.
+            input_tokens = sum(batch["input_ids"].numel() for batch in micro_batches) * job.runtime.counts_batch
             result = self.train_step(state.step + 1, micro_batches, [input_tokens, *self.stops.votes()])
             state.step += 1
             job.console.advance(state.step)
@@ -318,7 +322,7 @@ class TrainStep:
         loss_sum = self.forward_backward(step, micro_batches, loss_scale)
         if job.scaler:
             job.scaler.unscale_(job.optimizer)
-        grad_norm = _replicated(torch.nn.utils.clip_grad_norm_(self.params, self.max_norm))
+        grad_norm = clip_grad_norm_(self.params, self.max_norm, pp_mesh=job.pp_mesh)
         stepped = self.skips.step(grad_norm)
         job.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss_sum, target_tokens, stepped, grad_norm.detach(), host_sums)
@@ -327,6 +331,7 @@ class TrainStep:
         """The step's target tokens and ``host_numbers``, each summed over all ranks in the step's one
         collective before the forward, on the run's device (nothing is read here)."""
         local = sum((batch["labels"] != IGNORE_INDEX).sum() for batch in micro_batches)  # a host tensor
+        local = local * self.job.runtime.counts_batch
         numbers = torch.cat([local.to(torch.float64).reshape(1), torch.tensor(host_numbers, dtype=torch.float64)])
         counts = _to_device(numbers, self.job.runtime.device)
         self.job.runtime.all_reduce(counts)
@@ -377,13 +382,6 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         # NOTE: a copy from pageable memory blocks until the GPU has drained its queue (a host-device sync).
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
-
-
-def _replicated(grad_norm: torch.Tensor) -> torch.Tensor:
-    """The global gradient norm as a plain tensor (FSDP2 returns it as a replicated DTensor)."""
-    from torch.distributed.tensor import DTensor
-
-    return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 
 
 # ------------------------------------------------------------------------- non-finite steps
@@ -550,11 +548,12 @@ class LogInterval:
     def add(self, result: StepResult, tokens: int, micro_batches: list[dict]) -> None:
         """Count a step in (its losses only if the optimizer stepped), its input tokens over all ranks and the
         real (not padding) tokens of this rank's ``micro_batches``."""
-        self.loss_sum += torch.where(result.stepped, result.loss_sum, 0.0)
+        if self.job.runtime.counts_batch:  # one rank of each data-parallel shard (Runtime.counts_batch)
+            self.loss_sum += torch.where(result.stepped, result.loss_sum, 0.0)
+            self.real_tokens += sum(real_tokens(batch) for batch in micro_batches)
         self.target_sum += torch.where(result.stepped, result.target_tokens.float(), 0.0)
         self.updates += result.stepped
         self.tokens += tokens
-        self.real_tokens += sum(real_tokens(batch) for batch in micro_batches)
 
     def log(self, lr: float, grad_norm: torch.Tensor) -> None:
         """Log the mean loss and throughput since the last log (if any step was taken); start the next interval."""
@@ -673,6 +672,7 @@ def _validation_loss(job: Fit) -> float:
         with job.precision.autocast(job.runtime.device, job.autocast_enabled):
             totals[0] += job.model(input_ids, labels=labels).double()
         totals[1] += (labels != IGNORE_INDEX).sum()
+    totals *= job.runtime.counts_batch  # one rank of each data-parallel shard counts (Runtime.counts_batch)
     job.runtime.all_reduce(totals)
     job.model.train()
     return (totals[0] / totals[1].clamp(min=1)).item()
