@@ -177,6 +177,13 @@ class GPT(nn.Module):
         return module
 
 
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The Blocks of a GPT in order, or of a pipeline stage, which keeps some in an ``nn.ModuleDict`` keyed by
+    their layer index (so that parameter names match the whole model's)."""
+    blocks = model.blocks
+    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
+
+
 class Block(nn.Module):
     """One transformer layer: the unit that FSDP and activation checkpointing wrap."""
 

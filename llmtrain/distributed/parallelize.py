@@ -37,6 +37,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from llmtrain.distributed.parallel_plan import ParallelPlan
+from llmtrain.model import transformer_blocks
 from llmtrain.train.precision import Precision
 
 
@@ -68,7 +69,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     The Block's class is swapped for a subclass whose forward is checkpointed, so parameter names
     and state-dict keys stay exactly as they were (a wrapper module would add a prefix).
     """
-    for block in model.blocks:
+    for block in transformer_blocks(model):
         block.__class__ = _checkpointed_class(type(block))
 
 
@@ -86,7 +87,7 @@ def _checkpointed_class(block_class: type) -> type:
 
 def apply_compile(model: nn.Module) -> None:
     """Compile each Block on its own: every block has the same code, so one graph serves all."""
-    for block in model.blocks:
+    for block in transformer_blocks(model):
         block.compile()
 
 
@@ -111,7 +112,7 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
     tied = model.lm_head.weight is model.wte.weight
     if not tied:
         fully_shard(model.wte, reshard_after_forward=reshard_after_forward, **options)
-    for block in model.blocks:
+    for block in transformer_blocks(model):
         fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
     # NOTE: the head (and the root, which holds it when tied) is the first thing backward needs, right
     # after the forward; resharding it there would only gather it again at once.
