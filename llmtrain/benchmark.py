@@ -39,7 +39,7 @@ FULL_DEFAULTS = (8, 256, 20, 5)
 SHORT_DEFAULTS = (4, 128, 3, 2)
 RECORD_FIELDS = (
     "model", "parameters", "precision", "micro_batch_size", "seq_len", "devices", "sharding_strategy", "compile",
-    "steps", "warmup",
+    "tp_size", "pp_size", "pp_schedule", "global_batch_size", "steps", "warmup",
     "tokens_per_sec_per_device", "tokens_per_sec", "step_time_median_s", "step_time_min_s", "step_time_max_s",
     "step_time_p25_s", "step_time_p75_s", "flops_per_token", "matmul_peak_flops", "matmul_peak_size", "mfu",
     "data_wait_fraction", "data_wait_fraction_logged", "peak_memory_gb", "save_interval", "async_save",
@@ -187,6 +187,10 @@ def benchmark(
     warmup: Optional[int] = None,
     devices: int = 1,
     sharding_strategy: Optional[str] = None,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    pp_schedule: Optional[str] = None,
+    global_batch_size: Optional[int] = None,
     save_interval: Optional[int] = None,
     async_save: bool = False,
     compile: bool = False,
@@ -203,14 +207,19 @@ def benchmark(
             pythia-70m.
         precision: auto (bf16-mixed on a GPU with bf16, 16-mixed on an older one, 32-true on a CPU), 32-true,
             bf16-true, bf16-mixed, 16-true or 16-mixed.
-        micro_batch_size: Sequences per device per step, no accumulation (global = micro × devices).
-            Default 8, or 4 with --short.
+        micro_batch_size: Sequences per data-parallel rank and micro-batch. Default 8, or 4 with --short.
         seq_len: Tokens per sequence. Default 256, or 128 with --short.
         steps: Timed optimizer steps. Default 20, or 3 with --short.
         warmup: Steps run first and not timed (allocator, caches, compilation). Default 5, or 2 with --short.
         devices: Processes, as `pretrain --devices` (FSDP when more than one).
         sharding_strategy: With several devices, as `pretrain --fsdp.sharding_strategy` (FULL_SHARD,
             SHARD_GRAD_OP, NO_SHARD); None: pretrain's default (FULL_SHARD on one node).
+        tp_size: Tensor-parallel degree, as `pretrain --tp_size`.
+        pp_size: Pipeline stages, as `pretrain --pp_size`.
+        pp_schedule: As `pretrain --pp_schedule` (gpipe, 1f1b, interleaved_1f1b); 1f1b by default.
+        global_batch_size: Sequences per optimizer step. Default: micro batch × data-parallel ranks, times
+            --pp_size under pipeline parallelism (one micro-batch per stage in flight). Compare layouts at the
+            same global batch.
         save_interval: Write a sharded checkpoint every this many steps and report the training loop's
             stall per save (the time of the step after a save minus the median step's); those steps stay
             out of the step-time statistics. None: no checkpoints until the end.
@@ -246,8 +255,11 @@ def benchmark(
     try:
         fsdp = FSDPArgs(sharding_strategy=sharding_strategy, async_save=async_save,
                         state_dict_type="sharded" if save_interval else "full")
-        plan = ParallelPlan.resolve(devices=devices, num_nodes=1, precision=precision, fsdp=fsdp,
-                                    train=_train_args(micro_batch_size, seq_len, warmup + steps, devices, save_interval))
+        data_parallel = devices // (tp_size * pp_size) if devices % (tp_size * pp_size) == 0 else devices
+        global_batch_size = global_batch_size or micro_batch_size * data_parallel * pp_size
+        train = _train_args(micro_batch_size, global_batch_size, seq_len, warmup + steps, save_interval)
+        plan = ParallelPlan.resolve(devices=devices, num_nodes=1, precision=precision, fsdp=fsdp, train=train,
+                                    tp=tp_size, pp=pp_size, pp_schedule=pp_schedule)
     except ValueError as error:
         raise ValueError(str(error).replace("--fsdp.sharding_strategy", "--sharding_strategy")) from None
     config = Config.from_name(model)
@@ -272,19 +284,19 @@ def benchmark(
     out_dir.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=out_dir))
     try:
-        _train(run_dir, model=model, plan=plan, fsdp=fsdp,
-               train=_train_args(micro_batch_size, seq_len, warmup + steps, devices, save_interval), compile=compile)
+        _train(run_dir, model=model, plan=plan, fsdp=fsdp, train=train, compile=compile)
         rows = _train_rows(run_dir / "train" / "metrics.csv")
         waits = [float(line) for line in (run_dir / "data_wait.txt").read_text().split()]
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
     timing = _step_timing(rows, waits, warmup, save_interval)
-    tokens_per_sec_per_device = micro_batch_size * seq_len / timing["step_time_median_s"]
+    tokens_per_sec_per_device = global_batch_size * seq_len / timing["step_time_median_s"] / devices
     record = {
         "model": model, "parameters": num_parameters(config), "precision": plan.precision.name,
         "micro_batch_size": micro_batch_size, "seq_len": seq_len, "devices": devices,
-        "sharding_strategy": sharding_strategy, "compile": compile,
+        "sharding_strategy": sharding_strategy, "compile": compile, "tp_size": tp_size, "pp_size": pp_size,
+        "pp_schedule": plan.pp_schedule, "global_batch_size": global_batch_size,
         "save_interval": save_interval, "async_save": async_save,
         "steps": steps, "warmup": warmup, "tokens_per_sec_per_device": tokens_per_sec_per_device,
         "tokens_per_sec": tokens_per_sec_per_device * devices, **timing,
@@ -314,10 +326,10 @@ def benchmark(
     return record
 
 
-def _train_args(micro_batch_size: int, seq_len: int, total_steps: int, devices: int,
+def _train_args(micro_batch_size: int, global_batch_size: int, seq_len: int, total_steps: int,
                 save_interval: Optional[int]) -> TrainArgs:
-    """A log row per step, no accumulation, checkpoints only as --save_interval says."""
-    return TrainArgs(micro_batch_size=micro_batch_size, global_batch_size=micro_batch_size * devices,
+    """A log row per step, checkpoints only as --save_interval says."""
+    return TrainArgs(micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
                      max_seq_length=seq_len, max_steps=total_steps, log_interval=1, lr_warmup_steps=1,
                      save_interval=save_interval)
 
@@ -331,7 +343,8 @@ def _train(run_dir: Path, *, model: str, plan: ParallelPlan, fsdp: FSDPArgs, tra
     pretrain.setup(model_name=model, out_dir=run_dir / "train", precision=plan.precision.name,
                    data=TimedData(BuiltinStories(), run_dir / "data_wait.txt"), train=train,
                    eval=EvalArgs(interval=10**9, initial_validation=False, final_validation=False),
-                   devices=plan.devices, fsdp=fsdp, compile=compile)
+                   devices=plan.devices, fsdp=fsdp, compile=compile, tp_size=plan.tp, pp_size=plan.pp,
+                   pp_schedule=plan.pp_schedule)
 
 
 def _step_timing(rows: list[dict], waits: list[float], warmup: int, save_interval: Optional[int] = None) -> dict:
@@ -399,8 +412,10 @@ def _command_line() -> str:
 def baseline_key(record: dict) -> str:
     """The setting a baseline belongs to. Threads are part of it: on a shared box a run with one thread per
     process is steadier than one whose OpenMP threads wait for each other behind other work."""
-    return "|".join(str(record[k]) for k in ("model", "precision", "micro_batch_size", "seq_len", "devices",
-                                             "compile", "threads_per_process"))
+    key = "|".join(str(record[k]) for k in ("model", "precision", "micro_batch_size", "seq_len", "devices",
+                                            "compile", "threads_per_process"))
+    split = [f"{name} {record.get(name)}" for name in ("tp_size", "pp_size") if (record.get(name) or 1) > 1]
+    return "|".join([key, *split])
 
 
 def _load_average() -> Optional[float]:
@@ -428,6 +443,7 @@ def _print_table(record: dict) -> None:
         ("setting", f"{record['model']} ({record['parameters'] / 1e6:.1f}M) {record['precision']}, micro batch "
                     f"{record['micro_batch_size']} × seq {record['seq_len']}, {record['devices']} process(es)"
                     f"{' ' + record['sharding_strategy'] if record['sharding_strategy'] else ''}"
+                    f"{_split_words(record)}, global batch {record['global_batch_size']}"
                     f"{', compiled' if record['compile'] else ''}"),
         ("device", f"{record['device']}, {record['threads_per_process']} threads per process, torch {record['torch']}"),
         ("tokens/s per device", f"{record['tokens_per_sec_per_device']:,.0f} ({record['tokens_per_sec']:,.0f} in all)"),
@@ -449,6 +465,13 @@ def _print_table(record: dict) -> None:
     ]
     width = max(len(name) for name, _ in lines)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in lines))
+
+
+def _split_words(record: dict) -> str:
+    """", tp 2, pp 2 (1f1b)" for a run that splits the model, else nothing."""
+    words = [f"tp {record['tp_size']}"] if record["tp_size"] > 1 else []
+    words += [f"pp {record['pp_size']} ({record['pp_schedule']})"] if record["pp_size"] > 1 else []
+    return "".join(f", {word}" for word in words)
 
 
 def _busy(record: dict) -> bool:

@@ -88,6 +88,9 @@ def test_short_benchmark_fails_far_below_the_baseline_and_still_records(tmp_path
     ({"sharding_strategy": "NO_SHARD"}, "--sharding_strategy NO_SHARD needs --devices 2 or more"),
     ({"save_interval": 0}, "--save_interval must be at least 1, got 0"),
     ({"async_save": True}, "--async_save true needs --save_interval N"),
+    ({"devices": 2, "tp_size": 4}, "--tp_size 4 × --pp_size 1 = 4 must divide the 2 processes"),
+    ({"devices": 2, "pp_size": 2, "pp_schedule": "1f1b", "global_batch_size": 8},
+     "--pp_schedule 1f1b needs at least --pp_size 2 micro-batches per step"),
 ])
 def test_bad_flags_are_named_before_anything_runs(tmp_path, flags, message):
     with pytest.raises(ValueError, match=message):
