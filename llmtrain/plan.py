@@ -346,7 +346,7 @@ def lora_trainable_parameters(config: Config, lora: Any) -> int:
 # ---- will it fit, and what would ----------------------------------------------------------------------------------
 USABLE_MEMORY_FRACTION = 0.9
 """Share of a GPU's memory a plan may fill: the CUDA context, NCCL's buffers and the allocator's fragmentation take
-the rest (an estimate at 95% of an 80 GiB device runs out of memory in practice)."""
+the rest. An assumed margin, not a measured one: check a plan close to it with a few steps before a long job."""
 
 
 @dataclass(frozen=True)
@@ -367,9 +367,10 @@ def gpu_name(dry: DryRunArgs, plan: ParallelPlan) -> Optional[str]:
 
 def device_memory_bytes(dry: DryRunArgs, plan: ParallelPlan) -> Optional[int]:
     """Memory of the GPU the plan is for (:func:`gpu_name`); None on CPU or for a GPU of unknown size."""
-    if dry.gpu is None and gpu_name(dry, plan) is not None:
-        return torch.cuda.get_device_properties(0).total_memory
-    return gpu_memory_bytes(dry.gpu) if dry.gpu is not None else None
+    name = gpu_name(dry, plan)
+    if name is None:
+        return None
+    return gpu_memory_bytes(name) if dry.gpu is not None else torch.cuda.get_device_properties(0).total_memory
 
 
 def fits(memory: MemoryEstimate, capacity: int) -> bool:
@@ -502,7 +503,7 @@ def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_
     capacity = device_memory_bytes(dry, plan)
     if capacity is not None:
         lines += _describe_fit(config, plan, memory, seq_len=seq_len, train=train, fsdp=fsdp, capacity=capacity,
-                               gpu=gpu_name(dry, plan))
+                               gpu=gpu_name(dry, plan), splittable=trainable == total and quantize is None)
     free = shutil.disk_usage(_existing_parent(out_dir)).free
     if free < sizes["needed"]:
         lines.append(f"warning      --out_dir {out_dir} has {_size(free)} free here: too little for one checkpoint")
@@ -585,13 +586,16 @@ def _describe_split_costs(config: Config, plan: ParallelPlan, seq_len: int, dry:
 
 
 def _describe_fit(config: Config, plan: ParallelPlan, memory: MemoryEstimate, *, seq_len: int, train: Any, fsdp: Any,
-                  capacity: int, gpu: str) -> list[str]:
-    """Whether the estimate fits the GPU; if not, a layout that does (:func:`suggest_layout`)."""
+                  capacity: int, gpu: str, splittable: bool) -> list[str]:
+    """Whether the estimate fits the GPU; if not, a layout that does (:func:`suggest_layout`), unless the recipe
+    cannot split the model (LoRA and QLoRA train with data parallelism only)."""
     usable = USABLE_MEMORY_FRACTION * capacity
     of = f"{_size(usable)} usable of the {gpu}'s {_size(capacity)} ({USABLE_MEMORY_FRACTION:.0%})"
     if fits(memory, capacity):
         return [f"fits         yes: {_size(memory.total)} per device, {memory.total / usable:.0%} of the {of}"]
     lines = [f"fits         no: {_size(memory.total)} per device, more than the {of}"]
+    if not splittable:
+        return lines + ["suggest      LoRA and QLoRA do not split the model: see tutorials/out_of_memory.md"]
     added, suggestion = suggest_layout(config, plan, seq_len=seq_len, train=train, fsdp=fsdp, capacity=capacity)
     if suggestion is None:
         lines.append(f"suggest      nothing fits on {plan.num_nodes} × {plan.devices} {gpu}, not even with {added} and "

@@ -212,3 +212,18 @@ def test_dry_run_suggests_a_layout_for_70b_and_none_for_8b(capsys, tmp_path):
            "1.2%)" in out
     out = dry_run(capsys, "llama-3-8b", "--fsdp.activation_checkpointing", "true", "--out_dir", str(tmp_path / "o"))
     assert "fits         yes: 21.95 GiB per device" in out and "\nsuggest " not in out
+
+
+def test_dry_run_of_lora_that_does_not_fit_suggests_no_split(capsys, tmp_path):
+    from llmtrain.checkpoint.layout import CONFIG_FILE
+    from llmtrain.cli import main
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    Config.from_name("llama-3-70b").save(model_dir / CONFIG_FILE)
+    for name in ("model.safetensors", "tokenizer.json"):
+        (model_dir / name).write_bytes(b"")  # a dry run reads only the architecture
+    main(["finetune_lora", str(model_dir), "--dry_run.gpu", "L4", "--out_dir", str(tmp_path / "o")])
+    out = capsys.readouterr().out
+    assert "fits         no:" in out and "of the L4's 24.00 GiB" in out
+    assert "suggest      LoRA and QLoRA do not split the model" in out and "--tp_size" not in out
