@@ -4,7 +4,7 @@ Counts come from the `Config` alone, so they are exact for any size without buil
 """
 
 import re
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from llmtrain.config import Config
 
@@ -136,12 +136,17 @@ def lookup_peak_flops(device_name: str, dtype: "torch.dtype") -> Optional[float]
     return None if peaks is None else peaks.get(key)
 
 
+def _match(device_name: str, table: dict) -> tuple[Optional[str], Any]:
+    """(pattern, value) of the first entry of ``table`` whose pattern is a whole word of ``device_name``."""
+    for pattern, value in table.items():
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(pattern)}(?![A-Za-z0-9])", device_name, flags=re.IGNORECASE):
+            return pattern, value
+    return None, None
+
+
 def _peaks_of(device_name: str) -> Optional[dict[str, float]]:
     """The PEAK_FLOPS entry of a GPU name; a whole-word match, so that "A10" matches neither "A100" nor "A10G"."""
-    for pattern, peaks in PEAK_FLOPS.items():
-        if re.search(rf"(?<![A-Za-z0-9]){re.escape(pattern)}(?![A-Za-z0-9])", device_name, flags=re.IGNORECASE):
-            return peaks
-    return None
+    return _match(device_name, PEAK_FLOPS)[1]
 
 
 def gpu_has_bf16(device_name: str) -> Optional[bool]:
@@ -158,3 +163,40 @@ def device_peak_flops(device: Union[str, "torch.device"], dtype: "torch.dtype") 
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     return lookup_peak_flops(torch.cuda.get_device_name(device), dtype)
+
+
+# ---- accelerator memory and links ------------------------------------------------------------------
+
+# Device memory in GiB from vendor datasheets (the "80GB" of an H100 is 80 GiB of HBM). A device name that
+# states its size ("NVIDIA A100-SXM4-40GB") overrides the table. Order matters as in PEAK_FLOPS.
+MEMORY_GIB: dict[str, float] = {
+    "B200": 180, "GH200": 96, "H200 NVL": 141, "H200": 141, "H100 NVL": 94, "H100 PCIe": 80, "H100": 80,
+    "H800 PCIe": 80, "H800": 80, "H20": 96, "A100": 80, "A800": 80, "L40S": 48, "L4": 24, "A10": 24,
+    "RTX 4090": 24, "RTX 3090": 24, "V100": 32, "MI300X": 192, "MI250X": 128,
+}
+
+# GPU-to-GPU bandwidth within a node, bytes/s in one direction per GPU (half the datasheet's bidirectional
+# NVLink figure: 900 GB/s for the H100 SXM). None: no NVLink in the standard part (PCIe cards).
+LINK_BYTES_PER_S: dict[str, Optional[float]] = {
+    "B200": 900e9, "GH200": 450e9, "H200 NVL": 450e9, "H200": 450e9, "H100 NVL": 300e9, "H100 PCIe": None,
+    "H100": 450e9, "H800 PCIe": None, "H800": 200e9, "H20": 450e9, "A100 PCIe": None, "A100": 300e9,
+    "A800": 200e9, "V100": 150e9, "MI300X": 448e9,
+}
+ASSUMED_LINK_BYTES_PER_S = 32e9
+"""PCIe 4.0 x16 in one direction: the link assumed for a GPU without a LINK_BYTES_PER_S entry."""
+
+
+def gpu_memory_bytes(device_name: str) -> Optional[int]:
+    """Memory of the GPU called ``device_name``: the size its name states, else MEMORY_GIB's; None if unknown."""
+    stated = re.search(r"(\d+)\s*GB\b", device_name, flags=re.IGNORECASE)
+    if stated:
+        return int(stated.group(1)) * 2**30
+    _, gib = _match(device_name, MEMORY_GIB)
+    return None if gib is None else int(gib * 2**30)
+
+
+def link_bytes_per_s(device_name: Optional[str]) -> tuple[float, bool]:
+    """(bytes/s one GPU sends to another of its node, whether that is the datasheet's NVLink figure rather
+    than ASSUMED_LINK_BYTES_PER_S)."""
+    _, value = _match(device_name or "", LINK_BYTES_PER_S)
+    return (value, True) if value else (ASSUMED_LINK_BYTES_PER_S, False)

@@ -17,11 +17,17 @@ tests/test_plan.py, which also checks the total against a measured peak):
   tokens at a time: a chunk's fp32 logits (4 · V bytes per token, plus their copy in the compute dtype
   when that is narrower) exist only while it is processed; every token keeps its hidden state's
   gradient (d elements), and the head's weight gradient (V · d fp32) waits for the backward.
+
+Tensor and pipeline parallelism (``--tp_size``, ``--pp_size``) change what one device holds: each quantity has
+one function, which the estimate and the dry run both ask: :func:`rank_parameters` (the blocks of a pipeline rank,
+split over tp), :func:`activation_bytes_per_token` (heads and MLP width split over tp, the norms too with sequence
+parallelism), :func:`microbatches_in_flight` (per pipeline schedule), :func:`pipeline_bubble` and
+:func:`tensor_parallel_bytes_per_layer`. The estimate reports the pipeline rank that needs the most.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,7 +36,7 @@ import torch
 from llmtrain.checkpoint.size import checkpoint_bytes
 from llmtrain.config import Config
 from llmtrain.distributed.parallel_plan import ParallelPlan
-from llmtrain.flops import flops_per_token, lookup_peak_flops, num_parameters
+from llmtrain.flops import flops_per_token, gpu_memory_bytes, link_bytes_per_s, lookup_peak_flops, num_parameters
 from llmtrain.train.loop import plan_horizon
 
 GiB = 2**30
@@ -77,6 +83,8 @@ class MemoryEstimate:
     gradients: int
     optimizer: int
     activations: int
+    pipeline_rank: int = 0
+    """The pipeline rank these bytes are of (the one that needs the most)."""
 
     @property
     def total(self) -> int:
@@ -96,22 +104,35 @@ def _bytes(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits // 8
 
 
-def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, checkpointing: bool) -> dict[str, float]:
-    """Bytes autograd keeps per token: per layer, for the whole stack, and for the head and loss."""
+def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, checkpointing: bool, *, tp: int = 1,
+                               sequence_parallel: bool = False) -> dict[str, float]:
+    """Bytes autograd keeps per token on one tensor-parallel rank: per block, for the whole stack, for the loss.
+
+    ``layer``: one block's full set; ``kept``: what a block keeps until its backward (``layer``, or only its
+    input under activation checkpointing); ``stack``: ``n_layer`` blocks' ``kept``; ``head_hidden``: norm_f's
+    saved tensors and the hidden state's gradient; ``logits``: one token's logits in the loss chunk.
+
+    Tensor parallelism splits the heads (q, k, v, SDPA) and the MLP width over ``tp`` ranks. The norms' tensors and
+    the d-wide inputs of the linears are replicated on every rank, unless sequence parallelism splits them over the
+    sequence: then they are divided by ``tp`` too (NOTE: as Megatron-LM counts them, re-gathering the input of a
+    column-parallel linear in backward; torch's DTensor keeps the gathered input, a d-wide tensor per linear more).
+    The vocabulary-sharded head holds ``V / tp`` of each token's logits.
+    """
     a = _bytes(compute_dtype)
     d, f = config.n_embd, config.intermediate_size
     q, kv = config.n_head * config.head_size, config.n_query_groups * config.head_size
     norm = 2 * d * 4 if config.norm_class_name == "RMSNorm" else d * a
     norms = 1 if config.shared_attention_norm else 2
     gated = config.mlp_class_name in ("LLaMAMLP", "GemmaMLP")
-    layer = norms * norm + (2 * q + 4 * kv) * a + ((4 if gated else 2) * f + d) * a
-    # norm_f's saved tensors and the hidden gradient per token; one chunk's logits on top (see module docstring)
-    head = norm + d * a + (4 + (a if a < 4 else 0)) * config.padded_vocab_size
-    if checkpointing:
-        # A block keeps only its input. Its full activations return one block at a time during
-        # backward, after the head's are freed, so the peak holds the larger of the two.
-        return {"layer": layer, "stack": config.n_layer * d * a, "head": max(head, layer), "head_hidden": norm + d * a}
-    return {"layer": layer, "stack": config.n_layer * layer, "head": head, "head_hidden": norm + d * a}
+    sequence_split = tp if sequence_parallel else 1
+    replicated = norms * norm + d * a  # the norms, and the MLP's input
+    split = (2 * q + 4 * kv) * a + (4 if gated else 2) * f * a  # attention heads and MLP width
+    layer = replicated / sequence_split + split / tp
+    # NOTE: a checkpointed block keeps only its input; its full set returns one block at a time in backward.
+    kept = d * a / sequence_split if checkpointing else layer
+    logits = (4 + (a if a < 4 else 0)) * config.padded_vocab_size / tp  # fp32, and their compute-dtype copy
+    return {"layer": layer, "kept": kept, "stack": config.n_layer * kept,
+            "head_hidden": norm / sequence_split + d * a, "logits": logits}
 
 
 def head_chunk_tokens(config: Config) -> int:
@@ -123,56 +144,191 @@ def head_chunk_tokens(config: Config) -> int:
 
 def _block_parameters(config: Config) -> int:
     embeddings = config.padded_vocab_size * config.n_embd * (1 if config.tie_embeddings else 2)
-    return (num_parameters(config) - embeddings) // config.n_layer
+    head_bias = config.padded_vocab_size if config.lm_head_bias else 0
+    return (num_parameters(config) - embeddings - head_bias - _final_norm_parameters(config)) // config.n_layer
 
 
-def estimate_memory(config: Config, plan: ParallelPlan, *, seq_len: int,
-                    trainable_parameters: Optional[int] = None, quantize: Optional[str] = None) -> MemoryEstimate:
-    """Peak bytes per device of one training step laid out as ``plan`` says.
+def _final_norm_parameters(config: Config) -> int:
+    return 2 * config.n_embd if config.norm_class_name == "LayerNorm" else config.n_embd
 
-    The plan's sharding strategy (None without a wrapper) and shard size divide the states; its CPU
-    offload counts only when FSDP applies it. ``trainable_parameters`` below the total means LoRA: only
-    the adapters have gradients and optimizer state. ``quantize`` stores the frozen linear weights in 4
-    bits (bnb.nf4, bnb.fp4) or 8 (bnb.int8).
+
+def block_parameters_per_rank(config: Config, tp: int) -> int:
+    """One block's parameters on a tensor-parallel rank: all but its norms are split over ``tp`` (the row-parallel
+    biases, replicated in fact, are counted as split: d parameters)."""
+    norms = (1 if config.shared_attention_norm else 2) * _final_norm_parameters(config)
+    return (_block_parameters(config) - norms) // tp + norms
+
+
+# ---- tensor and pipeline parallelism: what one rank holds and sends ---------------------------------------------
+def stage_layers(config: Config, plan: ParallelPlan) -> list[int]:
+    """Blocks each pipeline rank holds, rank 0 first (one entry without a pipeline).
+
+    The blocks are split into ``plan.pp_stages`` stages of ``n_layer // stages`` blocks, the first ``n_layer % stages``
+    stages one more; rank r holds stages r, r + pp, ... (one stage each, or ``pp_virtual_stages`` interleaved).
     """
-    precision, micro_batch_size = plan.precision, plan.batch.micro_batch_size
-    sharding = plan.sharding_strategy if plan.wrapper != "none" else None
-    shard_size, cpu_offload = plan.shard_size, plan.cpu_offload
-    total = num_parameters(config)
-    trainable = total if trainable_parameters is None else trainable_parameters
-    stored, compute = _bytes(precision.param_dtype), _bytes(precision.compute_dtype)
-    shard = shard_size if sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD") else 1
-    block = _block_parameters(config)
+    stages = plan.pp_stages
+    per_stage = [config.n_layer // stages + (stage < config.n_layer % stages) for stage in range(stages)]
+    return [sum(per_stage[rank::plan.pp]) for rank in range(plan.pp)]
 
-    frozen = total - trainable
+
+def rank_parameters(config: Config, plan: ParallelPlan, pipeline_rank: int = 0) -> int:
+    """Parameters on one rank of pipeline rank ``pipeline_rank`` before FSDP shards them: its blocks split over tp;
+    the first rank also holds the embedding, the last the final norm and the head (vocabulary rows split over tp).
+    A tied embedding is one tensor without a pipeline, a copy on the first and the last rank with one."""
+    tp, vocab_by_width = plan.tp, config.padded_vocab_size * config.n_embd
+    first, last = pipeline_rank == 0, pipeline_rank == plan.pp - 1
+    parameters = stage_layers(config, plan)[pipeline_rank] * block_parameters_per_rank(config, tp)
+    if first:
+        parameters += vocab_by_width // tp
+    if last:
+        head = 0 if config.tie_embeddings and first else vocab_by_width
+        head += config.padded_vocab_size if config.lm_head_bias else 0
+        parameters += head // tp + _final_norm_parameters(config)
+    return parameters
+
+
+def microbatches_in_flight(plan: ParallelPlan, pipeline_rank: int = 0) -> float:
+    """Micro-batches whose activations pipeline rank ``pipeline_rank`` keeps at its peak, each over all its blocks.
+
+    Without a pipeline 1: accumulation steps run one after the other. GPipe: all m forwards run before the first
+    backward. 1F1B (torch's Schedule1F1B): rank r runs min(m, pp - r) forwards before its first backward.
+    Interleaved 1F1B (torch's ScheduleInterleaved1F1B, whose warm-up is Megatron-LM's): rank r runs
+    (v - 1)·pp + 2·(pp - 1 - r) chunk forwards, then one more before its first backward, m·v at most; a chunk is one
+    of its v stages, 1/v of its blocks.
+    """
+    m, pp, v = plan.pp_microbatches, plan.pp, plan.pp_virtual_stages
+    if pp == 1:
+        return 1.0
+    if plan.pp_schedule == "gpipe":
+        return float(m)
+    if plan.pp_schedule == "1f1b":
+        return float(min(m, pp - pipeline_rank))
+    return min(m * v, (v - 1) * pp + 2 * (pp - 1 - pipeline_rank) + 1) / v
+
+
+def pipeline_bubble(plan: ParallelPlan) -> float:
+    """Fraction of a step a pipeline rank idles while the pipeline fills and drains.
+
+    (pp - 1) / (m + pp - 1) for GPipe and 1F1B (m micro-batches per step); interleaving v stages per rank makes
+    each fill step 1/v as long: (pp - 1) / (v·m + pp - 1) (Narayanan et al., 2021). 0 without a pipeline.
+    """
+    pp, m, v = plan.pp, plan.pp_microbatches, plan.pp_virtual_stages
+    return (pp - 1) / (v * m + pp - 1)
+
+
+def tensor_parallel_bytes_per_layer(config: Config, plan: ParallelPlan, seq_len: int) -> float:
+    """Bytes each tensor-parallel rank sends for one block and one micro-batch, forward and backward.
+
+    S = B·T·C·a is the activation between blocks (micro batch B, sequence T, width C, a bytes of the compute
+    dtype). Over tp ranks a ring all-gather or reduce-scatter of S sends (tp - 1)/tp·S from each rank, an
+    all-reduce twice that. With sequence parallelism a block all-gathers its input and reduce-scatters its output
+    for attention and for the MLP, in the forward and again in the backward: 8 collectives. Without it the
+    forward all-reduces the row-parallel outputs (attention's o, the MLP's down) and the backward the gradients of
+    the column-parallel inputs: 4 all-reduces. Both send
+
+        8·(tp - 1)/tp·B·T·C·a  bytes per rank, block and micro-batch,
+
+    12·(tp - 1)/tp·B·T·C·a with activation checkpointing (the backward runs the forward again). The embedding's and
+    the loss's collectives (about one block's) are not counted.
+    """
+    tp = plan.tp
+    activation = plan.batch.micro_batch_size * seq_len * config.n_embd * _bytes(plan.precision.compute_dtype)
+    passes = 12 if plan.activation_checkpointing else 8
+    return passes * (tp - 1) / tp * activation
+
+
+def tensor_parallel_bytes_per_step(config: Config, plan: ParallelPlan, seq_len: int) -> float:
+    """Bytes a tensor-parallel rank of the busiest pipeline rank sends per optimizer step: every block it holds,
+    for every micro-batch of the step (the accumulation steps, or the pipeline's micro-batches)."""
+    layers = max(stage_layers(config, plan))
+    return tensor_parallel_bytes_per_layer(config, plan, seq_len) * layers * plan.batch.grad_accum_steps
+
+
+# ---- the estimate ------------------------------------------------------------------------------------------------
+def state_bytes(config: Config, plan: ParallelPlan, pipeline_rank: int = 0, *,
+                trainable_parameters: Optional[int] = None, quantize: Optional[str] = None) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer state) bytes on one device of pipeline rank ``pipeline_rank``.
+
+    Tensor and pipeline parallelism leave a rank :func:`rank_parameters`; the plan's sharding strategy (None
+    without a wrapper) and shard size divide those; its CPU offload counts only when FSDP applies it.
+    ``trainable_parameters`` below the total means LoRA: only the adapters have gradients and optimizer state.
+    ``quantize`` stores the frozen linear weights in 4 bits (bnb.nf4, bnb.fp4) or 8 (bnb.int8). LoRA and
+    quantization never run with tensor or pipeline parallelism (the recipes refuse it).
+    """
+    precision = plan.precision
+    sharding = plan.sharding_strategy if plan.wrapper != "none" else None
+    local = rank_parameters(config, plan, pipeline_rank)
+    trainable = trainable_parameters if _adapters_only(config, plan, trainable_parameters) else local
+    stored, compute = _bytes(precision.param_dtype), _bytes(precision.compute_dtype)
+    shard = plan.shard_size if sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD") else 1
+    block = block_parameters_per_rank(config, plan.tp)
+
+    frozen = local - trainable
     if quantize is not None:
-        linear = block * config.n_layer  # the blocks' weights are what bitsandbytes quantizes
+        linear = _block_parameters(config) * config.n_layer  # the blocks' weights are what bitsandbytes quantizes
         per_weight = 1.0 if quantize == "bnb.int8" else 0.5 + 4 / 64  # 4-bit codes plus one fp32 absmax per 64
-        params = (total - linear) * stored + linear * per_weight + trainable * stored
+        params = (local - linear) * stored + linear * per_weight + trainable * stored
     else:
         params = (frozen + trainable) * stored
     params /= shard
     if sharding in ("FULL_SHARD", "HYBRID_SHARD"):
         params += 2 * block * compute  # the gathered block, and the next one prefetched
     elif sharding == "SHARD_GRAD_OP":
-        params += total * compute  # gathered weights stay until backward
+        params += local * compute  # gathered weights stay until backward
     elif sharding is None and precision.is_mixed:
-        params += total * compute  # autocast keeps low-precision weight copies for backward
+        params += local * compute  # autocast keeps low-precision weight copies for backward
     grad_bytes = 4 if sharding is not None and precision.is_mixed else stored  # FSDP reduces in fp32
     gradients = trainable * grad_bytes / shard
-    if sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD") and trainable == total:
+    if sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD") and trainable == local:
         gradients += block * compute  # one block's unsharded gradients before the reduce-scatter
     optimizer = 2 * trainable * stored / shard  # AdamW's two moments, in the weights' dtype
-    if cpu_offload:
+    if plan.cpu_offload:
         params, gradients, optimizer = 2 * block * compute, block * compute, 0
-    tokens = micro_batch_size * seq_len
-    per_token = activation_bytes_per_token(config, precision.compute_dtype, plan.activation_checkpointing)
+    return int(params), int(gradients), int(optimizer)
+
+
+def activation_bytes(config: Config, plan: ParallelPlan, pipeline_rank: int = 0, *, seq_len: int,
+                     trains_head: bool = True) -> int:
+    """Activation bytes at the peak of a step on one device of pipeline rank ``pipeline_rank``.
+
+    Its blocks' kept activations for :func:`microbatches_in_flight` micro-batches; with activation checkpointing,
+    one block's full set recomputed in backward. The last rank adds the loss: its hidden states' gradients, one
+    chunk's logits, and (``trains_head``) the head's fp32 weight gradient, which the fused loss computes in the
+    forward and keeps until the backward: one per micro-batch in flight on the last rank (all of them under GPipe).
+    """
+    per_token = activation_bytes_per_token(config, plan.precision.compute_dtype, plan.activation_checkpointing,
+                                           tp=plan.tp, sequence_parallel=plan.sequence_parallel)
+    tokens = plan.batch.micro_batch_size * seq_len
+    layers = stage_layers(config, plan)[pipeline_rank]
+    kept = tokens * layers * per_token["kept"] * microbatches_in_flight(plan, pipeline_rank)
+    recomputed = tokens * per_token["layer"] if plan.activation_checkpointing else 0
+    if pipeline_rank < plan.pp - 1:
+        return int(kept + recomputed)
+    heads_in_flight = plan.pp_microbatches if plan.pp_schedule == "gpipe" else 1
     chunk = min(tokens, head_chunk_tokens(config))  # the loss's logits exist one chunk at a time
-    head = tokens * per_token["head_hidden"] + chunk * (per_token["head"] - per_token["head_hidden"])
-    activations = tokens * per_token["stack"] + head
-    if trainable == total:
-        activations += 4 * config.padded_vocab_size * config.n_embd  # the head's fp32 weight gradient, early
-    return MemoryEstimate(int(params), int(gradients), int(optimizer), int(activations))
+    loss = heads_in_flight * tokens * per_token["head_hidden"] + chunk * per_token["logits"]
+    head_gradient = 4 * config.padded_vocab_size * config.n_embd / plan.tp * heads_in_flight if trains_head else 0
+    return int(kept + head_gradient + max(loss, recomputed))
+
+
+def _adapters_only(config: Config, plan: ParallelPlan, trainable_parameters: Optional[int]) -> bool:
+    """LoRA: fewer trainable parameters than the model has (never with tensor or pipeline parallelism)."""
+    return (trainable_parameters is not None and trainable_parameters < num_parameters(config)
+            and not plan.splits_model)
+
+
+def estimate_memory(config: Config, plan: ParallelPlan, *, seq_len: int,
+                    trainable_parameters: Optional[int] = None, quantize: Optional[str] = None) -> MemoryEstimate:
+    """Peak bytes per device of one training step laid out as ``plan`` says: on the pipeline rank that needs the
+    most (:func:`state_bytes` plus :func:`activation_bytes`; the only rank without a pipeline)."""
+    estimates = []
+    for rank in range(plan.pp):
+        params, gradients, optimizer = state_bytes(config, plan, rank, trainable_parameters=trainable_parameters,
+                                                   quantize=quantize)
+        activations = activation_bytes(config, plan, rank, seq_len=seq_len,
+                                       trains_head=not _adapters_only(config, plan, trainable_parameters))
+        estimates.append(MemoryEstimate(params, gradients, optimizer, activations, pipeline_rank=rank))
+    return max(estimates, key=lambda estimate: estimate.total)
 
 
 def lora_trainable_parameters(config: Config, lora: Any) -> int:
@@ -185,6 +341,99 @@ def lora_trainable_parameters(config: Config, lora: Any) -> int:
     apply_lora(model, lora)
     mark_only_lora_trainable(model)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# ---- will it fit, and what would ----------------------------------------------------------------------------------
+USABLE_MEMORY_FRACTION = 0.9
+"""Share of a GPU's memory a plan may fill: the CUDA context, NCCL's buffers and the allocator's fragmentation take
+the rest. An assumed margin, not a measured one: check a plan close to it with a few steps before a long job."""
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """A layout that fits: the flags to add, its plan and its memory per device."""
+
+    flags: str
+    plan: ParallelPlan
+    memory: MemoryEstimate
+
+
+def gpu_name(dry: DryRunArgs, plan: ParallelPlan) -> Optional[str]:
+    """The GPU the plan is for: --dry_run.gpu, else this machine's first GPU; None for a plan on CPU."""
+    if dry.gpu is not None:
+        return dry.gpu
+    return torch.cuda.get_device_name(0) if plan.device_type == "cuda" and torch.cuda.is_available() else None
+
+
+def device_memory_bytes(dry: DryRunArgs, plan: ParallelPlan) -> Optional[int]:
+    """Memory of the GPU the plan is for (:func:`gpu_name`); None on CPU or for a GPU of unknown size."""
+    name = gpu_name(dry, plan)
+    if name is None:
+        return None
+    return gpu_memory_bytes(name) if dry.gpu is not None else torch.cuda.get_device_properties(0).total_memory
+
+
+def fits(memory: MemoryEstimate, capacity: int) -> bool:
+    return memory.total <= USABLE_MEMORY_FRACTION * capacity
+
+
+def model_splits(devices: int, world: int) -> list[tuple[int, int]]:
+    """(tp, pp) pairs to try, the smallest split first and, among equal ones, tensor parallelism before pipeline:
+    tp divides a node's devices (at most 8: its collectives need one node's links), pp divides the ranks left."""
+    tps = [tp for tp in range(1, min(devices, 8) + 1) if devices % tp == 0]
+    pairs = [(tp, pp) for tp in tps for pp in range(1, world // tp + 1) if (world // tp) % pp == 0]
+    return sorted(pairs, key=lambda pair: (pair[0] * pair[1], pair[1]))
+
+
+def suggest_layout(config: Config, plan: ParallelPlan, *, seq_len: int, train: Any, fsdp: Any,
+                   capacity: int) -> tuple[str, Optional[Suggestion]]:
+    """The first layout of :func:`model_splits` that fits ``capacity`` bytes, with the run's other flags.
+
+    If none does, the flags that lower memory are added one after another (activation checkpointing, micro batch 1,
+    FULL_SHARD instead of HYBRID_SHARD, twice the nodes, CPU offload) until one does. Returns (the flags added
+    before the split, empty if none were needed; the suggestion, None if nothing fits even then).
+    """
+    remedies = [("", train, fsdp, plan.num_nodes)]
+    if not fsdp.activation_checkpointing:
+        fsdp = replace(fsdp, activation_checkpointing=True)
+        remedies.append(("--fsdp.activation_checkpointing true", train, fsdp, plan.num_nodes))
+    if plan.batch.micro_batch_size > 1:
+        train = replace(train, micro_batch_size=1)
+        remedies.append(("--train.micro_batch_size 1", train, fsdp, plan.num_nodes))
+    if plan.sharding_strategy == "HYBRID_SHARD":
+        fsdp = replace(fsdp, sharding_strategy="FULL_SHARD")
+        remedies.append(("--fsdp.sharding_strategy FULL_SHARD", train, fsdp, plan.num_nodes))
+    remedies.append((f"--num_nodes {2 * plan.num_nodes}", train, fsdp, 2 * plan.num_nodes))
+    remedies.append(("--fsdp.cpu_offload true", train, replace(fsdp, cpu_offload=True), 2 * plan.num_nodes))
+    added = []
+    for flag, train, fsdp, num_nodes in remedies:
+        added += [flag] if flag else []
+        for tp, pp in model_splits(plan.devices, plan.devices * num_nodes):
+            candidate = _resolve_split(config, plan, seq_len=seq_len, train=train, fsdp=fsdp, num_nodes=num_nodes,
+                                       tp=tp, pp=pp)
+            if candidate is None:
+                continue
+            memory = estimate_memory(config, candidate, seq_len=seq_len)
+            if fits(memory, capacity):
+                split = " ".join(f"--{name} {size}" for name, size in (("tp_size", tp), ("pp_size", pp)) if size > 1)
+                return " ".join(added), Suggestion(split, candidate, memory)
+    return " ".join(added), None
+
+
+def _resolve_split(config: Config, plan: ParallelPlan, *, seq_len: int, train: Any, fsdp: Any, num_nodes: int,
+                   tp: int, pp: int) -> Optional[ParallelPlan]:
+    """The plan with these flags and this split, or None where they do not go together (the model does not divide,
+    the batch gives the pipeline too few micro-batches, DDP)."""
+    if fsdp.sharding_strategy == "NO_SHARD":
+        fsdp = replace(fsdp, sharding_strategy=None)  # DDP does not compose with a split; FSDP is the alternative
+    try:
+        candidate = ParallelPlan.resolve(devices=plan.devices, num_nodes=num_nodes, train=train, fsdp=fsdp,
+                                         precision=plan.precision, device_type=plan.device_type, tp=tp, pp=pp,
+                                         strict_batch=False)
+        candidate.check_model(config, seq_len)
+    except ValueError:
+        return None
+    return candidate if candidate.batch_problem is None else None
 
 
 def _shards(step_bytes: int, plan: ParallelPlan, state_dict_type: str, lora: bool) -> str:
@@ -225,6 +474,8 @@ def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_
         layout = f"NO_SHARD (DDP): replicate {world}"
     else:
         layout = f"{plan.sharding_strategy}: shard {plan.dp_shard}"
+    if plan.splits_model:
+        layout = f"{layout if plan.wrapper != 'none' else 'no data-parallel wrapper'}; {_describe_split(plan)}"
     batch = plan.batch
     precision = plan.precision
     lines = [
@@ -244,10 +495,15 @@ def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_
         f"{plan.data_parallel_size} ranks (see the end)",
         f"tokens/step  {tokens_per_step:,}",
         f"length       {_describe_length(steps, tokens_per_step, train)}",
-        f"memory       per device (estimate): {memory.describe()}",
+        f"memory       per device (estimate{_describe_rank(config, plan, memory)}): {memory.describe()}",
         f"checkpoint   weights {_size(sizes['weights'])}; each resumable step checkpoint {_size(sizes['step'])}"
         f"{_shards(sizes['step'], plan, fsdp.state_dict_type, trainable < total)}",
     ]
+    lines += _describe_split_costs(config, plan, seq_len, dry)
+    capacity = device_memory_bytes(dry, plan)
+    if capacity is not None:
+        lines += _describe_fit(config, plan, memory, seq_len=seq_len, train=train, fsdp=fsdp, capacity=capacity,
+                               gpu=gpu_name(dry, plan), splittable=trainable == total and quantize is None)
     free = shutil.disk_usage(_existing_parent(out_dir)).free
     if free < sizes["needed"]:
         lines.append(f"warning      --out_dir {out_dir} has {_size(free)} free here: too little for one checkpoint")
@@ -269,9 +525,91 @@ def _describe_time(config: Config, plan: ParallelPlan, dry: DryRunArgs, seq_len:
         source = f"{dry.gpu} at {mfu:.0%} MFU"
     if per_device is None:
         return "time         pass --dry_run.tokens_per_sec N or --dry_run.gpu NAME for an estimate"
-    step_s = tokens_per_step / (per_device * plan.world_size)
+    bubble = pipeline_bubble(plan)
+    step_s = tokens_per_step / (per_device * plan.world_size) / (1 - bubble)
     total_s = f", {_duration(step_s * steps)} for {steps:,} steps" if steps else ""
-    return f"time         {per_device:,.0f} tokens/s per device ({source}): {step_s:.2f} s per step{total_s}"
+    idle = f" with the pipeline bubble ({bubble:.1%} idle)" if bubble else ""
+    return f"time         {per_device:,.0f} tokens/s per device ({source}): {step_s:.2f} s per step{idle}{total_s}"
+
+
+def _plural(count: float, noun: str) -> str:
+    return f"{count:g} {noun}{'es' if noun.endswith('h') else 's'}" if count != 1 else f"1 {noun}"
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 0.1 else f"{seconds * 1e3:.1f} ms"
+
+
+def _describe_split(plan: ParallelPlan) -> str:
+    """ "tensor 2 (sequence parallel) × pipeline 2 (1f1b)" """
+    parts = []
+    if plan.tp > 1:
+        parts.append(f"tensor {plan.tp}{' (sequence parallel)' if plan.sequence_parallel else ''}")
+    if plan.pp > 1:
+        virtual = f", {plan.pp_virtual_stages} stages per rank" if plan.pp_virtual_stages > 1 else ""
+        parts.append(f"pipeline {plan.pp} ({plan.pp_schedule}{virtual})")
+    return " × ".join(parts)
+
+
+def _describe_rank(config: Config, plan: ParallelPlan, memory: MemoryEstimate) -> str:
+    """ ", pipeline rank 0 of 2: 16 blocks + embedding, 2 micro-batches in flight" (empty without a pipeline)."""
+    if plan.pp == 1:
+        return ""
+    rank = memory.pipeline_rank
+    ends = (" + embedding" if rank == 0 else "") + (" + head" if rank == plan.pp - 1 else "")
+    return (f", the largest pipeline rank: {rank} of {plan.pp}, {stage_layers(config, plan)[rank]} blocks{ends}, "
+            f"{_plural(microbatches_in_flight(plan, rank), 'micro-batch')} in flight")
+
+
+def _describe_split_costs(config: Config, plan: ParallelPlan, seq_len: int, dry: DryRunArgs) -> list[str]:
+    """The pipeline's bubble and tensor parallelism's traffic (no lines without them)."""
+    lines = []
+    if plan.pp > 1:
+        m, v = plan.pp_microbatches, plan.pp_virtual_stages
+        formula = "(pp - 1)/(v·m + pp - 1)" if v > 1 else "(pp - 1)/(m + pp - 1)"
+        lines.append(f"pipeline     {plan.pp_schedule} over {plan.pp} ranks{f' × {v} stages each' if v > 1 else ''}, "
+                     f"m = {m} micro-batches per step: bubble {formula} = {plan.pp - 1}/{v * m + plan.pp - 1} = "
+                     f"{pipeline_bubble(plan):.1%} of each step idle")
+    if plan.tp > 1:
+        per_layer = tensor_parallel_bytes_per_layer(config, plan, seq_len)
+        per_step = tensor_parallel_bytes_per_step(config, plan, seq_len)
+        gpu = gpu_name(dry, plan)
+        link, known = link_bytes_per_s(gpu)
+        where = (f"{gpu} NVLink, one way" if known else
+                 "assumed: PCIe 4.0 x16 one way; --dry_run.gpu names a GPU with NVLink")
+        passes = 12 if plan.activation_checkpointing else 8
+        lines.append(f"tensor       each of {plan.tp} ranks sends {passes}·(tp - 1)/tp·B·T·C·bytes = {_size(per_layer)} per "
+                     f"block and micro-batch, {_size(per_step)} per step ({max(stage_layers(config, plan))} blocks × "
+                     f"{_plural(plan.batch.grad_accum_steps, 'micro-batch')}): {_seconds(per_step / link)} per step at "
+                     f"{link / 1e9:.0f} GB/s ({where})")
+    return lines
+
+
+def _describe_fit(config: Config, plan: ParallelPlan, memory: MemoryEstimate, *, seq_len: int, train: Any, fsdp: Any,
+                  capacity: int, gpu: str, splittable: bool) -> list[str]:
+    """Whether the estimate fits the GPU; if not, a layout that does (:func:`suggest_layout`), unless the recipe
+    cannot split the model (LoRA and QLoRA train with data parallelism only)."""
+    usable = USABLE_MEMORY_FRACTION * capacity
+    of = f"{_size(usable)} usable of the {gpu}'s {_size(capacity)} ({USABLE_MEMORY_FRACTION:.0%})"
+    if fits(memory, capacity):
+        return [f"fits         yes: {_size(memory.total)} per device, {memory.total / usable:.0%} of the {of}"]
+    lines = [f"fits         no: {_size(memory.total)} per device, more than the {of}"]
+    if not splittable:
+        return lines + ["suggest      LoRA and QLoRA do not split the model: see tutorials/out_of_memory.md"]
+    added, suggestion = suggest_layout(config, plan, seq_len=seq_len, train=train, fsdp=fsdp, capacity=capacity)
+    if suggestion is None:
+        lines.append(f"suggest      nothing fits on {plan.num_nodes} × {plan.devices} {gpu}, not even with {added} and "
+                     "any --tp_size × --pp_size: use GPUs with more memory, or more nodes")
+        return lines
+    flags = " ".join(part for part in (added, suggestion.flags) if part)
+    chosen = suggestion.plan
+    costs = [f"mesh {chosen.describe_mesh()}"] if chosen.describe_mesh() else []
+    if chosen.pp > 1:
+        costs.append(f"{chosen.pp_schedule} bubble {pipeline_bubble(chosen):.1%}")
+    before = "" if not added else f"no --tp_size × --pp_size fits with these flags; with "
+    lines.append(f"suggest      {before}{flags}: {_size(suggestion.memory.total)} per device ({'; '.join(costs)})")
+    lines.append(f"             {suggestion.memory.describe()}")
+    return lines
 
 
 def _planned_steps(train: Any, tokens_per_step: int) -> Optional[int]:

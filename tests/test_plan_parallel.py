@@ -1,0 +1,229 @@
+"""The plan under tensor and pipeline parallelism: memory per device, the pipeline's bubble and micro-batches in
+flight, tensor parallelism's traffic, and the layout the dry run suggests, for Llama 3 8B and 70B on 4 × 8 H100."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmtrain.args import FSDPArgs, TrainArgs
+from llmtrain.config import Config
+from llmtrain.distributed.parallel_plan import ParallelPlan
+from llmtrain.flops import gpu_memory_bytes, link_bytes_per_s, num_parameters
+from llmtrain.plan import (USABLE_MEMORY_FRACTION, activation_bytes, activation_bytes_per_token, estimate_memory,
+                           fits, microbatches_in_flight, model_splits, pipeline_bubble, rank_parameters,
+                           stage_layers, state_bytes, suggest_layout, tensor_parallel_bytes_per_layer,
+                           tensor_parallel_bytes_per_step)
+
+SEQ_LEN = 8192
+H100 = gpu_memory_bytes("H100")
+
+
+def on_4x8(tp: int = 1, pp: int = 1, micro_batch: int = 1, global_batch: int = 256, checkpointing: bool = False,
+           schedule=None, virtual_stages=None, sharding=None, sequence_parallel=None) -> ParallelPlan:
+    """A bf16-mixed plan for 4 nodes of 8 H100 (HYBRID_SHARD unless ``sharding`` says otherwise)."""
+    return ParallelPlan.resolve(devices=8, num_nodes=4, precision="bf16-mixed", device_type="cuda", tp=tp, pp=pp,
+                                train=TrainArgs(global_batch_size=global_batch, micro_batch_size=micro_batch),
+                                fsdp=FSDPArgs(activation_checkpointing=checkpointing, sharding_strategy=sharding),
+                                pp_schedule=schedule, pp_virtual_stages=virtual_stages,
+                                sequence_parallel=sequence_parallel)
+
+
+@pytest.fixture(scope="module")
+def llama_8b() -> Config:
+    return Config.from_name("llama-3-8b")
+
+
+@pytest.fixture(scope="module")
+def llama_70b() -> Config:
+    return Config.from_name("llama-3-70b")
+
+
+# ---- what a rank holds -----------------------------------------------------------------------------------------
+def test_pipeline_ranks_hold_every_parameter_once(llama_70b):
+    """The pipeline ranks' parameters add up to the model; a tied embedding is held by the first and the last."""
+    for pp in (1, 2, 4):
+        assert sum(rank_parameters(llama_70b, on_4x8(pp=pp), rank) for rank in range(pp)) == num_parameters(llama_70b)
+    tied = Config.from_name("Llama-3.2-1B")
+    assert tied.tie_embeddings
+    two = on_4x8(pp=2)
+    held = sum(rank_parameters(tied, two, rank) for rank in range(2))
+    assert held == num_parameters(tied) + tied.padded_vocab_size * tied.n_embd
+
+
+def test_blocks_are_split_evenly_over_the_stages(llama_70b):
+    assert stage_layers(llama_70b, on_4x8(pp=4)) == [20] * 4
+    assert stage_layers(Config.from_name("llama-debug"), on_4x8(pp=4, global_batch=32)) == [1] * 4
+    odd = Config.from_name("Llama-3.2-3B")  # 28 blocks
+    assert stage_layers(odd, on_4x8(pp=8)) == [4, 4, 4, 4, 3, 3, 3, 3]
+    # interleaved: 28 blocks in 2 × 4 stages of 4, 4, 4, 4, 3, 3, 3, 3; rank r holds stages r and r + 4
+    assert stage_layers(odd, on_4x8(pp=4, schedule="interleaved_1f1b")) == [7, 7, 7, 7]
+
+
+def test_tensor_parallelism_halves_a_ranks_weights_not_its_share_of_the_sharded_states(llama_8b):
+    """tp 2 leaves a rank half the weights (all but the norms), but takes half the ranks HYBRID_SHARD shards over:
+    parameters, gradients and AdamW's moments per device stay (to the norms' replicas). Activations halve with
+    sequence parallelism; without it the norms' and the linears' d-wide inputs stay whole."""
+    fsdp, tp2 = on_4x8(), on_4x8(tp=2)
+    assert (fsdp.shard_size, tp2.shard_size) == (8, 4)
+    norms = (llama_8b.n_layer * 2 + 1) * llama_8b.n_embd
+    assert rank_parameters(llama_8b, tp2) == (num_parameters(llama_8b) - norms) // 2 + norms
+    alone, split = estimate_memory(llama_8b, fsdp, seq_len=SEQ_LEN), estimate_memory(llama_8b, tp2, seq_len=SEQ_LEN)
+    assert split.optimizer == pytest.approx(alone.optimizer, rel=1e-4)
+    per_token = {sp: activation_bytes_per_token(llama_8b, torch.bfloat16, False, tp=2, sequence_parallel=sp)
+                 for sp in (True, False)}
+    whole = activation_bytes_per_token(llama_8b, torch.bfloat16, False)
+    assert per_token[True]["layer"] == whole["layer"] / 2
+    assert whole["layer"] / 2 < per_token[False]["layer"] < whole["layer"]
+    assert split.activations < 0.51 * alone.activations
+
+
+def test_full_shard_over_the_data_parallel_ranks_left():
+    """FULL_SHARD shards over world / (tp × pp) ranks: a rank's states shrink by tp × pp over their tensor and
+    pipeline share, which the shard size gives back (the 70B is what HYBRID_SHARD within a node cannot hold)."""
+    config = Config.from_name("llama-3-70b")
+    states = {}
+    for tp, pp in ((1, 1), (8, 1), (8, 4)):
+        plan = on_4x8(tp=tp, pp=pp, sharding="FULL_SHARD" if tp * pp < 32 else None)
+        states[tp, pp] = state_bytes(config, plan)[2]  # AdamW's moments: 2 × 4 bytes per parameter held
+        assert states[tp, pp] == pytest.approx(8 * rank_parameters(config, plan) / plan.shard_size, rel=1e-6)
+    assert states[8, 1] == pytest.approx(states[1, 1], rel=2e-3) == pytest.approx(8 * num_parameters(config) / 32,
+                                                                                   rel=2e-3)
+
+
+def test_pipeline_halves_the_states_and_1f1b_keeps_the_activations(llama_8b):
+    """pp 2 (1F1B) on 4 × 8: each rank holds half the blocks and still shards over 8 (replicate 2 × shard 8), so
+    its states halve. Its first rank keeps 2 micro-batches of its 16 blocks in flight: the blocks' activations of
+    one micro-batch through all 32, as without a pipeline. GPipe keeps all m micro-batches."""
+    fsdp, pp2 = on_4x8(), on_4x8(pp=2)
+    assert pp2.shard_size == 8 and pp2.pp_microbatches == 16
+    alone = estimate_memory(llama_8b, fsdp, seq_len=SEQ_LEN)
+    first = state_bytes(llama_8b, pp2, 0)
+    assert first[2] == pytest.approx(alone.optimizer / 2, rel=0.05)  # half the blocks, and the embedding
+    assert microbatches_in_flight(pp2, 0) == 2 and microbatches_in_flight(pp2, 1) == 1
+    kept = SEQ_LEN * llama_8b.n_layer * activation_bytes_per_token(llama_8b, torch.bfloat16, False)["kept"]
+    assert activation_bytes(llama_8b, pp2, 0, seq_len=SEQ_LEN) == int(kept)
+    gpipe = on_4x8(pp=2, schedule="gpipe")
+    assert activation_bytes(llama_8b, gpipe, 0, seq_len=SEQ_LEN) == int(kept / 2 * 16)
+
+
+def test_interleaved_1f1b_keeps_torchs_warmup_in_flight():
+    """Rank r of an interleaved pipeline runs torch's warm-up of chunk forwards, then one more, before its first
+    backward; each chunk is one of its v stages."""
+    from torch.distributed.pipelining.schedules import _get_warmup_ops
+
+    for pp, v, m in ((2, 2, 4), (4, 2, 8), (4, 3, 4), (4, 2, 16)):
+        plan = on_4x8(pp=pp, schedule="interleaved_1f1b", virtual_stages=v, global_batch=m * 32 // pp)
+        assert plan.pp_microbatches == m
+        for rank in range(pp):
+            chunks = min(_get_warmup_ops(rank, v, pp, pp, m, multiply_factor=2) + 1, m * v)
+            assert microbatches_in_flight(plan, rank) == chunks / v
+    plan = on_4x8(pp=4, schedule="interleaved_1f1b", global_batch=64)  # m 8, v 2: (2 - 1)·4 + 2·3 + 1 = 11 chunks
+    assert microbatches_in_flight(plan, 0) == 5.5
+
+
+def test_the_bubble_formula():
+    assert pipeline_bubble(on_4x8()) == 0
+    assert pipeline_bubble(on_4x8(pp=4, global_batch=64)) == 3 / (8 + 3)  # m = 64 / 8 data-parallel ranks
+    assert pipeline_bubble(on_4x8(pp=4, global_batch=64, schedule="gpipe")) == 3 / 11
+    assert pipeline_bubble(on_4x8(pp=4, global_batch=64, schedule="interleaved_1f1b", virtual_stages=2)) == 3 / 19
+
+
+def test_tensor_parallel_traffic_by_hand(llama_8b):
+    """8·(tp - 1)/tp·B·T·C·a bytes per block and micro-batch: for B 1, T 8192, C 4096 in bf16, S = 64 MiB."""
+    activation = 1 * 8192 * 4096 * 2
+    assert tensor_parallel_bytes_per_layer(llama_8b, on_4x8(tp=2), SEQ_LEN) == 4 * activation == 256 * 2**20
+    assert tensor_parallel_bytes_per_layer(llama_8b, on_4x8(tp=8), SEQ_LEN) == 7 * activation
+    assert tensor_parallel_bytes_per_layer(llama_8b, on_4x8(tp=2, sequence_parallel=False), SEQ_LEN) == 4 * activation
+    assert tensor_parallel_bytes_per_layer(llama_8b, on_4x8(tp=2, checkpointing=True), SEQ_LEN) == 6 * activation
+    assert tensor_parallel_bytes_per_layer(llama_8b, on_4x8(micro_batch=2), SEQ_LEN) == 0
+    both = on_4x8(tp=2, pp=2)  # 16 blocks per rank, 256 / (8 data-parallel ranks × micro 1) = 32 micro-batches
+    assert tensor_parallel_bytes_per_step(llama_8b, both, SEQ_LEN) == 256 * 2**20 * 16 * 32 == 128 * 2**30
+    assert link_bytes_per_s("NVIDIA H100 80GB HBM3") == (450e9, True)
+    assert link_bytes_per_s("L4")[1] is False
+
+
+# ---- what fits ---------------------------------------------------------------------------------------------------
+def test_gpu_memory_from_the_name_or_the_table():
+    assert gpu_memory_bytes("NVIDIA A100-SXM4-40GB") == 40 * 2**30  # the size the name states
+    assert gpu_memory_bytes("H100") == gpu_memory_bytes("NVIDIA H100 80GB HBM3") == 80 * 2**30
+    assert gpu_memory_bytes("H200") == 141 * 2**30 and gpu_memory_bytes("TPU v5") is None
+
+
+def test_splits_to_try_smallest_first_tensor_before_pipeline():
+    splits = model_splits(8, 32)
+    assert splits[:5] == [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2)]
+    assert all(tp <= 8 and 8 % tp == 0 and 32 % (tp * pp) == 0 for tp, pp in splits)
+    assert splits[-1] == (1, 32)
+
+
+def test_70b_on_4x8_h100_gets_a_layout_that_fits(llama_70b):
+    plan = on_4x8()
+    assert not fits(estimate_memory(llama_70b, plan, seq_len=SEQ_LEN), H100)
+    added, suggestion = suggest_layout(llama_70b, plan, seq_len=SEQ_LEN, train=TrainArgs(global_batch_size=256,
+                                       micro_batch_size=1), fsdp=FSDPArgs(), capacity=H100)
+    assert added == "" and suggestion is not None
+    assert suggestion.memory.total <= USABLE_MEMORY_FRACTION * H100
+    assert (suggestion.plan.tp, suggestion.plan.pp) == (8, 4) and suggestion.flags == "--tp_size 8 --pp_size 4"
+    for tp, pp in model_splits(8, 32)[:model_splits(8, 32).index((8, 4))]:  # no smaller split fits
+        smaller = on_4x8(tp=tp, pp=pp)
+        assert not fits(estimate_memory(llama_70b, smaller, seq_len=SEQ_LEN), H100), (tp, pp)
+
+
+def test_70b_with_too_large_a_micro_batch_is_told_what_else_it_needs(llama_70b):
+    added, suggestion = suggest_layout(llama_70b, on_4x8(micro_batch=4), seq_len=SEQ_LEN, fsdp=FSDPArgs(),
+                                       train=TrainArgs(global_batch_size=256, micro_batch_size=4), capacity=H100)
+    assert added == "--fsdp.activation_checkpointing true" and suggestion is not None
+    assert suggestion.plan.activation_checkpointing and fits(suggestion.memory, H100)
+
+
+def test_8b_fits_with_fsdp_alone(llama_8b):
+    assert fits(estimate_memory(llama_8b, on_4x8(checkpointing=True), seq_len=SEQ_LEN), H100)
+    assert fits(estimate_memory(llama_8b, on_4x8(), seq_len=SEQ_LEN), H100)
+
+
+# ---- the dry run prints it ---------------------------------------------------------------------------------------
+def dry_run(capsys, *flags: str) -> str:
+    from llmtrain.cli import main
+
+    main(["pretrain", *flags, "--devices", "8", "--num_nodes", "4", "--dry_run.gpu", "H100", "--dry_run",
+          "--train.global_batch_size", "256", "--train.micro_batch_size", "1"])
+    return capsys.readouterr().out
+
+
+def test_dry_run_of_tensor_and_pipeline_parallelism(capsys, tmp_path):
+    out = dry_run(capsys, "llama-3-8b", "--tp_size", "2", "--pp_size", "2", "--out_dir", str(tmp_path / "o"))
+    assert "HYBRID_SHARD: replicate 2 × shard 4; tensor 2 (sequence parallel) × pipeline 2 (1f1b)" in out
+    assert "memory       per device (estimate, the largest pipeline rank: 0 of 2, 16 blocks + embedding, 2 " \
+           "micro-batches in flight)" in out
+    assert "pipeline     1f1b over 2 ranks, m = 32 micro-batches per step: bubble (pp - 1)/(m + pp - 1) = 1/33 = " \
+           "3.0% of each step idle" in out
+    assert "tensor       each of 2 ranks sends 8·(tp - 1)/tp·B·T·C·bytes = 0.25 GiB per block and micro-batch, " \
+           "128.00 GiB per step (16 blocks × 32 micro-batches): 0.31 s per step at 450 GB/s (H100 NVLink" in out
+    assert "fits         yes" in out and "\nsuggest " not in out
+    assert "with the pipeline bubble (3.0% idle)" in out
+    assert not (tmp_path / "o").exists()
+
+
+def test_dry_run_suggests_a_layout_for_70b_and_none_for_8b(capsys, tmp_path):
+    out = dry_run(capsys, "llama-3-70b", "--out_dir", str(tmp_path / "o"))
+    assert "fits         no: 397." in out
+    assert "suggest      --tp_size 8 --pp_size 4: 69.94 GiB per device (mesh pipeline 4 × tensor 8; 1f1b bubble " \
+           "1.2%)" in out
+    out = dry_run(capsys, "llama-3-8b", "--fsdp.activation_checkpointing", "true", "--out_dir", str(tmp_path / "o"))
+    assert "fits         yes: 21.95 GiB per device" in out and "\nsuggest " not in out
+
+
+def test_dry_run_of_lora_that_does_not_fit_suggests_no_split(capsys, tmp_path):
+    from llmtrain.checkpoint.layout import CONFIG_FILE
+    from llmtrain.cli import main
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    Config.from_name("llama-3-70b").save(model_dir / CONFIG_FILE)
+    for name in ("model.safetensors", "tokenizer.json"):
+        (model_dir / name).write_bytes(b"")  # a dry run reads only the architecture
+    main(["finetune_lora", str(model_dir), "--dry_run.gpu", "L4", "--out_dir", str(tmp_path / "o")])
+    out = capsys.readouterr().out
+    assert "fits         no:" in out and "of the L4's 24.00 GiB" in out
+    assert "suggest      LoRA and QLoRA do not split the model" in out and "--tp_size" not in out
