@@ -69,3 +69,35 @@ def test_every_family_has_the_same_loss_and_gradients_at_tp2(two, name):
 def test_fsdp_times_tp_trains_like_one_process(four, single):
     assert four["dp2_tp2"]["mesh"] == "shard 2 × tensor 2"
     assert_same_losses(four["dp2_tp2"], single)
+
+
+# ------------------------------------------------------------------------------- checkpoints
+@pytest.mark.multiproc
+def test_sharded_checkpoint_from_dp2_tp2_resumes_at_dp4(four):
+    assert four["dp4_resume"]["mesh"] == "shard 4"
+    assert_same_losses(four["dp4_resume"], four["dp2_tp2"], steps=range(5, 9))
+
+
+@pytest.mark.multiproc
+def test_sharded_checkpoint_from_dp2_tp2_resumes_in_one_process(four, workdir):
+    result = tp_worker.train(resume_from=workdir / "dp2_tp2" / "step-00000004")
+    assert_same_losses(result, four["dp2_tp2"], steps=range(5, 9))
+    torch.testing.assert_close(result["weights"], four["dp2_tp2"]["weights"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("run", ["dp2_tp2", "dp2_tp2_full"])
+def test_full_weights_written_under_tp_are_the_gathered_model(four, workdir, run):
+    from llmtrain.checkpoint.weights import load_weights
+    from llmtrain.model import GPT
+
+    model = GPT(dist_worker.tiny_config())
+    load_weights(model, workdir / run / "final")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, four[run]["weights"][name]), name
+
+
+@pytest.mark.multiproc
+def test_full_checkpoint_written_under_tp_resumes_in_one_process(four, workdir):
+    result = tp_worker.train(resume_from=workdir / "dp2_tp2_full" / "step-00000004")
+    assert_same_losses(result, four["dp2_tp2_full"], steps=range(5, 9))
