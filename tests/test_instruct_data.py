@@ -220,6 +220,8 @@ def test_micro_batches_pad_to_their_longest_sample(tmp_path: Path, tokenizer: To
 
 def test_padded_width_rounds_up_to_the_multiple_within_the_length() -> None:
     assert pad_multiple(compile=True) == 64 and pad_multiple(compile=False) == 1
+    # Sequence parallelism splits each sequence over the tensor-parallel ranks.
+    assert pad_multiple(compile=False, sequence_shards=4) == 4 and pad_multiple(compile=True, sequence_shards=2) == 64
     assert [padded_width(n, 64, max_width=100) for n in (1, 64, 65, 99, 100)] == [64, 64, 100, 100, 100]
     assert [padded_width(n, 1, max_width=100) for n in (1, 37, 100)] == [1, 37, 100]
     assert padded_width(130, 64) == 192

@@ -6,6 +6,8 @@ single process that runs the same code here with the same global batch.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ import torch
 import dist_worker
 import tp_worker
 
+ROOT = Path(__file__).resolve().parents[1]
 LOSS_RTOL = 1e-5
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
 
@@ -101,3 +104,42 @@ def test_full_weights_written_under_tp_are_the_gathered_model(four, workdir, run
 def test_full_checkpoint_written_under_tp_resumes_in_one_process(four, workdir):
     result = tp_worker.train(resume_from=workdir / "dp2_tp2_full" / "step-00000004")
     assert_same_losses(result, four["dp2_tp2_full"], steps=range(5, 9))
+
+
+# ----------------------------------------------------------------------------------- the CLI
+@pytest.mark.multiproc
+def test_pretrain_cli_at_dp2_tp2_converts_to_transformers_with_the_same_logits(tmp_path, dist_env, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.cli import main
+    from llmtrain.generate import load_model_dir
+
+    out_dir = tmp_path / "tp"
+    # The cache of test_convert_e2e.py: the same 2 MB sample of the corpus, tokenized once per session.
+    env = dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "convert-cache"))
+    command = [sys.executable, "-m", "llmtrain", "pretrain", "--config", str(ROOT / "config_hub/pretrain/debug.yaml"),
+               "--devices", "4", "--tp_size", "2", "--train.max_steps", "4", "--train.max_seq_length", "64",
+               "--eval.max_iters", "1", "--data.max_bytes", "2000000", "--out_dir", str(out_dir)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "mesh shard 2 × tensor 2, sequence parallel" in done.stdout
+    hf_dir = tmp_path / "hf"
+    main(["convert", "to_hf", str(out_dir / "final"), str(hf_dir)])
+    ids = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(0))
+    model, *_ = load_model_dir(out_dir / "final", device="cpu", dtype=torch.float32)
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(ids).logits, model(ids)[..., :hf_model.config.vocab_size],
+                                   rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.multiproc
+def test_tp_size_that_does_not_divide_the_heads_exits_2_before_any_worker(tmp_path, dist_env):
+    from test_parallel_plan import DEBUG, HANG_GUARD_S, assert_one_message
+
+    command = [sys.executable, "-m", "llmtrain", *DEBUG, "--devices", "3", "--tp_size", "3",
+               "--out_dir", str(tmp_path / "o")]
+    done = subprocess.run(command, capture_output=True, text=True, env=dist_env, timeout=HANG_GUARD_S, cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert_one_message(done.stderr, "--tp_size 3 must divide the 4 attention heads (n_head) of model 'llama-debug'")
+    assert not (tmp_path / "o").exists()
