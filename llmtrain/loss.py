@@ -83,11 +83,16 @@ def vocab_parallel_loss_sum(head: nn.Linear, hidden: torch.Tensor, labels: torch
     logits never exist. Each rank's gradient of the hidden states covers its rows only: a partial sum, which
     DTensor reduces in backward (a reduce-scatter back to the sequence shards, or an all-reduce).
 
-    NOTE: the alternative, gathering the head's weight and computing the fused loss on each rank's own sequence
-    shard, moves the weight (V × C) forward and its gradient backward every step, against the hidden states
-    (B × T × C) here, and holds the full weight and its fp32 gradient on every rank. Measured on CPU (2 gloo ranks,
-    2 threads shared, vocabulary 32k, width 256, 2 × 512 tokens, fp32, forward + backward of the loss alone,
-    scripts/tp_loss_ab.py): vocab-parallel 0.118 s and 58 MB peak per rank, gathered weight 0.127 s and 99 MB.
+    NOTE: why not the simpler alternative, gathering the head's weight whole and running the fused loss on each
+    rank's own sequence shard: that moves the weight (V × C) forward and its gradient backward every step where
+    this moves the hidden states (B × T × C), and it holds the full weight and its fp32 gradient on every rank
+    (3 GB for Llama 3 8B's 128k × 4096 head in bf16), where this holds 1 / tp of them. Measured with
+    scripts/tp_loss_ab.py (2 gloo ranks on 2 busy CPU cores, fp32, the loss's forward and backward alone, steps of
+    both interleaved): vocabulary 32k, width 256, 2 × 512 tokens: vocab-parallel 1.21 s per step and 114.5 MiB
+    allocated at the peak per rank, gathered weight 1.67 s and 161.0 MiB (an earlier, quieter run: 0.68 s against
+    1.06 s); the same losses and gradients (5e-7 apart). Only where tokens outnumber the vocabulary does the
+    gathered weight win: vocabulary 4096, 4 × 2048 tokens: 1.45 s and 96.3 MiB against 1.23 s and 84.2 MiB.
+    LLM vocabularies (32k-256k) against micro-batches of a few thousand tokens per rank favour this one.
     """
     from torch.distributed.tensor import DTensor, Partial, Replicate
 

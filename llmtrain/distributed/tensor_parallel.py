@@ -32,8 +32,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool)
     a plain (replicated) tensor without; inside attention and the MLP activations are plain local tensors.
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout between layers
     tied = _is_tied(model)
