@@ -48,7 +48,7 @@ def assert_same_losses(result: dict, expected: dict, steps=range(1, tp_worker.MA
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("scenario", ["sp", "no_sp"])
+@pytest.mark.parametrize("scenario", ["sp", "no_sp", "sp_checkpointed"])
 def test_tp2_trains_like_one_process(two, single, scenario):
     assert two[scenario]["mesh"] == "tensor 2"
     assert_same_losses(two[scenario], single)
@@ -72,6 +72,14 @@ def test_every_family_has_the_same_loss_and_gradients_at_tp2(two, name):
 def test_fsdp_times_tp_trains_like_one_process(four, single):
     assert four["dp2_tp2"]["mesh"] == "shard 2 × tensor 2"
     assert_same_losses(four["dp2_tp2"], single)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_hsdp_times_tp_on_a_3d_mesh_trains_like_one_process(workdir, single):
+    result = dist_worker.launch(8, "eight", workdir, script=tp_worker.SCRIPT, timeout_s=600)["hsdp_tp"]
+    assert result["mesh"] == "replicate 2 × shard 2 × tensor 2"
+    assert_same_losses(result, single)
 
 
 # ------------------------------------------------------------------------------- checkpoints

@@ -121,7 +121,8 @@ def gradients(world_size: int = 1, *, name: str, **layout) -> dict:
 
 # ------------------------------------------------------------------------------------ suites
 def suite_two(runtime: Runtime, workdir: Path) -> dict:
-    results = {"sp": train(2, tp=2), "no_sp": train(2, tp=2, sequence_parallel=False)}
+    results = {"sp": train(2, tp=2), "no_sp": train(2, tp=2, sequence_parallel=False),
+               "sp_checkpointed": train(2, tp=2, fsdp=FSDPArgs(activation_checkpointing=True))}
     for name in FAMILIES:
         results[name] = gradients(2, name=name, tp=2)
     results["llama-debug no_sp"] = gradients(2, name="llama-debug", tp=2, sequence_parallel=False)
@@ -136,7 +137,11 @@ def suite_four(runtime: Runtime, workdir: Path) -> dict:
     }
 
 
-SUITES = {"two": suite_two, "four": suite_four}
+def suite_eight(runtime: Runtime, workdir: Path) -> dict:
+    return {"hsdp_tp": train(8, tp=2, num_nodes=2)}  # 2 "nodes" of 4: replicate 2 × shard 2 × tensor 2
+
+
+SUITES = {"two": suite_two, "four": suite_four, "eight": suite_eight}
 
 if __name__ == "__main__":
     dist_worker.worker_main(sys.argv[1], Path(sys.argv[2]), suites=SUITES)
