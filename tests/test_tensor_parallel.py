@@ -151,3 +151,14 @@ def test_tp_size_that_does_not_divide_the_heads_exits_2_before_any_worker(tmp_pa
     assert done.returncode == 2, done.stderr
     assert_one_message(done.stderr, "--tp_size 3 must divide the 4 attention heads (n_head) of model 'llama-debug'")
     assert not (tmp_path / "o").exists()
+
+
+def test_no_validation_example_when_the_model_is_split():
+    from types import SimpleNamespace
+
+    from llmtrain.recipes.run import _example_generator
+
+    data = SimpleNamespace(validation_prompts=lambda: [[{"role": "user", "content": "hi"}]])
+    for splits_model, expected in ((True, False), (False, True)):
+        spec = SimpleNamespace(data=data, plan=SimpleNamespace(splits_model=splits_model, wrapper="none"), seq_len=32)
+        assert (_example_generator(spec, None, None, "alpaca", None) is not None) is expected
