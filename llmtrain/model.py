@@ -218,8 +218,6 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config: Config) -> None:
         super().__init__()
-        self.n_head = config.n_head
-        self.n_query_groups = config.n_query_groups
         self.head_size = config.head_size
         qkv_bias = config.bias or config.attn_bias
         self.q_proj = nn.Linear(config.n_embd, config.n_head * config.head_size, bias=qkv_bias)
@@ -238,17 +236,19 @@ class CausalSelfAttention(nn.Module):
         input_pos: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.k_proj(x).view(B, T, self.n_query_groups, self.head_size).transpose(1, 2)  # (B, ng, T, hs)
-        v = self.v_proj(x).view(B, T, self.n_query_groups, self.head_size).transpose(1, 2)  # (B, ng, T, hs)
+        # NOTE: head counts come from the projections' outputs, not the config: a projection split over
+        # tensor-parallel ranks returns only this rank's heads.
+        q = self.q_proj(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, ng, T, hs)
+        v = self.v_proj(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, ng, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if input_pos is not None:
             k, v = self.kv_cache(input_pos, k, v)  # (B, ng, S, hs) each
             y = grouped_attention(q, k.to(q.dtype), v.to(q.dtype), mask)
         else:
-            layout = kv_layout(q.device.type, q.dtype, self.n_head, self.n_query_groups, masked=mask is not None)
+            layout = kv_layout(q.device.type, q.dtype, q.size(1), k.size(1), masked=mask is not None)
             y = causal_attention(q, k, v, layout, mask)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_size)  # (B, T, nh * hs)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hs)
         return self.o_proj(y)
 
 

@@ -207,13 +207,14 @@ def suite_four(runtime: Runtime, workdir: Path) -> dict:
 SUITES = {"two": suite_two, "four": suite_four}
 
 
-def worker_main(suite: str, workdir: Path) -> None:
-    """One rank: run the suite, save rank 0's results, then leave without the interpreter's teardown."""
+def worker_main(suite: str, workdir: Path, suites: Optional[dict] = None) -> None:
+    """One rank: run the suite (of ``suites``, default SUITES), save rank 0's results, then leave without the
+    interpreter's teardown."""
     code = 0
     try:
         torch.set_num_threads(1)
         runtime = Runtime.from_env("cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
-        results = SUITES[suite](runtime, workdir)
+        results = (suites or SUITES)[suite](runtime, workdir)
         if runtime.is_main:
             torch.save(results, workdir / f"{suite}.pt")
         torch.distributed.barrier()
@@ -228,8 +229,10 @@ def worker_main(suite: str, workdir: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ launcher
-def launch(world_size: int, suite: str, workdir: Path, timeout_s: float = 900.0) -> dict:
-    """Run ``suite`` on ``world_size`` local ranks; fail fast when any rank fails, and after timeout_s at most."""
+def launch(world_size: int, suite: str, workdir: Path, timeout_s: float = 900.0, script: Optional[Path] = None) -> dict:
+    """Run ``suite`` on ``world_size`` local ranks; fail fast when any rank fails, and after timeout_s at most.
+
+    ``script``: the worker to start (default this file), called as ``script SUITE WORKDIR``."""
     workdir = Path(workdir)
     # The shell's own launcher variables (torchrun, SLURM) must not leak into the ranks.
     inherited = {name: value for name, value in os.environ.items()
@@ -242,7 +245,7 @@ def launch(world_size: int, suite: str, workdir: Path, timeout_s: float = 900.0)
     for rank in range(world_size):
         rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         with open(logs[rank], "w") as log:
-            processes.append(subprocess.Popen([sys.executable, __file__, suite, str(workdir)], env=rank_env,
+            processes.append(subprocess.Popen([sys.executable, str(script or __file__), suite, str(workdir)], env=rank_env,
                                               stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout_s
     failure = None

@@ -220,6 +220,8 @@ def test_micro_batches_pad_to_their_longest_sample(tmp_path: Path, tokenizer: To
 
 def test_padded_width_rounds_up_to_the_multiple_within_the_length() -> None:
     assert pad_multiple(compile=True) == 64 and pad_multiple(compile=False) == 1
+    # Sequence parallelism splits each sequence over the tensor-parallel ranks.
+    assert pad_multiple(compile=False, sequence_shards=4) == 4 and pad_multiple(compile=True, sequence_shards=2) == 64
     assert [padded_width(n, 64, max_width=100) for n in (1, 64, 65, 99, 100)] == [64, 64, 100, 100, 100]
     assert [padded_width(n, 1, max_width=100) for n in (1, 37, 100)] == [1, 37, 100]
     assert padded_width(130, 64) == 192
@@ -233,20 +235,22 @@ def test_a_compiled_run_gets_batches_padded_to_multiples_of_64(tmp_path: Path, t
     records = [{"instruction": "Hi.", "output": "Fine. " * n} for n in range(8)]
     write_json(tmp_path / "train.json", records)
     widths = {}
-    for compile in (False, True):
+    for compile, tp in ((False, 1), (True, 1), (False, 4)):  # tp 4: sequence parallelism splits every batch in 4
         data = JSON(json_path=tmp_path / "train.json", val_split_fraction=0)
         spec = SimpleNamespace(data=data, seq_len=100, seed=1, compile=compile, prompt_style="alpaca",
-                               initial_checkpoint_dir=None, config=None)
+                               initial_checkpoint_dir=None, config=None,
+                               plan=SimpleNamespace(tp=tp, sequence_parallel=tp > 1))
         _connect_data(spec, tokenizer, micro_batch_size=2)
         data.prepare_data()
         data.setup()
         loader = data.train_dataloader()
         batches = [next(loader) for _ in range(8)]
-        widths[compile] = {batch["input_ids"].shape[1] for batch in batches}
+        widths[compile, tp] = {batch["input_ids"].shape[1] for batch in batches}
         for batch in batches:  # the same samples, only more padding
             assert all(row in samples(data) for row in unpadded(batch))
             assert int(batch["real_tokens"]) == sum(len(ids) for ids, _ in unpadded(batch))  # what MFU counts
-    assert widths[True] <= {64, 100} and len(widths[False]) > len(widths[True])
+    assert widths[True, 1] <= {64, 100} and len(widths[False, 1]) > len(widths[True, 1])
+    assert all(width % 4 == 0 for width in widths[False, 4]) and widths[False, 4] != widths[False, 1]
 
 
 def test_truncation_is_counted_in_one_warning(tmp_path: Path, tokenizer: Tokenizer) -> None:

@@ -9,13 +9,14 @@ A sample is bos (if the tokenizer adds one) + segments + eos (unless the last to
 already). Inputs are the sample without its last token, labels the sample without its first;
 when the prompt is masked, a label is kept only where it is a response token. Every
 micro-batch is padded to its longest sample (under --compile, to a multiple of
-`COMPILE_PAD_MULTIPLE`), with the pad token (or eos) in the inputs and `ignore_index` in the
-labels. A causal model needs no attention mask for this: right padding comes after every real token.
+`COMPILE_PAD_MULTIPLE`; under sequence parallelism, of --tp_size), with the pad token (or eos) in
+the inputs and `ignore_index` in the labels. A causal model needs no attention mask for this: right padding comes after every real token.
 
 These datasets are small: they are tokenized once, in memory, by `prepare_data()`.
 """
 
 import json
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,14 +35,15 @@ COMPILE_PAD_MULTIPLE = 64
 """Under --compile, batches are padded to a multiple of this many tokens (at most --train.max_seq_length)."""
 
 
-def pad_multiple(compile: bool) -> int:
-    """What a batch's width is rounded up to: 1 (its longest sample) unless the model is compiled.
+def pad_multiple(compile: bool, sequence_shards: int = 1) -> int:
+    """What a batch's width is rounded up to: 1 (its longest sample) unless the model is compiled or sequence
+    parallelism splits each sequence over ``sequence_shards`` ranks (``--tp_size``), which must divide it.
 
     NOTE: a compiled block is specialised to the shapes it has seen; batches padded to their longest
     sample bring a new length nearly every step, and each one costs a recompilation (or, once torch
     turns the length dynamic, slower generic kernels). A few widths, multiples of 64, waste little.
     """
-    return COMPILE_PAD_MULTIPLE if compile else 1
+    return math.lcm(COMPILE_PAD_MULTIPLE if compile else 1, sequence_shards)
 
 
 @dataclass(kw_only=True)

@@ -1,5 +1,6 @@
-"""Apply data parallelism to a plain ``GPT``, from outside, in one fixed order.
+"""Apply the parallel plan to a plain ``GPT``, from outside, in one fixed order.
 
+    tensor parallelism (llmtrain.distributed.tensor_parallel) →
     activation checkpointing (each Block) → compile (each Block) →
     fully_shard(embedding, each Block, [final norm, head]) → fully_shard(root)
 
@@ -36,30 +37,34 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from llmtrain.distributed.parallel_plan import ParallelPlan
+from llmtrain.distributed.parallel_plan import ParallelPlan, data_parallel_mesh
+from llmtrain.distributed.tensor_parallel import apply_tensor_parallel
 from llmtrain.model import transformer_blocks
 from llmtrain.train.precision import Precision
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device, compile: bool = False) -> nn.Module:
-    """Apply activation checkpointing, compile and the plan's data-parallel wrapper to ``model``, in that order.
+    """Apply tensor parallelism, activation checkpointing, compile and the plan's data-parallel wrapper to
+    ``model``, in that order (FSDP over the mesh's data-parallel dimensions only).
 
     ``model`` is a plain ``GPT`` (on the meta device, or already materialised), with its weights in
     ``plan.precision.param_dtype``. Returns the model to train: the same object under FSDP (which shards in
     place) or without a wrapper, a DDP wrapper under DDP. A meta model must then go through
     :func:`materialize`. The process group must exist when the plan has a wrapper.
     """
+    mesh = plan.build_mesh() if plan.uses_process_group else None
+    if plan.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=plan.sequence_parallel)
     if plan.activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
         apply_compile(model)
     if plan.wrapper == "none":
         return model
-    mesh = plan.build_mesh()
     if plan.wrapper == "ddp":
         return apply_ddp(model, device)
-    apply_fsdp(model, mesh, reshard_after_forward=plan.reshard_after_forward, precision=plan.precision,
-               cpu_offload=plan.cpu_offload)
+    apply_fsdp(model, data_parallel_mesh(mesh), reshard_after_forward=plan.reshard_after_forward,
+               precision=plan.precision, cpu_offload=plan.cpu_offload)
     return model
 
 

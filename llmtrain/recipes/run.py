@@ -271,7 +271,7 @@ def _connect_data(spec: RunSpec, tokenizer: Any, micro_batch_size: int) -> Any:
     else:
         style = PromptStyle.from_config(spec.config)
     spec.data.connect(tokenizer, micro_batch_size, spec.seq_len, spec.seed, prompt_style=style,
-                      pad_multiple=pad_multiple(spec.compile))
+                      pad_multiple=pad_multiple(spec.compile, spec.plan.tp if spec.plan.sequence_parallel else 1))
     return spec.data.resolved_prompt_style
 
 
@@ -310,9 +310,10 @@ def _example_generator(spec: RunSpec, model: Any, tokenizer: Any, prompt_style: 
     """Fine-tuning prints one greedy answer to the first validation prompt after each validation
     (:func:`example_tokens` long at most).
 
-    Greedy decoding keeps every rank's step count equal, which a sharded model's forward needs.
+    Greedy decoding keeps every rank's step count equal, which a sharded model's forward needs. None (no
+    example) when tensor or pipeline parallelism splits the model: decoding with the KV cache runs on a whole model.
     """
-    if prompt_style is None or not getattr(spec.data, "validation_prompts", None):
+    if prompt_style is None or not getattr(spec.data, "validation_prompts", None) or spec.plan.splits_model:
         return None
     from llmtrain.generate import PromptTooLongError, generate_text
 
