@@ -186,3 +186,11 @@ def test_dry_run_and_memory_estimate_read_the_plan():
     assert offloaded.optimizer == 0 < sharded.optimizer  # offload counted only where FSDP applies it
     single = estimate_memory(config, plan(), seq_len=2048)
     assert single.optimizer == 8 * sharded.optimizer
+
+
+def test_hybrid_shard_keeps_a_shard_dimension_of_one_so_fsdp_replicates_across_nodes():
+    # Two nodes of two processes, tensor parallel 2: one data-parallel rank per node.
+    hybrid = ParallelPlan.resolve(devices=2, num_nodes=2, tp=2, train=TrainArgs(global_batch_size=8, micro_batch_size=2),
+                                  precision="bf16-mixed", device_type="cuda")
+    assert (hybrid.sharding_strategy, hybrid.dp_replicate, hybrid.dp_shard) == ("HYBRID_SHARD", 2, 1)
+    assert hybrid.mesh_shape() == {"dp_replicate": 2, "dp_shard": 1, "tp": 2}

@@ -121,6 +121,8 @@ class ParallelPlan:
         data-parallel dimension, of size 1 if need be: ``dp_shard`` for FSDP, ``dp_replicate`` for DDP)."""
         sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
         keep = {name for name, size in sizes.items() if size > 1}
+        if self.sharding_strategy == "HYBRID_SHARD":  # both, even of size 1: a 1-D mesh would shard across nodes
+            keep |= {"dp_replicate", "dp_shard"}
         if self.wrapper != "none" and not keep & {"dp_replicate", "dp_shard"}:
             keep.add("dp_shard" if self.wrapper == "fsdp" else "dp_replicate")
         return {name: size for name, size in sizes.items() if name in keep}
