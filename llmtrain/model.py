@@ -13,6 +13,7 @@ Weights follow Hugging Face layouts where it costs nothing: separate q/k/v/o pro
 """
 
 import math
+import zlib
 from typing import Literal, Optional
 
 import torch
@@ -141,26 +142,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Initialise every parameter and buffer from torch's RNG (works after meta + to_empty).
-
-        Normal(0, 0.02) for linears and embeddings, scaled by 1/sqrt(2 n_layer) for the projections
-        that write into the residual stream (GPT-2); zero biases; norm weights one, or zero when the
-        norm multiplies by (1 + weight).
-        """
-        std = 0.02
-        residual_std = std / math.sqrt(2 * self.config.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                if module is self.lm_head and self.config.tie_embeddings:
-                    continue  # the tied weight is the embedding, initialised below
-                is_residual = name.rsplit(".", 1)[-1] in RESIDUAL_PROJECTIONS
-                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
-                module.reset_parameters()
+        """Initialise every parameter and buffer from torch's RNG (works after meta + to_empty); see
+        :func:`init_gpt_weights`."""
+        init_gpt_weights(self, self.config)
         self.reset_rope_cache()
 
     def reset_rope_cache(self) -> None:
@@ -175,6 +159,51 @@ class GPT(nn.Module):
         if self.config.tie_embeddings and self.lm_head.weight is not self.wte.weight:
             self.lm_head.weight = self.wte.weight
         return module
+
+
+@torch.no_grad()
+def init_gpt_weights(model: nn.Module, config: Config) -> None:
+    """Initialise the parameters of a GPT, or of a pipeline stage that holds some of its modules under the same names.
+
+    Normal(0, 0.02) for linears and embeddings, scaled by 1/sqrt(2 n_layer) for the projections
+    that write into the residual stream (GPT-2); zero biases; norm weights one, or zero when the
+    norm multiplies by (1 + weight).
+
+    NOTE: each module draws from a generator seeded by its name and one number drawn from torch's RNG,
+    not from one stream in module order: a pipeline stage that holds blocks 4-7 gets exactly the weights
+    those blocks have in the whole model, with no need to draw (and throw away) blocks 0-3 first.
+    """
+    base_seed = int(torch.randint(0, 2**31 - 1, ()))
+    std = 0.02
+    residual_std = std / math.sqrt(2 * config.n_layer)
+    with torch.random.fork_rng(devices=_cuda_devices(model)):
+        for name, module in model.named_modules():
+            _seed_module(base_seed, name, module)
+            if isinstance(module, nn.Linear):
+                if name == "lm_head" and config.tie_embeddings:
+                    continue  # the tied weight is the embedding, initialised below
+                is_residual = name.rsplit(".", 1)[-1] in RESIDUAL_PROJECTIONS
+                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+                module.reset_parameters()
+
+
+def _cuda_devices(model: nn.Module) -> list[torch.device]:
+    return sorted({torch.device(p.device) for p in model.parameters() if p.device.type == "cuda"}, key=str)
+
+
+def _seed_module(base_seed: int, name: str, module: nn.Module) -> None:
+    """Seed the CPU generator, and that of the GPU the module's parameters live on, from (base_seed, name)."""
+    # NOTE: the CPU generator keeps only 32 bits of a seed, so base seed and name are hashed together.
+    seed = zlib.crc32(f"{base_seed}:{name}".encode())
+    torch.default_generator.manual_seed(seed)
+    for device in {torch.device(p.device) for p in module.parameters(recurse=False) if p.device.type == "cuda"}:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.default_generators[index].manual_seed(seed)
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
