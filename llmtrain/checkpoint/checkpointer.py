@@ -47,6 +47,7 @@ from llmtrain.checkpoint.state import (
     restore_training_state,
 )
 from llmtrain.checkpoint.weights import gather_full_model_state, is_distributed, load_full_model_state, load_weights
+from llmtrain.distributed.pipeline import PipelineParts
 from llmtrain.distributed.runtime import Runtime, host_group
 
 
@@ -135,8 +136,12 @@ class Checkpointer:
             return self._write_shards(directory / layout.DCP_DIR, {"model": model_state, "optimizer": optimizer_state}), \
                 optimizer_state
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.format == "lora")
-        model_state = get_model_state_dict(self.model, options=options)
-        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        if isinstance(self.model, PipelineParts):  # every stage's part, gathered on rank 0
+            model_state = self.model.full_state_dict()
+            optimizer_state = self.model.full_optimizer_state(self.optimizer)
+        else:
+            model_state = get_model_state_dict(self.model, options=options)
+            optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
         if self.runtime.is_main:
             weights_file = layout.LORA_FILE if self.format == "lora" else layout.MODEL_FILE
             files.save_weights(model_state, directory / weights_file)
@@ -265,6 +270,9 @@ class Checkpointer:
             load_full_model_state(self.model, adapters, strict=False)
         else:
             load_weights(self.model, checkpoint_dir)
+        if isinstance(self.model, PipelineParts):
+            self.model.load_full_optimizer_state(self.optimizer, optimizer_state if self.runtime.is_main else {})
+            return
         options = None
         # NOTE: a process group, not a world above one: one-rank FSDP (--strategy fsdp --devices 1) keeps DTensor
         # moments too, which a plain optimizer state dict would mix with tensors.

@@ -12,6 +12,7 @@ import torch
 
 from llmtrain.checkpoint import layout
 from llmtrain.distributed.parallelize import unwrap
+from llmtrain.distributed.pipeline import PipelineParts
 from llmtrain.distributed.runtime import host_barrier
 from llmtrain.lora import is_lora_parameter, plain_to_lora_keys
 
@@ -32,6 +33,8 @@ def gather_full_model_state(model: torch.nn.Module, trainable_only: bool = False
     # NOTE: torch.distributed.checkpoint takes 2 s to import; `generate --help` should not wait for it.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    if isinstance(model, PipelineParts):
+        return model.full_state_dict()
     if not is_distributed():
         return {name: tensor.detach().cpu() for name, tensor in get_model_state_dict(
             model, options=StateDictOptions(ignore_frozen_params=trainable_only)).items()}
@@ -75,7 +78,10 @@ def load_weights(model: torch.nn.Module, checkpoint_dir: Path) -> None:
 
 
 def check_weights_match(weights: dict[str, torch.Tensor], model: torch.nn.Module, path: Path) -> None:
-    """Every non-adapter weight of ``model`` is in ``weights`` with its shape, and nothing else is."""
+    """Every non-adapter weight of ``model`` is in ``weights`` with its shape, and nothing else is (of the whole
+    model, for a pipeline rank's stages)."""
+    if isinstance(model, PipelineParts):
+        model = model.whole_model()
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if not is_lora_parameter(name)}
     tied = tied_names(model)
     missing = [k for k in expected if k not in weights and k not in tied]

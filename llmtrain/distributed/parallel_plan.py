@@ -246,6 +246,10 @@ class ParallelPlan:
                 raise ValueError(f"--tp_sequence_parallel splits each sequence over --tp_size {self.tp} ranks, so "
                                  f"--train.max_seq_length {seq_len} must be a multiple of {self.tp}; change it, or "
                                  "pass --tp_sequence_parallel false")
+        if self.pp > 1 and config.tie_embeddings:
+            raise ValueError(f"--pp_size {self.pp}: model {config.name or 'custom'!r} ties its embedding to its output "
+                             "head, one weight that would live on the first and the last pipeline stage at once; "
+                             "drop --pp_size (use FSDP or --tp_size), or use a model with untied embeddings")
         if self.pp > 1 and config.n_layer < self.pp_stages:
             raise ValueError(f"--pp_size {self.pp}{self._virtual_words()} makes {self.pp_stages} pipeline stages, "
                              f"more than the {config.n_layer} layers of model {config.name or 'custom'!r}: use at most "

@@ -43,16 +43,19 @@ from llmtrain.model import transformer_blocks
 from llmtrain.train.precision import Precision
 
 
-def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device, compile: bool = False) -> nn.Module:
+def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device, compile: bool = False,
+                mesh=None) -> nn.Module:
     """Apply tensor parallelism, activation checkpointing, compile and the plan's data-parallel wrapper to
     ``model``, in that order (FSDP over the mesh's data-parallel dimensions only).
 
-    ``model`` is a plain ``GPT`` (on the meta device, or already materialised), with its weights in
-    ``plan.precision.param_dtype``. Returns the model to train: the same object under FSDP (which shards in
-    place) or without a wrapper, a DDP wrapper under DDP. A meta model must then go through
+    ``model`` is a plain ``GPT`` or a pipeline stage (on the meta device, or already materialised), with its
+    weights in ``plan.precision.param_dtype``. ``mesh``: the plan's mesh, when the caller built it already
+    (the stages of one pipeline rank share it). Returns the model to train: the same object under FSDP
+    (which shards in place) or without a wrapper, a DDP wrapper under DDP. A meta model must then go through
     :func:`materialize`. The process group must exist when the plan has a wrapper.
     """
-    mesh = plan.build_mesh() if plan.uses_process_group else None
+    if mesh is None and plan.uses_process_group:
+        mesh = plan.build_mesh()
     if plan.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=plan.sequence_parallel)
     if plan.activation_checkpointing:
@@ -100,6 +103,8 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
                cpu_offload: bool) -> None:
     """``fully_shard`` the embedding, each Block and [final norm, head] as units of their own, then the root.
 
+    A pipeline stage lacks some of them (None): it shards those it has.
+
     Each unit is gathered only while it computes, so the embedding is not held whole through the forward
     and the head not from the forward's start. Tied embeddings are one weight in two places, which must
     sit in one unit: then embedding, final norm and head stay together in the root's.
@@ -114,14 +119,14 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
     pin_memory = mesh.device_type == "cuda"
     offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy()
     options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
-    tied = model.lm_head.weight is model.wte.weight
-    if not tied:
+    tied = model.lm_head is not None and model.wte is not None and model.lm_head.weight is model.wte.weight
+    if model.wte is not None and not tied:
         fully_shard(model.wte, reshard_after_forward=reshard_after_forward, **options)
     for block in transformer_blocks(model):
         fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
     # NOTE: the head (and the root, which holds it when tied) is the first thing backward needs, right
     # after the forward; resharding it there would only gather it again at once.
-    if not tied:
+    if model.lm_head is not None and not tied:
         fully_shard([model.norm_f, model.lm_head], reshard_after_forward=False, **options)
     fully_shard(model, reshard_after_forward=False, **options)
 

@@ -10,6 +10,7 @@ import torch
 from llmtrain.config import Config
 from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.distributed.parallelize import materialize, parallelize
+from llmtrain.distributed.pipeline import build_pipeline_model
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.lora import LoRAArgs, apply_lora, mark_only_lora_trainable, reset_lora_parameters
 from llmtrain.model import GPT
@@ -54,6 +55,11 @@ def build_model(config: Config, *, plan: ParallelPlan, runtime: Runtime, seed: i
         return _build_quantized(config, plan=plan, runtime=runtime, seed=seed,
                                 initial_checkpoint_dir=initial_checkpoint_dir, lora=lora, quantize=quantize,
                                 compile=compile)
+    if plan.pp > 1:  # this rank's pipeline stages (LoRA and QLoRA refuse pipeline parallelism before launch)
+        model = build_pipeline_model(config, plan=plan, runtime=runtime, seed=seed, compile=compile)
+        if initial_checkpoint_dir is not None:
+            load_weights(model, initial_checkpoint_dir)
+        return model
     with torch.device("meta"):
         model = GPT(config).to(plan.precision.param_dtype)
     after_init = None

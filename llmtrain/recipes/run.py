@@ -28,6 +28,7 @@ from llmtrain.checkpoint.size import check_disk_space
 from llmtrain.distributed.launch import is_first_process, launch, plan_launch, resolve_devices
 from llmtrain.distributed.parallel_plan import ParallelPlan, resolve_device_type
 from llmtrain.distributed.parallelize import unwrap
+from llmtrain.distributed.pipeline import build_pipeline
 from llmtrain.distributed.runtime import Runtime, configure_process
 from llmtrain.flops import device_peak_flops, flops_per_token
 from llmtrain.lora import LoRAArgs
@@ -236,6 +237,7 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
         profiler = build_profiler(spec.profile, spec.out_dir, runtime.rank, runtime.device, first_step=state.step + 1,
                                   last_step=horizon.total_steps, say=say)
 
+    pipeline = build_pipeline(model, plan, runtime) if plan.pp > 1 else None
     job = Fit(runtime=runtime, model=model, optimizer=optimizer, train_loader=train_loader, val_loader=val_loader,
               train=spec.train, eval=spec.eval, plan=plan.batch, horizon=horizon, precision=plan.precision,
               save_checkpoint=checkpointer.save, save_final=checkpointer.save_final,
@@ -249,7 +251,8 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
               state=state, scaler=scaler, autocast_enabled=not plan.mixed_precision_policy,
               grad_sync_only_last=plan.grad_sync_only_last,
               after_validation=_example_generator(spec, model, tokenizer, prompt_style, val_loader),
-              callbacks=[profiler] if profiler is not None else [])
+              callbacks=[profiler] if profiler is not None else [],
+              pipeline=pipeline, pp_mesh=pipeline.pp_mesh if pipeline is not None else None)
     fit(job)
     say(f"done: {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.0f}s; "
         f"final model in {spec.out_dir / layout.FINAL_DIR}")

@@ -43,6 +43,7 @@ all on the run's device: NCCL on GPUs, gloo only for a CPU run.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 import warnings
@@ -185,6 +186,9 @@ class Fit:
     """This run's own callbacks (--profile's profiler), called before those installed in the process."""
     pp_mesh: Any = None
     """The pipeline dimension of the mesh under pipeline parallelism (the gradient norm sums over it), else None."""
+    pipeline: Any = None
+    """Under pipeline parallelism, the :class:`llmtrain.distributed.pipeline.Pipeline` that runs this rank's stages
+    (forward, backward and validation losses in place of ``model(...)``); None otherwise."""
 
 
 def fit(job: Fit) -> TrainState:
@@ -339,7 +343,34 @@ class TrainStep:
 
     def forward_backward(self, step: int, micro_batches: list[dict], loss_scale: torch.Tensor) -> torch.Tensor:
         """Accumulate the gradients of the micro-batches; returns their summed token losses (not scaled)."""
-        job, scaler = self.job, self.job.scaler
+        scaler = self.job.scaler
+
+        def on_loss(loss: torch.Tensor) -> torch.Tensor:  # what backward starts from
+            loss = self.hooks.on_loss(step, loss)
+            return scaler.scale(loss) if scaler else loss
+
+        return model_passes(self.job).forward_backward(micro_batches, loss_scale, on_loss)
+
+
+def model_passes(job: Fit) -> "ModelPasses":
+    """How this run's model computes losses: ``job.pipeline`` under pipeline parallelism, else the model itself."""
+    return job.pipeline if job.pipeline is not None else ModelPasses(job)
+
+
+class ModelPasses:
+    """The forward and backward passes of a model that each rank runs whole (or FSDP-sharded) on its micro-batches.
+
+    :class:`llmtrain.distributed.pipeline.Pipeline` has the same two methods for a model cut into pipeline stages.
+    """
+
+    def __init__(self, job: Fit) -> None:
+        self.job = job
+
+    def forward_backward(self, micro_batches: list[dict], loss_scale: torch.Tensor,
+                         on_loss: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Backward from ``on_loss(summed token losses × loss_scale)`` of each micro-batch in turn; returns the summed
+        token losses of all of them (not scaled)."""
+        job = self.job
         loss_sum = torch.zeros((), device=job.runtime.device)
         for index, batch in enumerate(micro_batches):
             input_ids = batch["input_ids"].to(job.runtime.device, non_blocking=True)
@@ -348,10 +379,21 @@ class TrainStep:
             with gradient_sync(job.model, last or not job.grad_sync_only_last):
                 with job.precision.autocast(job.runtime.device, job.autocast_enabled):
                     token_loss_sum = job.model(input_ids, labels=labels)  # chunked: no full fp32 logits
-                loss = self.hooks.on_loss(step, token_loss_sum * loss_scale)
-                (scaler.scale(loss) if scaler else loss).backward()
+                on_loss(token_loss_sum * loss_scale).backward()
             loss_sum += token_loss_sum.detach()
         return loss_sum
+
+    @torch.no_grad()
+    def loss_sum(self, batches: list[dict]) -> torch.Tensor:
+        """The summed token losses of ``batches``, forward only."""
+        job = self.job
+        total = torch.zeros((), dtype=torch.float64, device=job.runtime.device)
+        for batch in batches:
+            input_ids = batch["input_ids"].to(job.runtime.device)
+            labels = batch["labels"].to(job.runtime.device)
+            with job.precision.autocast(job.runtime.device, job.autocast_enabled):
+                total += job.model(input_ids, labels=labels).double()
+        return total
 
 
 class HostSums:
@@ -663,15 +705,10 @@ def validate(job: Fit) -> float:
 def _validation_loss(job: Fit) -> float:
     """Token-weighted mean loss over ``eval.max_iters`` validation batches of every rank."""
     job.model.eval()
+    batches = list(itertools.islice(job.val_loader, job.eval.max_iters))
     totals = torch.zeros(2, dtype=torch.float64, device=job.runtime.device)
-    for index, batch in enumerate(job.val_loader):
-        if index >= job.eval.max_iters:
-            break
-        input_ids = batch["input_ids"].to(job.runtime.device)
-        labels = batch["labels"].to(job.runtime.device)
-        with job.precision.autocast(job.runtime.device, job.autocast_enabled):
-            totals[0] += job.model(input_ids, labels=labels).double()
-        totals[1] += (labels != IGNORE_INDEX).sum()
+    totals[0] = model_passes(job).loss_sum(batches).double()
+    totals[1] = sum(int((batch["labels"] != IGNORE_INDEX).sum()) for batch in batches)
     totals *= job.runtime.counts_batch  # one rank of each data-parallel shard counts (Runtime.counts_batch)
     job.runtime.all_reduce(totals)
     job.model.train()

@@ -1,0 +1,346 @@
+"""Pipeline parallelism: the GPT cut into stages by blocks, run by ``torch.distributed.pipelining``'s schedules.
+
+    stage 0           stage 1          ...   stage S-1
+    wte, blocks 0-3   blocks 4-7       ...   blocks .., norm_f, lm_head (and the loss)
+
+Each stage is a :class:`GPTStage`: a module with the GPT's own attribute names (``wte``, ``blocks``,
+``norm_f``, ``lm_head``; the parts it does not hold are None) and ``blocks`` an ``nn.ModuleDict`` keyed by
+layer index, so its parameter names are the whole model's (``blocks.7.attn.q_proj.weight``) and every
+checkpoint reads and writes the same keys whatever the layout. ``parallelize()`` (activation checkpointing,
+compile, FSDP over the data-parallel mesh) applies to a stage as to a GPT.
+
+Pipeline rank r holds stage r, and under ``interleaved_1f1b`` also stages r + pp, r + 2 pp, ... . The rank's
+stages together are one :class:`PipelineParts`, the module the rest of llmtrain sees (the optimizer, the
+checkpointer, gradient clipping, ``materialize``). :class:`Pipeline` runs the schedule: each optimizer step
+sends the step's micro-batches (the batch plan's accumulation steps) through the pipeline once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Optional
+
+import torch
+import torch.nn as nn
+
+from llmtrain.config import Config
+from llmtrain.loss import IGNORE_INDEX, head_loss_sum
+from llmtrain.model import Block, build_norm, build_rope_cache, build_sliding_window_mask, init_gpt_weights
+
+
+def stage_layers(n_layer: int, n_stages: int) -> list[range]:
+    """The layer indices of each stage: as even as the count allows, the extra layers on the first stages.
+
+    NOTE: the last stage also runs the head and the loss (a vocabulary-wide matmul per token), so it is the
+    one that gets no extra layer.
+    """
+    if not 1 <= n_stages <= n_layer:
+        raise ValueError(f"{n_stages} pipeline stages for {n_layer} layers: each stage needs at least one layer")
+    base, extra = divmod(n_layer, n_stages)
+    sizes = [base + (stage < extra) for stage in range(n_stages)]
+    starts = [sum(sizes[:stage]) for stage in range(n_stages)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def rank_stages(pp_rank: int, pp_size: int, virtual_stages: int) -> list[int]:
+    """The stage indices pipeline rank ``pp_rank`` holds: ``pp_rank``, ``pp_rank + pp_size``, ... (looped, as
+    torch's interleaved schedules expect)."""
+    return [pp_rank + pp_size * loop for loop in range(virtual_stages)]
+
+
+class GPTStage(nn.Module):
+    """Some consecutive blocks of a GPT, with the embedding on the first stage and the final norm and head on
+    the last. ``forward`` takes token ids (first stage) or hidden states (B, T, C) and returns hidden states;
+    the last stage's are normalised, and the schedule's loss function applies the head."""
+
+    def __init__(self, config: Config, layers: range, *, first: bool, last: bool) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd) if first else None
+        self.blocks = nn.ModuleDict({str(index): Block(config) for index in layers})
+        self.norm_f = build_norm(config) if last else None
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=config.lm_head_bias) if last else None
+        self.max_seq_length = config.block_size
+        cos, sin = build_rope_cache(self.max_seq_length, config)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wte is not None:
+            x = self.wte(x)  # (B, T) ids -> (B, T, C)
+            if self.config.scale_embeddings:
+                x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
+        T = x.size(1)
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, rope_n_elem)
+        mask = build_sliding_window_mask(T, self.config.sliding_window, x.device)
+        for block in self.blocks.values():
+            x = block(x, cos, sin, mask)
+        return self.norm_f(x) if self.norm_f is not None else x  # (B, T, C)
+
+    def reset_rope_cache(self) -> None:
+        device = self.rope_cos.device
+        self.rope_cos, self.rope_sin = build_rope_cache(self.max_seq_length, self.config, device=device)
+
+
+class PipelineParts(nn.Module):
+    """The stages one pipeline rank holds, seen as one module with the GPT's parameter names.
+
+    ``wte``, ``blocks``, ``norm_f`` and ``lm_head`` are the stages' own modules (shared, not copied), so
+    ``parameters()``, ``state_dict()`` and the optimizer cover exactly this rank's part of the model. The stages
+    themselves (:attr:`stages`, in stage order) are not submodules, which would name each parameter twice.
+    """
+
+    def __init__(self, config: Config, stages: list[GPTStage], stage_indices: list[int], n_stages: int) -> None:
+        super().__init__()
+        if config.tie_embeddings and n_stages > 1:
+            raise ValueError("tied embeddings put one weight on the first and the last pipeline stage")
+        self.config = config
+        self.stages = stages
+        self.stage_indices = stage_indices
+        self.n_stages = n_stages
+        self.wte = next((stage.wte for stage in stages if stage.wte is not None), None)
+        self.blocks = nn.ModuleDict({name: block for stage in stages for name, block in stage.blocks.items()})
+        self.norm_f = next((stage.norm_f for stage in stages if stage.norm_f is not None), None)
+        self.lm_head = next((stage.lm_head for stage in stages if stage.lm_head is not None), None)
+        self.mesh = None  # the run's DeviceMesh, set by build_pipeline_parts
+
+    @property
+    def max_seq_length(self) -> int:
+        return self.stages[0].max_seq_length
+
+    @max_seq_length.setter
+    def max_seq_length(self, value: int) -> None:
+        if not 0 < value <= self.config.block_size:
+            raise ValueError(f"max_seq_length {value} must be in [1, block_size {self.config.block_size}] of model "
+                             f"{self.config.name!r}; lower --train.max_seq_length")
+        for stage in self.stages:
+            stage.max_seq_length = value
+        self.reset_rope_cache()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """The weights the whole GPT would get from the same RNG state (see :func:`init_gpt_weights`)."""
+        init_gpt_weights(self, self.config)
+        self.reset_rope_cache()
+
+    def reset_rope_cache(self) -> None:
+        for stage in self.stages:
+            stage.reset_rope_cache()
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline rank holds part of the model: run it through Pipeline, not model(...)")
+
+    def whole_model(self) -> nn.Module:
+        """The whole GPT on the meta device: the names and shapes a full checkpoint holds."""
+        from llmtrain.model import GPT
+
+        with torch.device("meta"):
+            return GPT(self.config)
+
+    # ---- full (gathered) state: every stage's part on rank 0; collectives, all ranks call them ----------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights on rank 0's CPU (an empty dict elsewhere)."""
+        from torch.distributed.tensor import DTensor
+
+        local = {}
+        for name, tensor in self.state_dict().items():
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # over the data-parallel ranks
+            if self._leads_stage():
+                local[name] = full.detach().cpu()
+        return {name: tensor for part in _gather_on_rank0(local if self._leads_stage() else {}) for name, tensor
+                in part.items()}
+
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer state of the whole model on rank 0's CPU, keyed by parameter name (as
+        ``get_optimizer_state_dict(full_state_dict=True)`` gives it for one model); an empty dict elsewhere."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        state = get_optimizer_state_dict(self, optimizer, options=StateDictOptions(full_state_dict=True))
+        local = _to_cpu(state) if self._leads_stage() else {}
+        parts = [part for part in _gather_on_rank0(local) if part]
+        if not parts:
+            return {}
+        groups = [dict(group, params=[name for part in parts for name in part["param_groups"][index]["params"]])
+                  for index, group in enumerate(parts[0]["param_groups"])]
+        return {"state": {name: value for part in parts for name, value in part["state"].items()},
+                "param_groups": groups}
+
+    def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Load the whole model's optimizer state that rank 0 read (``state``; ignored on other ranks): each rank
+        keeps the entries of its own parameters."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        # NOTE: the whole state travels to every rank; a stage-by-stage send would hold less at once.
+        box = [state if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        state = box[0]
+        own = {name for name, _ in self.named_parameters()}
+        groups = [dict(group, params=[name for name in group["params"] if name in own])
+                  for group in state["param_groups"]]
+        local = {"state": {name: value for name, value in state["state"].items() if name in own},
+                 "param_groups": groups}
+        set_optimizer_state_dict(self, optimizer, local, options=StateDictOptions(full_state_dict=True))
+
+    def _leads_stage(self) -> bool:
+        """Whether this rank is the first of its stage's ranks (coordinate 0 on every mesh dimension but pp)."""
+        coordinate = self.mesh.get_coordinate()
+        return all(index == 0 for name, index in zip(self.mesh.mesh_dim_names, coordinate) if name != "pp")
+
+    def _apply(self, fn, recurse=True):
+        # NOTE: the stages' RoPE tables are their own buffers, outside this module's tree; move them along
+        # (to_empty after the meta device, .to(device)).
+        module = super()._apply(fn, recurse)
+        for stage in self.stages:
+            stage._apply(fn, recurse=False)
+        return module
+
+
+def build_pipeline_parts(config: Config, *, pp_rank: int, pp_size: int, virtual_stages: int) -> PipelineParts:
+    """This rank's stages of ``config``'s GPT, on the current device (the meta device, for a recipe)."""
+    n_stages = pp_size * virtual_stages
+    layers = stage_layers(config.n_layer, n_stages)
+    indices = rank_stages(pp_rank, pp_size, virtual_stages)
+    stages = [GPTStage(config, layers[index], first=index == 0, last=index == n_stages - 1) for index in indices]
+    return PipelineParts(config, stages, indices, n_stages)
+
+
+def _gather_on_rank0(local: dict) -> list[dict]:
+    """Every rank's ``local`` on rank 0, in rank order (an empty list elsewhere)."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    return gathered or []
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {key: _to_cpu(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(item) for item in value]
+    return value
+
+
+def build_pipeline_model(config: Config, *, plan, runtime, seed: int, compile: bool = False) -> PipelineParts:
+    """This rank's stages built on the meta device, each parallelized (checkpointing, compile, FSDP over the
+    data-parallel ranks), then materialised with the weights the whole model gets from ``seed``."""
+    from llmtrain.distributed.parallelize import materialize, parallelize
+
+    mesh = plan.build_mesh()
+    with torch.device("meta"):
+        parts = build_pipeline_parts(config, pp_rank=runtime.pp_rank, pp_size=plan.pp,
+                                     virtual_stages=plan.pp_virtual_stages)
+    parts.to(plan.precision.param_dtype)
+    for stage in parts.stages:
+        parallelize(stage, plan, device=runtime.device, compile=compile, mesh=mesh)
+    materialize(parts, runtime.device, seed, cpu_offload=plan.cpu_offload)
+    parts.mesh = mesh
+    return parts
+
+
+class Pipeline:
+    """Runs a rank's :class:`PipelineParts` through the plan's schedule: one optimizer step's micro-batches at
+    a time, and the validation batches forward only.
+
+    The loop hands it the step's micro-batches; they are concatenated (and padded to the model's sequence
+    length, so that every step sends activations of one shape), the first stage reads the input ids, the last
+    the labels. The loss of each micro-batch is its summed token losses times the step's loss scale, and the
+    gradients are not scaled again (``scale_grads=False``), exactly as the loop's own accumulation.
+    """
+
+    def __init__(self, parts: PipelineParts, *, schedule: str, n_microbatches: int, micro_batch_size: int,
+                 device: torch.device, autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        self.parts = parts
+        self.n_microbatches = n_microbatches
+        self.micro_batch_size = micro_batch_size
+        self.device = device
+        self.autocast = autocast
+        self.pp_mesh = parts.mesh["pp"]
+        group = self.pp_mesh.get_group()
+        self.stages = [PipelineStage(stage, index, parts.n_stages, device, group=group)
+                       for stage, index in zip(parts.stages, parts.stage_indices)]
+        self.has_first = any(stage.is_first for stage in self.stages)
+        self.has_last = any(stage.is_last for stage in self.stages)
+        self.head = parts.lm_head
+        self.loss_scale: torch.Tensor | float = 1.0
+        self.on_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+        self.token_loss_sums: list[torch.Tensor] = []
+        options = dict(n_microbatches=n_microbatches, loss_fn=self._loss, scale_grads=False)
+        if schedule == "interleaved_1f1b":
+            self.schedule = ScheduleInterleaved1F1B(self.stages, **options)
+        else:
+            single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+            self.schedule = single(self.stages[0], **options)
+
+    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch: summed token losses (fused with the head), scaled."""
+        token_loss_sum = head_loss_sum(self.head, hidden, labels)  # () fp32
+        self.token_loss_sums.append(token_loss_sum.detach())
+        return self.on_loss(token_loss_sum * self.loss_scale)
+
+    def forward_backward(self, micro_batches: list[dict], loss_scale: torch.Tensor,
+                         on_loss: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches; returns their summed token losses on the last stage's
+        ranks (zero elsewhere), not scaled. ``on_loss`` sees each micro-batch's scaled loss (the loop's hook)."""
+        self.loss_scale, self.on_loss = loss_scale, on_loss
+        try:
+            return self._run(micro_batches, train=True)
+        finally:
+            self.loss_scale, self.on_loss = 1.0, (lambda loss: loss)
+
+    @torch.no_grad()
+    def loss_sum(self, batches: list[dict]) -> torch.Tensor:
+        """The summed token losses of ``batches`` (forward only), on the last stage's ranks; zero elsewhere.
+
+        They go through the pipeline ``n_microbatches`` at a time; a last group that falls short is filled with
+        batches whose every label is ignored, which add nothing.
+        """
+        total = torch.zeros((), device=self.device)
+        for start in range(0, len(batches), self.n_microbatches):
+            group = batches[start:start + self.n_microbatches]
+            total += self._run(group + [None] * (self.n_microbatches - len(group)), train=False)
+        return total
+
+    def _run(self, batches: list[Optional[dict]], *, train: bool) -> torch.Tensor:
+        input_ids, labels = self._concatenated(batches)
+        args = (input_ids,) if self.has_first else ()
+        target = labels if self.has_last else None
+        self.token_loss_sums = []
+        with self.autocast():
+            if train:
+                self.schedule.step(*args, target=target, return_outputs=False)
+            else:
+                self.schedule.eval(*args, target=target)
+        if not self.token_loss_sums:
+            return torch.zeros((), device=self.device)
+        # NOTE: when the schedule switches between eval and training it infers the stages' shapes again, calling the
+        # loss function once on made-up data before the real micro-batches: only the last n losses are theirs.
+        return torch.stack(self.token_loss_sums[-self.n_microbatches:]).sum()
+
+    def _concatenated(self, batches: list[Optional[dict]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batches' ids and labels, each padded to (micro batch size, sequence length), one after another."""
+        rows, columns = self.micro_batch_size, self.parts.max_seq_length
+        input_ids = torch.zeros(len(batches) * rows, columns, dtype=torch.long)
+        labels = torch.full((len(batches) * rows, columns), IGNORE_INDEX, dtype=torch.long)
+        for index, batch in enumerate(batches):
+            if batch is None:
+                continue
+            ids, target = batch["input_ids"], batch["labels"]
+            if ids.size(0) > rows or ids.size(1) > columns:
+                raise ValueError(f"a batch of shape {tuple(ids.shape)} does not fit the pipeline's micro-batches of "
+                                 f"{rows} sequences of {columns} tokens")
+            input_ids[index * rows:index * rows + ids.size(0), :ids.size(1)] = ids
+            labels[index * rows:index * rows + ids.size(0), :ids.size(1)] = target
+        return input_ids.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+
+def build_pipeline(parts: PipelineParts, plan, runtime) -> Pipeline:
+    """The pipeline of a recipe's run: the plan's schedule over its micro-batches, with the loop's autocast."""
+    return Pipeline(parts, schedule=plan.pp_schedule, n_microbatches=plan.pp_microbatches,
+                    micro_batch_size=plan.batch.micro_batch_size, device=runtime.device,
+                    autocast=lambda: plan.precision.autocast(runtime.device, not plan.mixed_precision_policy))

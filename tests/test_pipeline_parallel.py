@@ -1,0 +1,194 @@
+"""Pipeline parallelism (llmtrain/distributed/pipeline.py) on real gloo process groups, and through the real CLI.
+
+Two launches do the multi-process work (pp_worker.py): 2 ranks run pp2 with each schedule (one of them writing
+sharded checkpoints), then 4 ranks run pp2 × dp2 (FSDP inside each stage, full checkpoints). Each test checks one
+claim against a single-process reference that runs the same code in this process.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import pp_worker
+from llmtrain.checkpoint import layout
+from llmtrain.checkpoint.resume import checkpoint_format
+from llmtrain.checkpoint.weights import load_weights
+from llmtrain.config import Config
+from llmtrain.distributed.parallelize import materialize
+from llmtrain.distributed.pipeline import build_pipeline_parts, rank_stages, stage_layers
+from llmtrain.distributed.runtime import Runtime
+from llmtrain.model import GPT
+from test_parallel import assert_same_training
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    return pp_worker.train(Runtime())
+
+
+class Launches:
+    """The results of pp_worker's suites, each launched once, on first use; their files are in ``workdir``."""
+
+    WORLD_SIZES = {"two": 2, "four": 4}
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir, self.results = workdir, {}
+
+    def __getitem__(self, suite: str) -> dict:
+        if suite not in self.results:
+            self.results[suite] = pp_worker.launch(self.WORLD_SIZES[suite], suite, self.workdir)
+        return self.results[suite]
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> Launches:
+    return Launches(tmp_path_factory.mktemp("pipeline"))
+
+
+def assert_same_validation(result: dict, reference: dict) -> None:
+    assert sorted(result["val_losses"]) == [0, 4, 8]
+    for step, loss in reference["val_losses"].items():
+        assert result["val_losses"][step] == pytest.approx(loss, rel=1e-5), step
+
+
+# ------------------------------------------------------------------------------------ parity
+@pytest.mark.multiproc
+@pytest.mark.parametrize("schedule, stages", [("gpipe", [["0", "1"]]), ("1f1b", [["0", "1"]]),
+                                              ("interleaved_1f1b", [["0"], ["2"]])])
+def test_pp2_matches_one_process_with_each_schedule(launches, single, schedule, stages):
+    result = launches["two"][schedule]
+    assert result["mesh_shape"] == "pipeline 2" and result["wrapper"] == "none"
+    assert result["stages"] == stages  # rank 0's stages: looped for interleaved
+    assert_same_training(result, single)
+    assert_same_validation(result, single)
+
+
+@pytest.mark.multiproc
+def test_pp2_dp2_shards_each_stage_with_fsdp_and_matches_one_process(launches, single):
+    result = launches["four"]["pp2_dp2"]
+    assert result["mesh_shape"] == "pipeline 2 × shard 2" and result["wrapper"] == "fsdp"
+    assert result["fsdp_units"] == [["blocks.0"], ["blocks.1"], ["wte"]]  # rank 0: stage 0's units
+    assert_same_training(result, single)
+    assert_same_validation(result, single)
+
+
+@pytest.mark.multiproc
+def test_stages_start_from_the_one_process_weights_bit_exactly(launches, single):
+    for result in (launches["two"]["1f1b"], launches["two"]["interleaved_1f1b"], launches["four"]["pp2_dp2"]):
+        assert result["initial_weights"].keys() == single["initial_weights"].keys()
+        for name, tensor in single["initial_weights"].items():
+            assert torch.equal(result["initial_weights"][name], tensor), name
+
+
+def test_stage_init_equals_the_whole_model_init_in_one_process():
+    config = pp_worker.pp_config()
+    whole = GPT(config)
+    materialize(whole, torch.device("cpu"), seed=7)
+    expected = whole.state_dict()
+    for rank in range(2):
+        with torch.device("meta"):
+            parts = build_pipeline_parts(config, pp_rank=rank, pp_size=2, virtual_stages=2)
+        materialize(parts, torch.device("cpu"), seed=7)
+        for name, tensor in parts.state_dict().items():
+            assert torch.equal(tensor, expected[name]), name
+
+
+def test_stages_split_layers_evenly_extra_layers_first():
+    assert stage_layers(4, 2) == [range(0, 2), range(2, 4)]
+    assert stage_layers(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert rank_stages(1, 2, 2) == [1, 3]
+    with pytest.raises(ValueError, match="at least one layer"):
+        stage_layers(2, 4)
+
+
+# ------------------------------------------------------------------------------- checkpoints
+@pytest.mark.multiproc
+def test_pp2_sharded_checkpoint_resumes_in_one_process(launches):
+    two, workdir = launches["two"], launches.workdir
+    step = workdir / "pp2" / "step-00000004"
+    assert checkpoint_format(step) == "sharded" and (step / "dcp" / ".metadata").is_file()
+    result = pp_worker.train(Runtime(), out_dir=workdir / "one", resume_from=step)
+    assert_same_training(result, two["1f1b"], steps=range(5, 9))
+    torch.testing.assert_close(result["weights"], two["1f1b"]["weights"], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.multiproc
+def test_pp2_dp2_full_checkpoint_resumes_in_one_process(launches):
+    four, workdir = launches["four"], launches.workdir
+    step = workdir / "pp2_dp2" / "step-00000004"
+    assert checkpoint_format(step) == "full"
+    result = pp_worker.train(Runtime(), out_dir=workdir / "one_full", checkpoint_format="full", resume_from=step)
+    assert_same_training(result, four["pp2_dp2"], steps=range(5, 9))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("run", ["pp2", "pp2_dp2"])
+def test_final_of_a_pipeline_run_holds_every_weight(launches, run):
+    final = launches.workdir / run / "final"
+    assert checkpoint_format(final) == "full"
+    model = GPT(Config.from_file(final / layout.CONFIG_FILE))
+    load_weights(model, final)  # every weight present, with its shape
+    gathered = (launches["two"]["1f1b"] if run == "pp2" else launches["four"]["pp2_dp2"])["weights"]
+    assert gathered.keys() == model.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, gathered[name]), name
+
+
+# --------------------------------------------------------------------------------- the CLI
+DEBUG = ["--config", str(ROOT / "config_hub/pretrain/debug.yaml"), "--train.max_steps", "4",
+         "--train.max_seq_length", "64", "--train.micro_batch_size", "2", "--eval.max_iters", "2",
+         "--eval.interval", "2", "--data.max_bytes", "2000000"]
+
+
+def llmtrain_cli(*argv: str, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmtrain", *argv], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture
+def cli_env(dist_env, tmp_path_factory) -> dict:
+    return dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "convert-cache"))
+
+
+@pytest.mark.multiproc
+def test_pretrain_pp2_dp2_through_the_cli_converts_to_transformers(tmp_path, cli_env):
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.checkpoint.model_dir import load_model_dir
+    from llmtrain.cli import main
+
+    out_dir = tmp_path / "pp"
+    result = llmtrain_cli("pretrain", *DEBUG, "--out_dir", str(out_dir), "--devices", "4", "--pp_size", "2",
+                          env=cli_env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "pipeline 2 × shard 2" in result.stdout and "val_loss" in result.stdout
+    hf_dir = tmp_path / "hf"
+    main(["convert", "to_hf", str(out_dir / "final"), str(hf_dir)])
+    ids = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(0))
+    model, *_ = load_model_dir(out_dir / "final")
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(ids).logits, model(ids)[..., :hf_model.config.vocab_size],
+                                   rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--pp_size", "4", "--pp_schedule", "interleaved_1f1b"], "more than the 4 layers"),
+    (["--pp_size", "2", "--pp_schedule", "1f1b", "--train.micro_batch_size", "8"], "needs at least --pp_size 2"),
+])
+def test_bad_pipeline_flags_exit_2_before_any_worker(tmp_path, cli_env, flags, says):
+    result = llmtrain_cli("pretrain", *DEBUG, "--out_dir", str(tmp_path / "o"), "--devices", "4", *flags,
+                          env=cli_env, timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    message = result.stderr.strip()
+    assert says in message and "Traceback" not in message
+    assert len([p for p in message.split("\n\n") if p.strip()]) == 1, message
+    assert not (tmp_path / "o").exists()
