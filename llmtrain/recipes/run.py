@@ -213,8 +213,9 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
                               quantize=spec.quantize)
     gpt = unwrap(model)
     gpt.max_seq_length = spec.seq_len
-    n_params = sum(p.numel() for p in gpt.parameters())  # FSDP2 parameters report their full size
-    n_trainable = sum(p.numel() for p in gpt.parameters() if p.requires_grad)
+    counted = gpt.whole_model() if plan.pp > 1 else gpt  # a pipeline rank holds only its own stages
+    n_params = sum(p.numel() for p in counted.parameters())  # FSDP2 parameters report their full size
+    n_trainable = sum(p.numel() for p in counted.parameters() if p.requires_grad)
     torch.manual_seed(spec.seed + runtime.rank)  # dropout and sampling differ per rank, reproducibly
     optimizer = build_optimizer(spec.optimizer, [p for p in model.parameters() if p.requires_grad])
     scaler = plan.precision.grad_scaler(runtime.device)
