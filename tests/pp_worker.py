@@ -105,6 +105,9 @@ def suite_two(runtime: Runtime, workdir: Path) -> dict:
 def suite_four(runtime: Runtime, workdir: Path) -> dict:
     return {
         "pp2_dp2": train(runtime, pp=2, schedule="1f1b", out_dir=workdir / "pp2_dp2", checkpoint_format="full"),
+        # The full checkpoint it wrote, back into the same layout under another schedule (weights and optimizer
+        # state scattered to the stages).
+        "resumed_full": train(runtime, pp=2, schedule="gpipe", resume_from=workdir / "pp2_dp2" / "step-00000004"),
     }
 
 

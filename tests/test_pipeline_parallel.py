@@ -130,6 +130,11 @@ def test_pp2_dp2_full_checkpoint_resumes_in_one_process(launches):
 
 
 @pytest.mark.multiproc
+def test_full_checkpoint_resumes_under_pp2_dp2(launches):
+    assert_same_training(launches["four"]["resumed_full"], launches["four"]["pp2_dp2"], steps=range(5, 9))
+
+
+@pytest.mark.multiproc
 @pytest.mark.parametrize("run", ["pp2", "pp2_dp2"])
 def test_final_of_a_pipeline_run_holds_every_weight(launches, run):
     final = launches.workdir / run / "final"

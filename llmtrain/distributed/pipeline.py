@@ -176,8 +176,11 @@ class PipelineParts(nn.Module):
         dist.broadcast_object_list(box, src=0)
         state = box[0]
         own = {name for name, _ in self.named_parameters()}
-        groups = [dict(group, params=[name for name in group["params"] if name in own])
-                  for group in state["param_groups"]]
+        # NOTE: group entries the fresh optimizer lacks (the schedule's initial_lr) would be refused here;
+        # restore_training_state sets them on every rank afterwards.
+        groups = [{**{key: value for key, value in group.items() if key in fresh},
+                   "params": [name for name in group["params"] if name in own]}
+                  for group, fresh in zip(state["param_groups"], optimizer.param_groups)]
         local = {"state": {name: value for name, value in state["state"].items() if name in own},
                  "param_groups": groups}
         set_optimizer_state_dict(self, optimizer, local, options=StateDictOptions(full_state_dict=True))
