@@ -51,7 +51,7 @@ class Recorder(worker.Recorder):
             self.val_losses[metrics["step"]] = metrics["val_loss"]
 
 
-def train(runtime: Runtime, *, pp: int = 1, schedule: Optional[str] = None, out_dir: Optional[Path] = None,
+def train(runtime: Runtime, *, pp: int = 1, tp: int = 1, schedule: Optional[str] = None, out_dir: Optional[Path] = None,
           checkpoint_format: str = "sharded", resume_from: Optional[Path] = None) -> dict:
     """8 AdamW steps of the 4-layer model with fit(), validating at steps 0, 4 and 8; checkpoints every 4 steps
     (and final/) into out_dir when given, after resuming ``resume_from`` when given."""
@@ -59,7 +59,7 @@ def train(runtime: Runtime, *, pp: int = 1, schedule: Optional[str] = None, out_
                            lr_warmup_steps=2, max_norm=1.0, save_interval=worker.SAVE_INTERVAL if out_dir else None)
     plan = ParallelPlan.resolve(devices=runtime.world_size, num_nodes=1, train=train_args, precision="32-true",
                                 fsdp=FSDPArgs(state_dict_type=checkpoint_format), accelerator="cpu", pp=pp,
-                                pp_schedule=schedule)
+                                pp_schedule=schedule, tp=tp)
     runtime = Runtime.for_plan(plan, timeout_s=worker.COLLECTIVE_TIMEOUT_S) if runtime.is_distributed else runtime
     config = pp_config()
     model = build_model(config, plan=plan, runtime=runtime, seed=worker.SEED)
@@ -108,6 +108,8 @@ def suite_four(runtime: Runtime, workdir: Path) -> dict:
         # The full checkpoint it wrote, back into the same layout under another schedule (weights and optimizer
         # state scattered to the stages).
         "resumed_full": train(runtime, pp=2, schedule="gpipe", resume_from=workdir / "pp2_dp2" / "step-00000004"),
+        # Tensor parallelism (sequence parallel) inside each stage: DTensor activations between the stages.
+        "tp2_pp2": train(runtime, pp=2, tp=2, schedule="interleaved_1f1b"),
     }
 
 

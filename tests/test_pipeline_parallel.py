@@ -81,8 +81,17 @@ def test_pp2_dp2_shards_each_stage_with_fsdp_and_matches_one_process(launches, s
 
 
 @pytest.mark.multiproc
+def test_tp2_pp2_matches_one_process(launches, single):
+    result = launches["four"]["tp2_pp2"]
+    assert result["mesh_shape"] == "pipeline 2 × tensor 2" and result["stages"] == [["0"], ["2"]]
+    assert_same_training(result, single)
+    assert_same_validation(result, single)
+
+
+@pytest.mark.multiproc
 def test_stages_start_from_the_one_process_weights_bit_exactly(launches, single):
-    for result in (launches["two"]["1f1b"], launches["two"]["interleaved_1f1b"], launches["four"]["pp2_dp2"]):
+    four = launches["four"]
+    for result in (launches["two"]["1f1b"], launches["two"]["interleaved_1f1b"], four["pp2_dp2"], four["tp2_pp2"]):
         assert result["initial_weights"].keys() == single["initial_weights"].keys()
         for name, tensor in single["initial_weights"].items():
             assert torch.equal(result["initial_weights"][name], tensor), name

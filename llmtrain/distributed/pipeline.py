@@ -265,7 +265,10 @@ class Pipeline:
         self.autocast = autocast
         self.pp_mesh = parts.mesh["pp"]
         group = self.pp_mesh.get_group()
-        self.stages = [PipelineStage(stage, index, parts.n_stages, device, group=group)
+        # NOTE: under tensor parallelism with sequence parallelism the activations between stages are DTensors; the
+        # receiving stage rebuilds them on its own sub-mesh of the same dimension names (its tp ranks).
+        get_mesh = lambda names, layout: parts.mesh[names]  # noqa: E731
+        self.stages = [PipelineStage(stage, index, parts.n_stages, device, group=group, get_mesh=get_mesh)
                        for stage, index in zip(parts.stages, parts.stage_indices)]
         self.has_first = any(stage.is_first for stage in self.stages)
         self.has_last = any(stage.is_last for stage in self.stages)
