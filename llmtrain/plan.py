@@ -163,11 +163,13 @@ def block_parameters_per_rank(config: Config, tp: int) -> int:
 def stage_layers(config: Config, plan: ParallelPlan) -> list[int]:
     """Blocks each pipeline rank holds, rank 0 first (one entry without a pipeline).
 
-    The blocks are split into ``plan.pp_stages`` stages of ``n_layer // stages`` blocks, the first ``n_layer % stages``
-    stages one more; rank r holds stages r, r + pp, ... (one stage each, or ``pp_virtual_stages`` interleaved).
+    The blocks are split into ``plan.pp_stages`` stages as the pipeline splits them (``n_layer // stages`` blocks,
+    the first ``n_layer % stages`` stages one more); rank r holds stages r, r + pp, ... (one stage each, or
+    ``pp_virtual_stages`` interleaved).
     """
-    stages = plan.pp_stages
-    per_stage = [config.n_layer // stages + (stage < config.n_layer % stages) for stage in range(stages)]
+    from llmtrain.distributed.pipeline import stage_layers as pipeline_stages  # NOTE: the one place of the split
+
+    per_stage = [len(layers) for layers in pipeline_stages(config.n_layer, plan.pp_stages)]
     return [sum(per_stage[rank::plan.pp]) for rank in range(plan.pp)]
 
 

@@ -212,3 +212,18 @@ def test_bad_pipeline_flags_exit_2_before_any_worker(tmp_path, cli_env, monkeypa
     assert says in message and "Traceback" not in message
     assert len([p for p in message.split("\n\n") if p.strip()]) == 1, message
     assert not (tmp_path / "o").exists()
+
+
+def test_default_schedule_is_1f1b_or_gpipe_when_a_step_has_fewer_micro_batches_than_stages():
+    from llmtrain.args import TrainArgs
+    from llmtrain.distributed.parallel_plan import ParallelPlan
+
+    def plan(micro_batch_size: int, schedule=None) -> ParallelPlan:
+        return ParallelPlan.resolve(devices=4, num_nodes=1, train=TrainArgs(global_batch_size=16,
+                                    micro_batch_size=micro_batch_size), precision="32-true", device_type="cpu", pp=2,
+                                    pp_schedule=schedule)
+
+    assert (plan(2).pp_schedule, plan(2).pp_microbatches) == ("1f1b", 4)
+    assert (plan(8).pp_schedule, plan(8).pp_microbatches) == ("gpipe", 1)  # debug.yaml's batch at --devices 4
+    with pytest.raises(ValueError, match="--pp_schedule 1f1b needs at least --pp_size 2 micro-batches"):
+        plan(8, "1f1b")

@@ -206,6 +206,10 @@ class ParallelPlan:
                    device_type=device_type, activation_checkpointing=fsdp.activation_checkpointing,
                    cpu_offload=fsdp.cpu_offload, batch_problem=batch_problem, **split)
         plan.check_mesh()
+        if pp_schedule is None and plan.pp > 1 and plan.pp_microbatches < plan.pp:
+            # NOTE: 1F1B needs a micro-batch per stage in flight; with fewer (no overlap to gain either way) the
+            # default falls back to GPipe, which runs any count. Asked for by name, 1f1b is refused below.
+            plan = replace(plan, pp_schedule="gpipe")
         if batch_problem is None:
             problem = plan.pipeline_batch_problem()
             if problem and strict_batch:

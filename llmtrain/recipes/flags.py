@@ -63,8 +63,9 @@ SHARED_FLAGS = (
          "stream over the sequence between the tensor-parallel ranks (less activation memory). Default: on."),
     Flag("pp_size", int, 1, "Pipeline parallelism: split the blocks into this many stages, one group of "
          "processes each; the gradient-accumulation micro-batches become the pipeline's micro-batches."),
-    Flag("pp_schedule", Optional[PipelineSchedule], None, "With --pp_size > 1: gpipe, 1f1b (the default) or "
-         "interleaved_1f1b (several stages per process, see --pp_virtual_stages)."),
+    Flag("pp_schedule", Optional[PipelineSchedule], None, "With --pp_size > 1: gpipe, 1f1b (the default; gpipe "
+         "when a step has fewer micro-batches than --pp_size) or interleaved_1f1b (several stages per process, see "
+         "--pp_virtual_stages)."),
     Flag("pp_virtual_stages", Optional[int], None, "With --pp_schedule interleaved_1f1b: stages per pipeline "
          "process (default 2)."),
     Flag("dist_timeout", float, 600.0, "Seconds a collective may wait for the other ranks before the run counts "
