@@ -317,11 +317,9 @@ class Pipeline:
         args = (input_ids,) if self.has_first else ()
         target = labels if self.has_last else None
         self.token_loss_sums = []
+        run = self.schedule.step if train else self.schedule.eval
         with self.autocast():
-            if train:
-                self.schedule.step(*args, target=target, return_outputs=False)
-            else:
-                self.schedule.eval(*args, target=target)
+            run(*args, target=target, return_outputs=False)  # the losses are all the loop wants
         if not self.token_loss_sums:
             return torch.zeros((), device=self.device)
         # NOTE: when the schedule switches between eval and training it infers the stages' shapes again, calling the

@@ -5,10 +5,11 @@ data-parallel rank, and scales each micro-batch's summed loss by that count, so 
 accumulation and the number of ranks never change the gradient.
 
 The parts, one job each: :class:`TrainStep` (forward and backward over the micro-batches, clipping,
-the optimizer), :class:`NonFiniteSteps` (what a NaN or inf gradient norm does), :class:`LogInterval`
-(the numbers of a log line), :class:`StopPolicy` (when to stop and when to save); :class:`Trainer`
-drives them. Code from outside the loop (--profile's profiler, a test's fault injector) hooks in through
-:mod:`llmtrain.train.callbacks`.
+the optimizer), :class:`ModelPasses` (the model's forward and backward passes; under pipeline
+parallelism ``Fit.pipeline`` takes its place), :class:`NonFiniteSteps` (what a NaN or inf gradient norm
+does), :class:`LogInterval` (the numbers of a log line), :class:`StopPolicy` (when to stop and when to
+save); :class:`Trainer` drives them. Code from outside the loop (--profile's profiler, a test's fault
+injector) hooks in through :mod:`llmtrain.train.callbacks`.
 
 Faults. The numbers each rank's host knows as a step starts (its input tokens, a stop vote for SIGTERM
 or SIGUSR1 received, see :mod:`llmtrain.train.signals`, and a ``--train.max_time`` vote) ride in the
