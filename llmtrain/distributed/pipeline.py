@@ -267,7 +267,9 @@ class Pipeline:
         group = self.pp_mesh.get_group()
         # NOTE: under tensor parallelism with sequence parallelism the activations between stages are DTensors; the
         # receiving stage rebuilds them on its own sub-mesh of the same dimension names (its tp ranks).
-        get_mesh = lambda names, layout: parts.mesh[names]  # noqa: E731
+        def get_mesh(names: tuple[str, ...], layout) -> object:
+            return parts.mesh[names]
+
         self.stages = [PipelineStage(stage, index, parts.n_stages, device, group=group, get_mesh=get_mesh)
                        for stage, index in zip(parts.stages, parts.stage_indices)]
         self.has_first = any(stage.is_first for stage in self.stages)
