@@ -140,23 +140,15 @@ class PipelineParts(nn.Module):
     # ---- full (gathered) state: every stage's part on rank 0; collectives, all ranks call them ----------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on rank 0's CPU (an empty dict elsewhere)."""
-        from torch.distributed.tensor import DTensor
-
-        local = {}
-        for name, tensor in self.state_dict().items():
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # over the data-parallel ranks
-            if self._leads_stage():
-                local[name] = full.detach().cpu()
-        return {name: tensor for part in _gather_on_rank0(local if self._leads_stage() else {}) for name, tensor
-                in part.items()}
+        local = _whole_on_cpu(self.state_dict(), keep=self._leads_stage())
+        return {name: tensor for part in _gather_on_rank0(local) for name, tensor in part.items()}
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer state of the whole model on rank 0's CPU, keyed by parameter name (as
         ``get_optimizer_state_dict(full_state_dict=True)`` gives it for one model); an empty dict elsewhere."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        state = get_optimizer_state_dict(self, optimizer, options=StateDictOptions(full_state_dict=True))
-        local = _to_cpu(state) if self._leads_stage() else {}
+        local = _whole_on_cpu(get_optimizer_state_dict(self, optimizer), keep=self._leads_stage())
         parts = [part for part in _gather_on_rank0(local) if part]
         if not parts:
             return {}
@@ -166,24 +158,17 @@ class PipelineParts(nn.Module):
                 "param_groups": groups}
 
     def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """Load the whole model's optimizer state that rank 0 read (``state``; ignored on other ranks): each rank
-        keeps the entries of its own parameters."""
+        """Load the whole model's optimizer state that rank 0 read (``state``; ignored on other ranks): rank 0 sends
+        each rank the entries of its own parameters, whole (FSDP then keeps its shard)."""
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        # NOTE: the whole state travels to every rank; a stage-by-stage send would hold less at once.
-        box = [state if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        state = box[0]
-        own = {name for name, _ in self.named_parameters()}
-        # NOTE: group entries the fresh optimizer lacks (the schedule's initial_lr) would be refused here;
-        # restore_training_state sets them on every rank afterwards.
-        groups = [{**{key: value for key, value in group.items() if key in fresh},
-                   "params": [name for name in group["params"] if name in own]}
-                  for group, fresh in zip(state["param_groups"], optimizer.param_groups)]
-        local = {"state": {name: value for name, value in state["state"].items() if name in own},
-                 "param_groups": groups}
-        set_optimizer_state_dict(self, optimizer, local, options=StateDictOptions(full_state_dict=True))
+        owned: list = [None] * dist.get_world_size()
+        dist.all_gather_object(owned, [name for name, _ in self.named_parameters()])
+        parts = [_optimizer_part(state, set(names), optimizer) for names in owned] if dist.get_rank() == 0 else None
+        box: list = [None]
+        dist.scatter_object_list(box, parts, src=0)
+        set_optimizer_state_dict(self, optimizer, box[0], options=StateDictOptions(full_state_dict=True))
 
     def _leads_stage(self) -> bool:
         """Whether this rank is the first of its stage's ranks (coordinate 0 on every mesh dimension but pp)."""
@@ -217,14 +202,39 @@ def _gather_on_rank0(local: dict) -> list[dict]:
     return gathered or []
 
 
-def _to_cpu(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {key: _to_cpu(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_to_cpu(item) for item in value]
-    return value
+def _optimizer_part(state: dict, names: set[str], optimizer: torch.optim.Optimizer) -> dict:
+    """The entries of a whole model's optimizer state (keyed by parameter name) for the parameters ``names``.
+
+    NOTE: group entries the fresh optimizer lacks (the schedule's initial_lr) would be refused by
+    ``set_optimizer_state_dict``; restore_training_state sets them on every rank afterwards.
+    """
+    groups = [{**{key: value for key, value in group.items() if key in fresh},
+               "params": [name for name in group["params"] if name in names]}
+              for group, fresh in zip(state["param_groups"], optimizer.param_groups)]
+    return {"state": {name: value for name, value in state["state"].items() if name in names}, "param_groups": groups}
+
+
+def _whole_on_cpu(state: dict, *, keep: bool) -> dict:
+    """``state`` with each sharded tensor gathered whole, one at a time, on the CPU of a rank that ``keep``s it; an
+    empty dict on the others. All ranks of a stage call it (each gather is a collective over their mesh).
+
+    NOTE: one tensor at a time, so a stage's ranks never hold more than one whole tensor beside their shards.
+    """
+    from torch.distributed.tensor import DTensor
+
+    def whole(value):
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        if isinstance(value, torch.Tensor):
+            return value.detach().cpu() if keep else None
+        if isinstance(value, dict):
+            return {key: whole(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [whole(item) for item in value]
+        return value
+
+    gathered = whole(state)
+    return gathered if keep else {}
 
 
 def build_pipeline_model(config: Config, *, plan, runtime, seed: int, compile: bool = False) -> PipelineParts:
