@@ -7,6 +7,8 @@ The single-process references call the same functions in the test process.
 
 from __future__ import annotations
 
+import functools
+
 import sys
 from pathlib import Path
 from typing import Optional
@@ -22,6 +24,7 @@ from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.distributed.parallelize import materialize, parallelize
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
+from llmtrain.optim import build_optimizer
 from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon
 from llmtrain.train.precision import Precision
 
@@ -78,7 +81,8 @@ def train(world_size: int = 1, *, out_dir: Optional[Path] = None, checkpoint_for
     plan = resolve_plan(world_size, **layout)
     config = dist_worker.tiny_config()
     model, runtime = build(plan, config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.1)
+    # The recipes' optimizer: fused AdamW, one kernel over every parameter, which needs them all DTensors alike.
+    optimizer = build_optimizer(functools.partial(torch.optim.AdamW, lr=5e-3, weight_decay=0.1), model.parameters())
     loader = ListLoader(dist_worker.make_samples(), 1, runtime.data_parallel_rank, runtime.data_parallel_size)
     train_args = TrainArgs(global_batch_size=GLOBAL_BATCH, micro_batch_size=1, max_steps=MAX_STEPS,
                            lr_warmup_steps=2, save_interval=dist_worker.SAVE_INTERVAL if out_dir else None,

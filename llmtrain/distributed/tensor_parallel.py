@@ -40,8 +40,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool)
     if getattr(model, "wte", None) is not None:
         plan["wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream,
                                       use_local_output=not sequence_parallel)
-    if getattr(model, "norm_f", None) is not None and sequence_parallel:
-        plan["norm_f"] = SequenceParallel()
+    if getattr(model, "norm_f", None) is not None:
+        plan["norm_f"] = SequenceParallel() if sequence_parallel else _replicated_norm()
     if getattr(model, "lm_head", None) is not None:
         # NOTE: model(idx) without labels returns the whole vocabulary's logits, gathered; training reads the
         # weight's shard in the loss instead and never calls the head.
@@ -71,11 +71,33 @@ def _block_plan(block: nn.Module, stream, sequence_parallel: bool) -> dict:
     up, down = (("fc",), "proj") if hasattr(block.mlp, "fc") else (("gate_proj", "up_proj"), "down_proj")
     plan.update({f"mlp.{name}": colwise for name in up})
     plan[f"mlp.{down}"] = rowwise
-    if sequence_parallel:
-        plan["attn_norm"] = SequenceParallel()
-        if block.mlp_norm is not None:  # Phi shares the attention norm
-            plan["mlp_norm"] = SequenceParallel()
+    norm = SequenceParallel if sequence_parallel else _replicated_norm
+    plan["attn_norm"] = norm()
+    if block.mlp_norm is not None:  # Phi shares the attention norm
+        plan["mlp_norm"] = norm()
     return plan
+
+
+def _replicated_norm():
+    """Without sequence parallelism every tensor-parallel rank normalises the whole sequence: the norm's weights
+    become replicated DTensors (plain tensors in and out), so that every parameter of the model is a DTensor on
+    the tensor-parallel mesh, which a fused or foreach optimizer step over all of them needs."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class ReplicatedNorm(ParallelStyle):
+        def _apply(self, module: nn.Module, mesh) -> nn.Module:
+            return distribute_module(module, mesh, input_fn=self._wrap, output_fn=self._unwrap)
+
+        @staticmethod
+        def _wrap(module, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+        @staticmethod
+        def _unwrap(module, output, mesh):
+            return output.to_local()
+
+    return ReplicatedNorm()
 
 
 def _is_tied(model: nn.Module) -> bool:
