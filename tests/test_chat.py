@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -163,6 +164,9 @@ def test_on_a_terminal_a_reply_streams_and_the_key_ends_the_chat(model_dir, answ
     pid, fd = pty.fork()
     if pid == 0:  # the child: the chat, on the terminal
         try:
+            # NOTE: a suite started in the background from a script inherits SIGINT ignored, and Python then
+            # never raises KeyboardInterrupt; a user at a terminal has it at its default.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.chdir(ROOT)
             os.execve(sys.executable, [sys.executable, "-m", "llmtrain", "chat", str(model_dir), *GREEDY,
                                        "--max_new_tokens", "12"], child_env())

@@ -138,14 +138,12 @@ def suite_four(runtime: Runtime, workdir: Path) -> dict:
         "dp2_tp2": train(4, tp=2, out_dir=workdir / "dp2_tp2"),
         "dp2_tp2_full": train(4, tp=2, out_dir=workdir / "dp2_tp2_full", checkpoint_format="full"),
         "dp4_resume": train(4, resume_from=workdir / "dp2_tp2" / "step-00000004"),
+        # 2 "nodes" of 2 under HYBRID_SHARD: replicate 2 × shard 1 × tensor 2, a 3-D mesh on 4 ranks
+        "hsdp_tp": train(4, tp=2, num_nodes=2),
     }
 
 
-def suite_eight(runtime: Runtime, workdir: Path) -> dict:
-    return {"hsdp_tp": train(8, tp=2, num_nodes=2)}  # 2 "nodes" of 4: replicate 2 × shard 2 × tensor 2
-
-
-SUITES = {"two": suite_two, "four": suite_four, "eight": suite_eight}
+SUITES = {"two": suite_two, "four": suite_four}
 
 if __name__ == "__main__":
     dist_worker.worker_main(sys.argv[1], Path(sys.argv[2]), suites=SUITES)
