@@ -116,3 +116,15 @@ def test_every_flag_changes_the_run_or_is_refused(recipe, flag, annotation, defa
     assert reference[0] == "launched", reference
     result = outcome([*base, flag, value], monkeypatch, capsys)
     assert result != reference, f"{recipe} {flag} {value} was accepted and changed nothing"
+
+
+@pytest.mark.parametrize("recipe, extra, message", [
+    ("finetune_lora", ["--quantize", "bnb.nf4", "--devices", "2", "--tp_size", "2"],
+     "bitsandbytes' quantized weights cannot be sharded by FSDP nor split by --tp_size 2"),
+    ("finetune_lora", ["--devices", "2", "--pp_size", "2"], "finetune_lora trains with data parallelism only"),
+])
+def test_adapters_refuse_a_split_model_before_the_launch(recipe, extra, message, model_dir, monkeypatch, capsys):
+    """QLoRA and LoRA under --tp_size or --pp_size: one message through the real command line, nothing launched."""
+    kind, said = outcome([recipe, str(model_dir), "--out_dir", str(model_dir.parent / "out"), *extra], monkeypatch,
+                         capsys)
+    assert kind == "refused" and message in said, (kind, said)

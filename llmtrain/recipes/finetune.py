@@ -108,9 +108,11 @@ def setup_lora(
             flags["precision"] = resolve_precision("auto", resolve_device_type(flags["accelerator"])).unmixed().name
         world = flags["devices"] * flags["num_nodes"]
         if world > 1 or flags["strategy"] != "auto":
+            split = [f"--{name} {flags[name]}" for name in ("tp_size", "pp_size") if flags[name] > 1]
             raise ValueError(f"--quantize {quantize} runs on one device without a data-parallel wrapper: "
-                             "bitsandbytes' quantized weights cannot be sharded by FSDP. Use --devices 1 and no "
-                             f"--strategy, or LoRA without --quantize on {world} devices")
+                             "bitsandbytes' quantized weights cannot be sharded by FSDP"
+                             + (f" nor split by {' or '.join(split)}" if split else "") + ". Use --devices 1 and "
+                             f"no --strategy, or LoRA without --quantize on {world} devices")
         if Precision(flags["precision"]).is_mixed:
             raise ValueError(f"--quantize {quantize} with --precision {flags['precision']}: quantized layers compute "
                              "in one dtype; use --precision bf16-true (or 32-true)")
