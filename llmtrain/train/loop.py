@@ -316,6 +316,7 @@ class TrainStep:
         self.job, self.skips, self.hooks = job, skips, hooks
         self.params = [p for p in job.model.parameters() if p.requires_grad]
         self.max_norm = job.train.max_norm if job.train.max_norm is not None else float("inf")
+        self.passes = model_passes(job)
 
     def __call__(self, step: int, micro_batches: list[dict], host_numbers: list[float]) -> StepResult:
         """Train one step; ``host_numbers`` (what this rank's host knows) are summed over the ranks on the way."""
@@ -350,7 +351,7 @@ class TrainStep:
             loss = self.hooks.on_loss(step, loss)
             return scaler.scale(loss) if scaler else loss
 
-        return model_passes(self.job).forward_backward(micro_batches, loss_scale, on_loss)
+        return self.passes.forward_backward(micro_batches, loss_scale, on_loss)
 
 
 def model_passes(job: Fit) -> "ModelPasses":
