@@ -8,6 +8,7 @@ Checks that need only these numbers live here; checks that need the world size l
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Literal, Optional
 
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
@@ -133,6 +134,15 @@ class FSDPArgs:
         if self.async_save and self.state_dict_type != "sharded":
             raise ValueError("--fsdp.async_save true needs --fsdp.state_dict_type sharded (a full checkpoint is "
                              "gathered and written by rank 0 alone)")
+
+
+@dataclass
+class DeepSpeedArgs:
+    """DeepSpeed settings (``--deepspeed.*``), for ``--strategy deepspeed`` and ``deepspeed_stage_*`` (extensions/deepspeed)."""
+
+    config: Optional[Path] = None
+    """A DeepSpeed config file (JSON) whose ZeRO, communication and offload settings the run takes. Batch sizes,
+    accumulation, precision and clipping come from llmtrain's flags: "auto" or the same values there."""
 
 
 @dataclass

@@ -7,6 +7,7 @@ Three formats share one save path (temporary directory → tensors → training 
     sharded  every rank writes its own shards of model and optimizer into dcp/ (torch.distributed.checkpoint);
              loads at any world size; ``async_save`` writes in the background
     lora     like full, but only the adapters (lora.safetensors) and their optimizer state
+    deepspeed  DeepSpeed's own files, written by its engine (llmtrain_deepspeed.checkpoint, a subclass)
 
 ``final/`` is always a full model directory: the last step's files (full, hard-linked), the gathered
 shards (sharded), or the merged model beside the adapters (lora). :meth:`Checkpointer.load` reads
@@ -73,7 +74,7 @@ class Checkpointer:
                  hyperparameters: Optional[dict], scaler: Optional[torch.amp.GradScaler] = None,
                  write_extras: Optional[Callable[[Path], None]] = None, keep_last: Optional[int] = None,
                  format: CheckpointFormat = "full", async_save: bool = False) -> None:
-        if format not in ("full", "sharded", "lora"):
+        if format not in ("full", "sharded", "lora", "deepspeed"):
             raise ValueError(f"--fsdp.state_dict_type {format!r} must be `full` or `sharded`")
         if async_save and format == "lora":
             raise ValueError("--fsdp.async_save is for sharded checkpoints; LoRA checkpoints hold only the "
@@ -93,6 +94,8 @@ class Checkpointer:
         self.write_extras = write_extras
         self.keep_last = keep_last
         self.format = format
+        self.lora = format == "lora"
+        """The run trains LoRA adapters: final/ holds the merged model and the adapters beside it."""
         self.async_save = async_save
         self.last_saved: Optional[Path] = None
         self._pending: Optional[_PendingSave] = None
@@ -118,7 +121,7 @@ class Checkpointer:
             training_state = build_training_state(
                 state=state, train_loader=self.train_loader, scaler=self.scaler, rng_states=rng_states,
                 world_size=self.runtime.world_size, optimizer_state=optimizer_state,
-                include_optimizer=self.format != "sharded")
+                include_optimizer=self.format in ("full", "lora"))
             torch.save(training_state, tmp / layout.STATE_FILE)
             files.write_metadata_files(tmp, model_config=self.model_config, hyperparameters=self.hyperparameters,
                                        tokenizer=self.tokenizer, write_extras=self.write_extras)
@@ -212,7 +215,7 @@ class Checkpointer:
         if self.runtime.is_main:
             files.remove_leftovers(self.out_dir)
             marker = {"kind": "final", "format": "full", "step": state.step, "tokens": state.tokens}
-            if self.format == "lora":
+            if self.lora:
                 marker["lora_merged"] = True
             files.write_model_dir(target, state_dict=weights, model_config=self.model_config,
                                   hyperparameters=self.hyperparameters, tokenizer=self.tokenizer, marker=marker,
@@ -234,7 +237,7 @@ class Checkpointer:
         return merged_state_dict(self.model, full) if self.runtime.is_main else {}
 
     def _final_extras(self, directory: Path) -> None:
-        if self.format == "lora":  # the adapters stay usable on their own beside the merged model
+        if self.lora:  # the adapters stay usable on their own beside the merged model
             shutil.copy2(self.last_saved / layout.LORA_FILE, directory / layout.LORA_FILE)
         if self.write_extras is not None:
             self.write_extras(directory)
@@ -252,6 +255,10 @@ class Checkpointer:
         checkpoint_dir = Path(checkpoint_dir)
         verify_checkpoint(checkpoint_dir, load_state=False)
         fmt = checkpoint_format(checkpoint_dir)
+        if fmt == "deepspeed":
+            raise ValueError(f"{checkpoint_dir} was written by DeepSpeed (--strategy deepspeed_*): resume it with the "
+                             "same --strategy on the same number of processes, or start a new run from its weights "
+                             f"(the run's {layout.FINAL_DIR}/ directory) with --initial_checkpoint_dir")
         training_state = load_training_state(checkpoint_dir, mmap=True)
         if fmt == "sharded":
             self._load_shards(checkpoint_dir / layout.DCP_DIR)

@@ -21,15 +21,15 @@ import torch
 from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint.state import DamagedCheckpointError, load_training_state
 
-CheckpointFormat = Literal["full", "sharded", "lora"]
+CheckpointFormat = Literal["full", "sharded", "lora", "deepspeed"]
 
 
 def checkpoint_format(checkpoint_dir: Path) -> CheckpointFormat:
-    """``"full"``, ``"sharded"`` or ``"lora"``, from the marker of a complete checkpoint."""
+    """``"full"``, ``"sharded"``, ``"lora"`` or ``"deepspeed"``, from the marker of a complete checkpoint."""
     fmt = files.read_marker(checkpoint_dir).get("format", "full")
-    if fmt not in ("full", "sharded", "lora"):
+    if fmt not in ("full", "sharded", "lora", "deepspeed"):
         raise ValueError(f"{Path(checkpoint_dir) / layout.MARKER_FILE}: unknown checkpoint format {fmt!r}; this "
-                         "llmtrain reads `full`, `sharded` and `lora`")
+                         "llmtrain reads `full`, `sharded`, `lora` and `deepspeed`")
     # Markers written before the LoRA format had its name say "full" beside the adapters.
     if fmt == "full" and (Path(checkpoint_dir) / layout.LORA_FILE).is_file() and not (
             Path(checkpoint_dir) / layout.MODEL_FILE).is_file():

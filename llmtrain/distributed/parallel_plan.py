@@ -30,9 +30,36 @@ import torch
 from llmtrain.args import BatchDefaults, BatchPlan, FSDPArgs, TrainArgs, batch_plan
 from llmtrain.train.precision import Precision, resolve_precision
 
-Wrapper = Literal["none", "ddp", "fsdp"]
+Wrapper = Literal["none", "ddp", "fsdp", "deepspeed"]
 DeviceType = Literal["cpu", "cuda"]
-STRATEGIES = ("auto", "ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """What DeepSpeed's ZeRO shards and offloads (``--strategy deepspeed_*`` or ``--deepspeed.config``)."""
+
+    stage: int
+    """1: optimizer state sharded over the data-parallel ranks; 2: and gradients; 3: and parameters."""
+    offload_optimizer: bool = False
+    """The optimizer state (fp32 master weights and moments) and its step live in host memory."""
+    offload_parameters: bool = False
+    """Stage 3: the parameter shards live in host memory too."""
+
+    def describe(self) -> str:
+        offloaded = [what for what, on in (("optimizer", self.offload_optimizer),
+                                           ("parameters", self.offload_parameters)) if on]
+        return f"ZeRO stage {self.stage}" + (f", {' and '.join(offloaded)} offloaded to the CPU" if offloaded else "")
+
+
+DEEPSPEED_STRATEGIES = {
+    "deepspeed_stage_1": ZeroSettings(1),
+    "deepspeed_stage_2": ZeroSettings(2),
+    "deepspeed_stage_2_offload": ZeroSettings(2, offload_optimizer=True),
+    "deepspeed_stage_3": ZeroSettings(3),
+    "deepspeed_stage_3_offload": ZeroSettings(3, offload_optimizer=True, offload_parameters=True),
+}
+"""Lightning's strategy names; plain ``deepspeed`` takes the stage from ``--deepspeed.config``."""
+STRATEGIES = ("auto", "ddp", "fsdp", "deepspeed", *DEEPSPEED_STRATEGIES)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -70,6 +97,8 @@ class ParallelPlan:
     """FSDP keeps parameters, gradients and optimizer state in host memory (applied only under FSDP)."""
     grad_sync_only_last: bool = False
     """Gradients are reduced only after the last micro-batch of a step (only with a wrapper and accumulation)."""
+    zero: Optional[ZeroSettings] = None
+    """DeepSpeed's ZeRO settings when the wrapper is ``deepspeed`` (llmtrain_deepspeed), else None."""
     batch_problem: Optional[str] = None
     """Why the batch does not divide (only a dry run's plan, resolved with ``strict_batch=False``, has one)."""
 
@@ -113,12 +142,14 @@ class ParallelPlan:
 
     @property
     def mixed_precision_policy(self) -> bool:
-        """FSDP casts parameters for compute itself, so fit() must not autocast as well."""
-        return self.wrapper == "fsdp" and self.precision.is_mixed
+        """FSDP or DeepSpeed casts parameters for compute itself, so fit() must not autocast as well."""
+        return self.wrapper in ("fsdp", "deepspeed") and self.precision.is_mixed
 
     def mesh_shape(self) -> dict[str, int]:
         """The mesh dimensions larger than one, outermost first (a data-parallel wrapper gets at least one
         data-parallel dimension, of size 1 if need be: ``dp_shard`` for FSDP, ``dp_replicate`` for DDP)."""
+        if self.wrapper == "deepspeed":  # DeepSpeed groups the ranks itself: no DeviceMesh
+            return {}
         sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
         keep = {name for name, size in sizes.items() if size > 1}
         if self.sharding_strategy == "HYBRID_SHARD":  # both, even of size 1: a 1-D mesh would shard across nodes
@@ -150,6 +181,8 @@ class ParallelPlan:
                   f"{self.wrapper}, {self.sharding_strategy}, mesh {self.describe_mesh()}")
         if self.wrapper == "none" and self.splits_model:
             layout = f"no data-parallel wrapper, mesh {self.describe_mesh()}"
+        if self.zero is not None:
+            layout = f"deepspeed, {self.zero.describe()} over {self.data_parallel_size} rank(s)"
         extras = [name for name, on in (("sequence parallel", self.sequence_parallel),
                                         (f"pipeline schedule {self.pp_schedule}"
                                          + (f" × {self.pp_virtual_stages} stages per rank"
@@ -170,7 +203,7 @@ class ParallelPlan:
                 device_type: Optional[DeviceType] = None, strict_batch: bool = True,
                 batch_defaults: BatchDefaults = BatchDefaults(), gpu: Optional[str] = None, tp: int = 1,
                 pp: int = 1, sequence_parallel: Optional[bool] = None, pp_schedule: Optional[str] = None,
-                pp_virtual_stages: Optional[int] = None) -> "ParallelPlan":
+                pp_virtual_stages: Optional[int] = None, zero: Optional[ZeroSettings] = None) -> "ParallelPlan":
         """Check the flags against each other and lay the run out; a bad combination raises ``ValueError``.
 
         ``device_type`` overrides what ``accelerator`` resolves to on this machine (the dry run plans for
@@ -178,7 +211,8 @@ class ParallelPlan:
         does not divide is recorded in ``batch_problem`` instead of raised, so that the dry run can still print
         the rest of the plan. ``batch_defaults`` fill the batch sizes the flags leave unset. ``tp``, ``pp``,
         ``sequence_parallel``, ``pp_schedule`` and ``pp_virtual_stages`` are ``--tp_size``,
-        ``--tp_sequence_parallel``, ``--pp_size``, ``--pp_schedule`` and ``--pp_virtual_stages``.
+        ``--tp_sequence_parallel``, ``--pp_size``, ``--pp_schedule`` and ``--pp_virtual_stages``. ``zero``: the
+        ZeRO settings a ``--deepspeed.config`` file holds (which a named ``deepspeed_*`` strategy must agree with).
         """
         fsdp = fsdp or FSDPArgs()
         if devices < 1 or num_nodes < 1:
@@ -190,6 +224,13 @@ class ParallelPlan:
             precision = resolve_precision(precision, device_type, gpu=gpu)
         world = devices * num_nodes
         split = _model_split(tp, pp, sequence_parallel, pp_schedule, pp_virtual_stages, devices, world)
+        if strategy.startswith("deepspeed"):
+            return cls._resolve_deepspeed(strategy, zero, devices=devices, num_nodes=num_nodes, train=train,
+                                          precision=precision, fsdp=fsdp, device_type=device_type, split=split,
+                                          strict_batch=strict_batch, batch_defaults=batch_defaults)
+        if zero is not None:
+            raise ValueError(f"--deepspeed.config is for --strategy deepspeed or deepspeed_stage_N, not --strategy "
+                             f"{strategy}: pass one of those, or drop --deepspeed.config")
         dp_world = world // (tp * pp)
         wrapper, sharding = _wrapper(strategy, fsdp, dp_world, num_nodes)
         if wrapper == "ddp" and (tp > 1 or pp > 1):
@@ -219,6 +260,42 @@ class ParallelPlan:
         syncs_once = (fsdp.skip_gradient_sync and wrapper != "none" and plan.batch.grad_accum_steps > 1
                       and pp == 1)
         return replace(plan, grad_sync_only_last=syncs_once)
+
+    @classmethod
+    def _resolve_deepspeed(cls, strategy: str, zero: Optional[ZeroSettings], *, devices: int, num_nodes: int,
+                           train: TrainArgs, precision: Precision, fsdp: FSDPArgs, device_type: DeviceType,
+                           split: dict, strict_batch: bool, batch_defaults: BatchDefaults) -> "ParallelPlan":
+        """A DeepSpeed ZeRO plan: every rank a data-parallel one; the flags it cannot honour refused by name."""
+        named = DEEPSPEED_STRATEGIES.get(strategy)
+        if named is None and zero is None:
+            raise ValueError("--strategy deepspeed takes its ZeRO stage from --deepspeed.config FILE; pass one, or name "
+                             f"the stage: --strategy {' | '.join(DEEPSPEED_STRATEGIES)}")
+        if named is not None and zero is not None and zero != named:
+            raise ValueError(f"--strategy {strategy} means {named.describe()}, but --deepspeed.config says "
+                             f"{zero.describe()}: pass --strategy deepspeed to take the file's settings, or change it")
+        zero = zero or named
+        if split["tp"] > 1 or split["pp"] > 1:
+            raise ValueError(f"--strategy {strategy} is data parallelism (ZeRO) alone: drop --tp_size and --pp_size, "
+                             "or use --strategy fsdp for tensor and pipeline parallelism")
+        defaults = FSDPArgs()
+        ignored = [f"--fsdp.{name} {getattr(fsdp, name)}" for name in ("sharding_strategy", "cpu_offload",
+                                                                        "state_dict_type", "skip_gradient_sync",
+                                                                        "async_save")
+                   if getattr(fsdp, name) != getattr(defaults, name)]
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)} configures FSDP, which --strategy {strategy} does not use: DeepSpeed "
+                             "shards by its ZeRO stage, offloads with the *_offload strategies, reduces gradients once "
+                             "per step and writes its own checkpoints. Drop the flag")
+        if precision.name in ("bf16-true", "16-true"):
+            raise ValueError(f"--precision {precision.name}: DeepSpeed always keeps an fp32 master copy of the weights "
+                             f"in its optimizer, which is {precision.name.replace('-true', '-mixed')}; pass that, or "
+                             "32-true")
+        world = devices * num_nodes
+        batch, batch_problem = _batch(train, world, strict_batch, batch_defaults)
+        return cls(devices=devices, num_nodes=num_nodes, dp_replicate=1, dp_shard=world, wrapper="deepspeed",
+                   sharding_strategy=None, batch=batch, precision=precision, device_type=device_type,
+                   activation_checkpointing=fsdp.activation_checkpointing, batch_problem=batch_problem, zero=zero,
+                   **split)
 
     def pipeline_batch_problem(self) -> Optional[str]:
         """Why the batch plan's micro-batches do not suit the pipeline schedule, or None."""

@@ -62,7 +62,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device, c
         apply_activation_checkpointing(model)
     if compile:
         apply_compile(model)
-    if plan.wrapper == "none":
+    if plan.wrapper in ("none", "deepspeed"):  # DeepSpeed's engine wraps the model later (llmtrain_deepspeed)
         return model
     if plan.wrapper == "ddp":
         return apply_ddp(model, device)
@@ -144,11 +144,10 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
 
 # ----------------------------------------------------------------------------------- materialize
 def unwrap(model: nn.Module) -> nn.Module:
-    """The GPT inside a DDP wrapper or a torch.compile'd module (FSDP2 shards in place: nothing to unwrap)."""
-    from torch.nn.parallel import DistributedDataParallel
-
+    """The GPT inside a DDP wrapper, DeepSpeed's engine or a torch.compile'd module (FSDP2 shards in place: nothing
+    to unwrap)."""
     while True:
-        if isinstance(model, DistributedDataParallel):
+        if isinstance(getattr(model, "module", None), nn.Module):  # DDP, DeepSpeed: the model is their .module
             model = model.module
         elif hasattr(model, "_orig_mod"):  # torch.compile of the whole model
             model = model._orig_mod

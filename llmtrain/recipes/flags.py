@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
-from llmtrain.args import EvalArgs, FSDPArgs, ProfileArgs, TrainArgs
+from llmtrain.args import DeepSpeedArgs, EvalArgs, FSDPArgs, ProfileArgs, TrainArgs
 from llmtrain.data.base import DataModule
 from llmtrain.optim import OptimizerArg
 from llmtrain.plan import DryRunArgs
@@ -22,7 +22,8 @@ from llmtrain.train.precision import PrecisionName
 
 ResumeArg = Union[bool, Literal["auto"], Path]
 Accelerator = Literal["auto", "cpu", "cuda", "gpu"]
-StrategyName = Literal["auto", "ddp", "fsdp"]
+StrategyName = Literal["auto", "ddp", "fsdp", "deepspeed", "deepspeed_stage_1", "deepspeed_stage_2",
+                       "deepspeed_stage_2_offload", "deepspeed_stage_3", "deepspeed_stage_3_offload"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 LoggerName = Literal["csv", "tensorboard", "wandb"]
 
@@ -53,9 +54,13 @@ SHARED_FLAGS = (
     Flag("num_nodes", int, 1, "Number of nodes."),
     Flag("accelerator", Accelerator, "auto", "Where to train: auto (a GPU if there is one), cpu, cuda or gpu."),
     Flag("strategy", StrategyName, "auto", "Data parallelism: auto (FSDP when there is more than one process, "
-         "nothing with one), ddp, or fsdp (also on one device, e.g. for --fsdp.cpu_offload on a GPU)."),
+         "nothing with one), ddp, fsdp (also on one device, e.g. for --fsdp.cpu_offload on a GPU), or DeepSpeed "
+         "ZeRO (pip install 'llmtrain[deepspeed]'): deepspeed_stage_1, deepspeed_stage_2, deepspeed_stage_2_offload, "
+         "deepspeed_stage_3, deepspeed_stage_3_offload, or deepspeed with --deepspeed.config."),
     Flag("fsdp", FSDPArgs, FSDPArgs(), "FSDP settings: sharding strategy, activation checkpointing, CPU offload, "
          "checkpoint format."),
+    Flag("deepspeed", DeepSpeedArgs, DeepSpeedArgs(), "DeepSpeed settings: `--deepspeed.config FILE`, a DeepSpeed "
+         "config (JSON) to take ZeRO, offload and communication settings from."),
     Flag("tp_size", int, 1, "Tensor parallelism: split every block's attention heads and MLP (and the embedding "
          "and head over the vocabulary) across this many processes of one node. Heads and query groups must "
          "divide by it."),

@@ -73,6 +73,8 @@ class RunSpec:
     """Fine-tuning: a prompt style name; None takes the checkpoint's own, else the model family's."""
     profile: Optional[ProfileArgs] = None
     """--profile's settings when profiling was asked for; None builds no profiler."""
+    deepspeed_config: Optional[dict] = None
+    """The DeepSpeed config under a ``deepspeed`` strategy (llmtrain_deepspeed.config.build_config), else None."""
     dist_timeout: float = 600.0
     """--dist_timeout: seconds a collective may wait (the default process group's timeout)."""
 
@@ -97,7 +99,8 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
     layout = dict(devices=devices, num_nodes=flags["num_nodes"], train=train, precision=flags["precision"],
                   strategy=flags["strategy"], fsdp=fsdp, batch_defaults=batch_defaults, tp=flags["tp_size"],
                   pp=flags["pp_size"], sequence_parallel=flags["tp_sequence_parallel"],
-                  pp_schedule=flags["pp_schedule"], pp_virtual_stages=flags["pp_virtual_stages"])
+                  pp_schedule=flags["pp_schedule"], pp_virtual_stages=flags["pp_virtual_stages"],
+                  zero=_zero_from_file(flags))
     profile = flags["profile"] if flags["profile"].requested else None
     if dry.requested:
         plan = ParallelPlan.resolve(**layout, device_type=dry.device_type or resolve_device_type(
@@ -118,6 +121,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
     if isinstance(hyperparameters.get("train"), dict):  # the checkpoint records the batch this run used
         hyperparameters["train"].update(global_batch_size=train.global_batch_size,
                                         micro_batch_size=train.micro_batch_size)
+    deepspeed_config = _deepspeed_config(plan, train, flags) if plan.wrapper == "deepspeed" else None
     check_disk_space(flags["out_dir"], config, plan.precision, trainable_parameters=trainable_parameters)
     flags["data"].validate()
     spec = RunSpec(recipe=recipe, config=config, out_dir=Path(flags["out_dir"]), plan=plan, data=flags["data"],
@@ -125,7 +129,8 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
                    hyperparameters=hyperparameters, fsdp=fsdp, seed=flags["seed"], compile=flags["compile"],
                    logger_name=flags["logger_name"], resume_from=resume_from,
                    initial_checkpoint_dir=initial_checkpoint_dir, tokenizer_dir=tokenizer_dir, lora=lora,
-                   quantize=quantize, prompt_style=prompt_style, profile=profile, dist_timeout=flags["dist_timeout"])
+                   quantize=quantize, prompt_style=prompt_style, profile=profile, dist_timeout=flags["dist_timeout"],
+                   deepspeed_config=deepspeed_config)
     if spec.lora is not None and spec.fsdp.async_save:
         raise ValueError("--fsdp.async_save is for sharded checkpoints; LoRA checkpoints hold only the "
                          "adapters and are written by rank 0: drop --fsdp.async_save")
@@ -143,6 +148,25 @@ def _devices(flags: dict[str, Any], dry: planning.DryRunArgs) -> int:
     if how and not (devices == 1 and device_type == "cpu") and is_first_process():
         print(f"--devices {flags['devices']}: {devices} per node ({how})")
     return devices
+
+
+def _zero_from_file(flags: dict[str, Any]) -> Any:
+    """The ZeRO settings of ``--deepspeed.config``, if one was given (read without importing deepspeed)."""
+    path = flags["deepspeed"].config
+    if path is None:
+        return None
+    from llmtrain_deepspeed import config as ds_config  # NOTE: the extension, only for a DeepSpeed run
+
+    return ds_config.zero_settings(ds_config.read_config(path), path)
+
+
+def _deepspeed_config(plan: ParallelPlan, train: TrainArgs, flags: dict[str, Any]) -> dict:
+    """The run's DeepSpeed config: deepspeed must be installed, and the file must agree with the flags."""
+    from llmtrain_deepspeed import config as ds_config
+
+    ds_config.require_deepspeed(flags["strategy"])
+    path = flags["deepspeed"].config
+    return ds_config.build_config(plan, train, ds_config.read_config(path) if path is not None else None, path)
 
 
 def _check_model_split(plan: ParallelPlan, config: Config, seq_len: int, *, lora: Optional[LoRAArgs],
@@ -219,6 +243,11 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
     torch.manual_seed(spec.seed + runtime.rank)  # dropout and sampling differ per rank, reproducibly
     optimizer = build_optimizer(spec.optimizer, [p for p in model.parameters() if p.requires_grad])
     scaler = plan.precision.grad_scaler(runtime.device)
+    strategy = None  # torch's own (llmtrain.train.loop.TorchStrategy)
+    if spec.deepspeed_config is not None:
+        from llmtrain_deepspeed.engine import DeepSpeedStrategy, initialize
+
+        model, scaler, strategy = initialize(model, optimizer, spec.deepspeed_config, runtime), None, DeepSpeedStrategy
     state = TrainState()
     checkpointer = _build_checkpointer(spec, runtime=runtime, model=model, optimizer=optimizer,
                                        train_loader=train_loader, tokenizer=tokenizer, scaler=scaler,
@@ -253,7 +282,7 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
               grad_sync_only_last=plan.grad_sync_only_last,
               after_validation=_example_generator(spec, model, tokenizer, prompt_style, val_loader),
               callbacks=[profiler] if profiler is not None else [],
-              pipeline=pipeline, pp_mesh=pipeline.pp_mesh if pipeline is not None else None)
+              pipeline=pipeline, pp_mesh=pipeline.pp_mesh if pipeline is not None else None, strategy=strategy)
     fit(job)
     say(f"done: {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.0f}s; "
         f"final model in {spec.out_dir / layout.FINAL_DIR}")
@@ -335,6 +364,11 @@ def _example_generator(spec: RunSpec, model: Any, tokenizer: Any, prompt_style: 
 
 
 def _build_checkpointer(spec: RunSpec, **arguments: Any) -> Checkpointer:
+    if spec.deepspeed_config is not None:
+        from llmtrain_deepspeed.checkpoint import DeepSpeedCheckpointer
+
+        return DeepSpeedCheckpointer(lora=spec.lora is not None, out_dir=spec.out_dir, model_config=spec.config,
+                                     hyperparameters=spec.hyperparameters, keep_last=spec.train.keep_last, **arguments)
     return build_checkpointer(spec.fsdp.state_dict_type, async_save=spec.fsdp.async_save, lora=spec.lora is not None,
                               out_dir=spec.out_dir, model_config=spec.config, hyperparameters=spec.hyperparameters,
                               keep_last=spec.train.keep_last, **arguments)

@@ -4,9 +4,11 @@ A step gathers ``grad_accum_steps`` micro-batches, counts their target tokens ov
 data-parallel rank, and scales each micro-batch's summed loss by that count, so padding,
 accumulation and the number of ranks never change the gradient.
 
-The parts, one job each: :class:`TrainStep` (forward and backward over the micro-batches, clipping,
-the optimizer), :class:`ModelPasses` (the model's forward and backward passes; under pipeline
-parallelism ``Fit.pipeline`` takes its place), :class:`NonFiniteSteps` (what a NaN or inf gradient norm
+The parts, one job each: :class:`TrainStep` (one optimizer step over the micro-batches),
+:class:`ModelPasses` (the model's forward and backward passes; under pipeline parallelism ``Fit.pipeline``
+takes its place), :class:`Strategy` (what the data-parallel engine owns: gradient sync, backward, clipping
+and the gradient norm, the optimizer step and zero_grad; :class:`TorchStrategy` for torch's own DDP and
+FSDP, ``llmtrain_deepspeed`` for DeepSpeed), :class:`NonFiniteSteps` (what a NaN or inf gradient norm
 does), :class:`LogInterval` (the numbers of a log line), :class:`StopPolicy` (when to stop and when to
 save); :class:`Trainer` drives them. Code from outside the loop (--profile's profiler, a test's fault
 injector) hooks in through :mod:`llmtrain.train.callbacks`.
@@ -190,6 +192,8 @@ class Fit:
     pipeline: Any = None
     """Under pipeline parallelism, the :class:`llmtrain.distributed.pipeline.Pipeline` that runs this rank's stages
     (forward, backward and validation losses in place of ``model(...)``); None otherwise."""
+    strategy: Optional[Callable[["Fit"], "Strategy"]] = None
+    """Builds the run's :class:`Strategy` from this job; None: :class:`TorchStrategy` (one process, DDP, FSDP)."""
 
 
 def fit(job: Fit) -> TrainState:
@@ -227,8 +231,9 @@ class Trainer:
         self.schedule = WarmupDecaySchedule(job.optimizer, warmup_steps=job.horizon.warmup_steps,
                                             total_steps=job.horizon.total_steps, min_lr=job.train.min_lr,
                                             decay=job.train.lr_decay)
-        self.skips = NonFiniteSteps.for_job(job)
-        self.train_step = TrainStep(job, self.skips, self.hooks)
+        self.strategy = (job.strategy or TorchStrategy)(job)
+        self.skips = self.strategy.skips
+        self.train_step = TrainStep(job, self.strategy, self.hooks)
         self.interval = LogInterval(job)
         self.stops = StopPolicy(job, stop_request)
 
@@ -306,32 +311,26 @@ class StepResult:
 
 
 class TrainStep:
-    """One optimizer step: forward and backward over the micro-batches, clipping, then the optimizer or a skip.
+    """One optimizer step: forward and backward over the micro-batches, then the strategy's clipping and step.
 
     Each micro-batch's loss is its summed token losses over the target tokens of the whole step (all
     micro-batches, all ranks): padding, accumulation and the number of ranks never change the gradient.
     """
 
-    def __init__(self, job: Fit, skips: "NonFiniteSteps", hooks: callbacks.Callback) -> None:
-        self.job, self.skips, self.hooks = job, skips, hooks
-        self.params = [p for p in job.model.parameters() if p.requires_grad]
-        self.max_norm = job.train.max_norm if job.train.max_norm is not None else float("inf")
-        self.passes = model_passes(job)
+    def __init__(self, job: Fit, strategy: "Strategy", hooks: callbacks.Callback) -> None:
+        self.job, self.strategy, self.hooks = job, strategy, hooks
+        self.passes = model_passes(job, strategy)
 
     def __call__(self, step: int, micro_batches: list[dict], host_numbers: list[float]) -> StepResult:
         """Train one step; ``host_numbers`` (what this rank's host knows) are summed over the ranks on the way."""
         job = self.job
         target_tokens, host_sums = self.counts(micro_batches, host_numbers)
         # Each rank's loss is its share of (sum over the step's tokens) / (token count of the step);
-        # DDP and FSDP average gradients over ranks, hence the factor data_parallel_size.
+        # DDP, FSDP and DeepSpeed average gradients over ranks, hence the factor data_parallel_size.
         loss_scale = job.runtime.data_parallel_size / target_tokens.clamp(min=1).float()
         loss_sum = self.forward_backward(step, micro_batches, loss_scale)
-        if job.scaler:
-            job.scaler.unscale_(job.optimizer)
-        grad_norm = clip_grad_norm_(self.params, self.max_norm, pp_mesh=job.pp_mesh)
-        stepped = self.skips.step(grad_norm)
-        job.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, target_tokens, stepped, grad_norm.detach(), host_sums)
+        grad_norm, stepped = self.strategy.step()
+        return StepResult(loss_sum, target_tokens, stepped, grad_norm, host_sums)
 
     def counts(self, micro_batches: list[dict], host_numbers: list[float]) -> tuple[torch.Tensor, "HostSums"]:
         """The step's target tokens and ``host_numbers``, each summed over all ranks in the step's one
@@ -345,18 +344,71 @@ class TrainStep:
 
     def forward_backward(self, step: int, micro_batches: list[dict], loss_scale: torch.Tensor) -> torch.Tensor:
         """Accumulate the gradients of the micro-batches; returns their summed token losses (not scaled)."""
-        scaler = self.job.scaler
 
         def on_loss(loss: torch.Tensor) -> torch.Tensor:  # what backward starts from
-            loss = self.hooks.on_loss(step, loss)
-            return scaler.scale(loss) if scaler else loss
+            return self.strategy.scale_loss(self.hooks.on_loss(step, loss))
 
         return self.passes.forward_backward(micro_batches, loss_scale, on_loss)
 
 
-def model_passes(job: Fit) -> "ModelPasses":
-    """How this run's model computes losses: ``job.pipeline`` under pipeline parallelism, else the model itself."""
-    return job.pipeline if job.pipeline is not None else ModelPasses(job)
+def model_passes(job: Fit, strategy: Optional["Strategy"] = None) -> "ModelPasses":
+    """How this run's model computes losses: ``job.pipeline`` under pipeline parallelism, else the model itself
+    (``strategy`` syncs and runs its backward passes; validation, which has none, needs no strategy)."""
+    return job.pipeline if job.pipeline is not None else ModelPasses(job, strategy)
+
+
+class Strategy:
+    """What the data-parallel engine owns in a step: gradient sync, backward, clipping and the gradient norm, the
+    optimizer step (or its skip) and zero_grad. The loop calls only these, whatever the engine.
+
+    ``skips`` is the :class:`NonFiniteSteps` that reports the steps this strategy skipped.
+    """
+
+    skips: "NonFiniteSteps"
+
+    def accumulating(self, last: bool) -> contextlib.AbstractContextManager:
+        """Entered around each micro-batch's forward and backward; ``last``: the step's last micro-batch."""
+        raise NotImplementedError
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss backward starts from (an fp16 loss scale applied, where this strategy scales outside backward)."""
+        raise NotImplementedError
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip, step the optimizer unless the gradient norm is NaN or inf, zero the gradients; returns (the global
+        gradient norm before clipping, whether the optimizer stepped), neither of them read."""
+        raise NotImplementedError
+
+
+class TorchStrategy(Strategy):
+    """torch's own engine: one process, DDP, FSDP, and tensor and pipeline parallelism beside them."""
+
+    def __init__(self, job: Fit) -> None:
+        self.job = job
+        self.params = [p for p in job.model.parameters() if p.requires_grad]
+        self.max_norm = job.train.max_norm if job.train.max_norm is not None else float("inf")
+        self.skips = NonFiniteSteps.for_job(job)
+
+    def accumulating(self, last: bool) -> contextlib.AbstractContextManager:
+        return gradient_sync(self.job.model, last or not self.job.grad_sync_only_last)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.job.scaler.scale(loss) if self.job.scaler else loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        job = self.job
+        if job.scaler:
+            job.scaler.unscale_(job.optimizer)
+        grad_norm = clip_grad_norm_(self.params, self.max_norm, pp_mesh=job.pp_mesh)
+        stepped = self.skips.step(grad_norm)
+        job.optimizer.zero_grad(set_to_none=True)
+        return grad_norm.detach(), stepped
 
 
 class ModelPasses:
@@ -365,8 +417,8 @@ class ModelPasses:
     :class:`llmtrain.distributed.pipeline.Pipeline` has the same two methods for a model cut into pipeline stages.
     """
 
-    def __init__(self, job: Fit) -> None:
-        self.job = job
+    def __init__(self, job: Fit, strategy: Optional[Strategy] = None) -> None:
+        self.job, self.strategy = job, strategy
 
     def forward_backward(self, micro_batches: list[dict], loss_scale: torch.Tensor,
                          on_loss: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -377,11 +429,10 @@ class ModelPasses:
         for index, batch in enumerate(micro_batches):
             input_ids = batch["input_ids"].to(job.runtime.device, non_blocking=True)
             labels = batch["labels"].to(job.runtime.device, non_blocking=True)
-            last = index == len(micro_batches) - 1
-            with gradient_sync(job.model, last or not job.grad_sync_only_last):
+            with self.strategy.accumulating(last=index == len(micro_batches) - 1):
                 with job.precision.autocast(job.runtime.device, job.autocast_enabled):
                     token_loss_sum = job.model(input_ids, labels=labels)  # chunked: no full fp32 logits
-                on_loss(token_loss_sum * loss_scale).backward()
+                self.strategy.backward(on_loss(token_loss_sum * loss_scale))
             loss_sum += token_loss_sum.detach()
         return loss_sum
 

@@ -1,0 +1,15 @@
+"""DeepSpeed ZeRO for llmtrain: ``--strategy deepspeed_stage_1 | _2 | _2_offload | _3 | _3_offload`` or ``deepspeed``.
+
+The extension ships with llmtrain; the ``deepspeed`` package it drives comes with the optional extra
+(``pip install 'llmtrain[deepspeed]'``). llmtrain's core never imports deepspeed: it reads the parallel plan,
+and where the plan's wrapper is ``deepspeed`` the recipe asks this package for three things, each behind the
+interface the core already has for torch's own engine:
+
+- :func:`llmtrain_deepspeed.config.build_config`: the DeepSpeed config, from llmtrain's flags and the user's
+  ``--deepspeed.config`` file, checked before any worker starts (pure Python, no deepspeed import);
+- :func:`llmtrain_deepspeed.engine.initialize`: the engine around the built model and optimizer, and
+  :class:`llmtrain_deepspeed.engine.DeepSpeedStrategy`, the :class:`llmtrain.train.loop.Strategy` that lets
+  ``fit()`` run its one loop on it;
+- :class:`llmtrain_deepspeed.checkpoint.DeepSpeedCheckpointer`: DeepSpeed's sharded files inside llmtrain's
+  step directories (same marker, atomic rename, keep_last), and ``final/`` gathered with zero-to-fp32.
+"""

@@ -1,0 +1,121 @@
+"""The DeepSpeed config of a run: llmtrain's flags, completed by the user's ``--deepspeed.config`` file.
+
+Pure Python (no deepspeed import), so the launching process checks everything before a worker starts. llmtrain's
+flags own the batch sizes, the accumulation, the precision, clipping, the optimizer and the learning-rate
+schedule; a file may leave each of those out or write ``"auto"`` (the convention of transformers' and
+Accelerate's configs), and a value that contradicts the flag is an error naming both. Everything else in the
+file (ZeRO's bucket sizes, overlap_comm, offload devices, communication settings) goes to DeepSpeed as written.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from llmtrain.args import TrainArgs
+from llmtrain.distributed.parallel_plan import ParallelPlan, ZeroSettings
+
+INSTALL_COMMAND = "pip install -c constraints.txt -e '.[deepspeed]'"
+"""In a checkout (the constraints file pins torch, so pip does not fetch a CUDA build); from PyPI,
+``pip install 'llmtrain[deepspeed]'``. ``./scripts/install.sh --deepspeed`` does the first."""
+
+_OWNED_SECTIONS = {
+    "optimizer": "--optimizer (e.g. --optimizer AdamW --optimizer.lr 3e-4)",
+    "scheduler": "--train.lr_warmup_steps, --train.lr_decay and --train.min_lr",
+}
+
+
+def require_deepspeed(strategy: str) -> None:
+    """A ``ValueError`` with the command to run when the ``deepspeed`` package is not installed."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ValueError(f"--strategy {strategy} needs the deepspeed package, which is not installed: run "
+                         f"{INSTALL_COMMAND} in the llmtrain checkout (./scripts/install.sh --deepspeed does it), "
+                         "or pip install 'llmtrain[deepspeed]'")
+
+
+def read_config(path: Path) -> dict:
+    """The user's DeepSpeed config file as a dict; a missing or malformed file is an error naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--deepspeed.config {path}: no such file")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"--deepspeed.config {path} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--deepspeed.config {path} must hold a JSON object (a DeepSpeed config)")
+    for section, flag in _OWNED_SECTIONS.items():
+        if section in config:
+            raise ValueError(f"--deepspeed.config {path} has an {section!r} section, but llmtrain builds the "
+                             f"{section} from its own flags: remove the section and use {flag}")
+    return config
+
+
+def zero_settings(config: dict, path: Path) -> ZeroSettings:
+    """What the file's ``zero_optimization`` section shards and offloads."""
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    if stage not in (1, 2, 3):
+        raise ValueError(f"--deepspeed.config {path} sets zero_optimization.stage {stage}; llmtrain runs ZeRO stages "
+                         "1, 2 and 3 (for plain data parallelism use --strategy ddp)")
+
+    def offloaded(section: str) -> bool:
+        return (zero.get(section) or {}).get("device", "none") not in ("none", None)
+
+    if offloaded("offload_param") and stage != 3:
+        raise ValueError(f"--deepspeed.config {path}: zero_optimization.offload_param needs stage 3 (stage {stage} "
+                         "keeps every parameter on each device)")
+    return ZeroSettings(stage, offload_optimizer=offloaded("offload_optimizer"),
+                        offload_parameters=offloaded("offload_param"))
+
+
+def build_config(plan: ParallelPlan, train: TrainArgs, user: Optional[dict] = None,
+                 source: Optional[Path] = None) -> dict:
+    """The DeepSpeed config of ``plan`` (``plan.zero`` set) and the batch-complete ``train``, over ``user``'s file."""
+    config = copy.deepcopy(user or {})
+    where = f"--deepspeed.config {source}"
+    owned = {
+        "train_batch_size": (plan.batch.global_batch_size, "--train.global_batch_size"),
+        "train_micro_batch_size_per_gpu": (plan.batch.micro_batch_size, "--train.micro_batch_size"),
+        "gradient_accumulation_steps": (plan.batch.grad_accum_steps, "the accumulation steps (global batch / "
+                                                                     "(processes × micro batch))"),
+        "gradient_clipping": (train.max_norm or 0.0, "--train.max_norm"),
+    }
+    for key, (ours, flag) in owned.items():
+        theirs = config.get(key, "auto")
+        if theirs != "auto" and theirs != ours:
+            raise ValueError(f"{where} sets {key} {theirs}, but {flag} makes it {ours}: write \"auto\" (or {ours}) "
+                             "in the file, or change the flag")
+        config[key] = ours
+    precision = plan.precision.name
+    wanted = {"bf16": precision == "bf16-mixed", "fp16": precision == "16-mixed"}
+    for key, on in wanted.items():
+        section = config.get(key) or {}
+        theirs = section.get("enabled", "auto")
+        if theirs != "auto" and bool(theirs) != on:
+            raise ValueError(f"{where} sets {key}.enabled {str(theirs).lower()}, but --precision {precision} "
+                             f"{'needs it' if on else 'does not use it'}: write \"auto\" in the file, or change "
+                             "--precision")
+        config[key] = {**section, "enabled": on}
+    if wanted["fp16"]:
+        config["fp16"].setdefault("loss_scale", 0)  # dynamic loss scaling, as torch's GradScaler
+    zero = dict(config.get("zero_optimization") or {})
+    zero["stage"] = plan.zero.stage
+    pin = plan.device_type == "cuda"  # pinned host memory needs a GPU
+    for key, on in (("offload_optimizer", plan.zero.offload_optimizer), ("offload_param", plan.zero.offload_parameters)):
+        if on:
+            zero[key] = {"device": "cpu", "pin_memory": pin, **(zero.get(key) or {})}
+            if not pin:
+                zero[key]["pin_memory"] = False
+        else:
+            zero.pop(key, None)
+    config["zero_optimization"] = zero
+    # llmtrain passes a torch optimizer (DeepSpeed's own CPU Adam needs a compiler at run time).
+    config["zero_allow_untested_optimizer"] = True
+    config["zero_force_ds_cpu_optimizer"] = False
+    config.setdefault("steps_per_print", 2**31 - 1)  # llmtrain logs the steps itself
+    config.setdefault("wall_clock_breakdown", False)
+    return config
