@@ -261,6 +261,8 @@ def state_bytes(config: Config, plan: ParallelPlan, pipeline_rank: int = 0, *,
     sharding = plan.sharding_strategy if plan.wrapper != "none" else None
     local = rank_parameters(config, plan, pipeline_rank)
     trainable = trainable_parameters if _adapters_only(config, plan, trainable_parameters) else local
+    if plan.zero is not None:
+        return zero_state_bytes(config, plan, local, trainable)
     stored, compute = _bytes(precision.param_dtype), _bytes(precision.compute_dtype)
     shard = plan.shard_size if sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD") else 1
     block = block_parameters_per_rank(config, plan.tp)
@@ -286,6 +288,31 @@ def state_bytes(config: Config, plan: ParallelPlan, pipeline_rank: int = 0, *,
     optimizer = 2 * trainable * stored / shard  # AdamW's two moments, in the weights' dtype
     if plan.cpu_offload:
         params, gradients, optimizer = 2 * block * compute, block * compute, 0
+    return int(params), int(gradients), int(optimizer)
+
+
+def zero_state_bytes(config: Config, plan: ParallelPlan, parameters: int, trainable: int) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer state) bytes on one device under DeepSpeed ZeRO (``plan.zero``).
+
+    DeepSpeed keeps the module in the compute dtype (bf16 or fp16 under mixed precision, else fp32) and, in its
+    optimizer, an fp32 master copy of the trainable weights' partition (also in fp32 training: a clone), the
+    gradient partition in fp32 and AdamW's two fp32 moments. Over N ranks, stage 1 partitions the master copy,
+    gradient partition and moments; stage 2 also the module's gradients; stage 3 also its parameters, gathering
+    them a block or two at a time (prefetch). Offloading moves the optimizer (and its fp32 gradients), or the
+    parameter partitions (stage 3), to host memory. Not counted: DeepSpeed's communication buckets
+    (``reduce_bucket_size``, ``allgather_bucket_size`` and stage 3's prefetch and live-parameter limits in the config).
+    """
+    zero, shards = plan.zero, plan.data_parallel_size
+    compute = _bytes(plan.precision.compute_dtype)
+    working = 2 * block_parameters_per_rank(config, plan.tp) * compute  # gathered: the block and the one prefetched
+    if zero.stage < 3:
+        params = parameters * compute
+    else:
+        params = working + (0 if zero.offload_parameters else parameters * compute / shards)
+    gradients = trainable * compute if zero.stage == 1 else trainable * compute / shards + working
+    optimizer = (4 + 4 + 8) * trainable / shards  # fp32 master, fp32 gradient partition, two fp32 moments
+    if zero.offload_optimizer:
+        optimizer = 0
     return int(params), int(gradients), int(optimizer)
 
 
@@ -442,6 +469,9 @@ def _shards(step_bytes: int, plan: ParallelPlan, state_dict_type: str, lora: boo
     """How a step checkpoint is written: one file from rank 0, or one shard per rank of a shard group (DCP writes
     a replicated shard once, so HYBRID_SHARD's replicas add nothing on disk)."""
     shard_size = plan.shard_size
+    if plan.zero is not None:
+        return f" (DeepSpeed's files: one optimizer partition per rank, {shard_size} of about " \
+               f"{_size(step_bytes // shard_size)})"
     if lora or plan.wrapper != "fsdp" or shard_size == 1:
         return " (one file, rank 0)"
     if state_dict_type == "sharded":
@@ -470,6 +500,8 @@ def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_
     steps = _planned_steps(train, tokens_per_step)
     if plan.wrapper == "none":
         layout = "one process"
+    elif plan.zero is not None:
+        layout = f"DeepSpeed {plan.zero.describe()} over {plan.data_parallel_size} ranks"
     elif plan.sharding_strategy == "HYBRID_SHARD":
         layout = f"HYBRID_SHARD: replicate {plan.dp_replicate} × shard {plan.dp_shard}"
     elif plan.sharding_strategy == "NO_SHARD":
@@ -502,6 +534,8 @@ def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_
         f"{_shards(sizes['step'], plan, fsdp.state_dict_type, trainable < total)}",
     ]
     lines += _describe_split_costs(config, plan, seq_len, dry)
+    if plan.zero is not None:
+        lines += _describe_zero_stages(config, plan, seq_len=seq_len, trainable_parameters=trainable_parameters)
     capacity = device_memory_bytes(dry, plan)
     if capacity is not None:
         lines += _describe_fit(config, plan, memory, seq_len=seq_len, train=train, fsdp=fsdp, capacity=capacity,
@@ -587,6 +621,22 @@ def _describe_split_costs(config: Config, plan: ParallelPlan, seq_len: int, dry:
     return lines
 
 
+def _describe_zero_stages(config: Config, plan: ParallelPlan, *, seq_len: int,
+                          trainable_parameters: Optional[int]) -> list[str]:
+    """Memory per device under each DeepSpeed strategy, for the same run: what another stage would save."""
+    from llmtrain.distributed.parallel_plan import DEEPSPEED_STRATEGIES
+
+    lines = []
+    for name, zero in DEEPSPEED_STRATEGIES.items():
+        memory = estimate_memory(config, replace(plan, zero=zero), seq_len=seq_len,
+                                 trainable_parameters=trainable_parameters)
+        mark = " (this run)" if zero == plan.zero else ""
+        lines.append(f"{'zero stages' if not lines else '':13}--strategy {name:26} {_size(memory.total):>10} per device "
+                     f"(parameters {_size(memory.parameters)}, gradients {_size(memory.gradients)}, optimizer "
+                     f"{_size(memory.optimizer)}){mark}")
+    return lines
+
+
 def _describe_fit(config: Config, plan: ParallelPlan, memory: MemoryEstimate, *, seq_len: int, train: Any, fsdp: Any,
                   capacity: int, gpu: str, splittable: bool) -> list[str]:
     """Whether the estimate fits the GPU; if not, a layout that does (:func:`suggest_layout`), unless the recipe
@@ -598,6 +648,10 @@ def _describe_fit(config: Config, plan: ParallelPlan, memory: MemoryEstimate, *,
     lines = [f"fits         no: {_size(memory.total)} per device, more than the {of}"]
     if not splittable:
         return lines + ["suggest      LoRA and QLoRA do not split the model: see tutorials/out_of_memory.md"]
+    if plan.zero is not None:
+        return lines + ["suggest      a higher ZeRO stage or an *_offload strategy (the zero stages above), "
+                        "--fsdp.activation_checkpointing true, or a smaller --train.micro_batch_size; tensor and "
+                        "pipeline parallelism need --strategy fsdp"]
     added, suggestion = suggest_layout(config, plan, seq_len=seq_len, train=train, fsdp=fsdp, capacity=capacity)
     if suggestion is None:
         lines.append(f"suggest      nothing fits on {plan.num_nodes} × {plan.devices} {gpu}, not even with {added} and "
