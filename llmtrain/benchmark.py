@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from llmtrain.args import EvalArgs, FSDPArgs, TrainArgs
-from llmtrain.distributed.parallel_plan import ParallelPlan
+from llmtrain.distributed.parallel_plan import ParallelPlan, StrategyName
 from llmtrain.train.precision import PrecisionName
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,8 @@ MATMUL_SIZES = (2048, 3072, 4096)
 FULL_DEFAULTS = (8, 256, 20, 5)
 SHORT_DEFAULTS = (4, 128, 3, 2)
 RECORD_FIELDS = (
-    "model", "parameters", "precision", "micro_batch_size", "seq_len", "devices", "sharding_strategy", "compile",
+    "model", "parameters", "precision", "micro_batch_size", "seq_len", "devices", "strategy", "sharding_strategy",
+    "compile",
     "tp_size", "pp_size", "pp_schedule", "global_batch_size", "steps", "warmup",
     "tokens_per_sec_per_device", "tokens_per_sec", "step_time_median_s", "step_time_min_s", "step_time_max_s",
     "step_time_p25_s", "step_time_p75_s", "flops_per_token", "matmul_peak_flops", "matmul_peak_size", "mfu",
@@ -186,6 +187,7 @@ def benchmark(
     steps: Optional[int] = None,
     warmup: Optional[int] = None,
     devices: int = 1,
+    strategy: StrategyName = "auto",
     sharding_strategy: Optional[str] = None,
     tp_size: int = 1,
     pp_size: int = 1,
@@ -212,6 +214,8 @@ def benchmark(
         steps: Timed optimizer steps. Default 20, or 3 with --short.
         warmup: Steps run first and not timed (allocator, caches, compilation). Default 5, or 2 with --short.
         devices: Processes, as `pretrain --devices` (FSDP when more than one).
+        strategy: As `pretrain --strategy`: auto, ddp, fsdp, or a DeepSpeed ZeRO stage (deepspeed_stage_1, ...,
+            deepspeed_stage_3_offload; needs the deepspeed extra).
         sharding_strategy: With several devices, as `pretrain --fsdp.sharding_strategy` (FULL_SHARD,
             SHARD_GRAD_OP, NO_SHARD); None: pretrain's default (FULL_SHARD on one node).
         tp_size: Tensor-parallel degree, as `pretrain --tp_size`.
@@ -253,13 +257,14 @@ def benchmark(
     if async_save and save_interval is None:
         raise ValueError("--async_save true needs --save_interval N: without checkpoints there is no stall to time")
     try:
+        deepspeed = strategy.startswith("deepspeed")  # DeepSpeed writes its own sharded files
         fsdp = FSDPArgs(sharding_strategy=sharding_strategy, async_save=async_save,
-                        state_dict_type="sharded" if save_interval else "full")
+                        state_dict_type="sharded" if save_interval and not deepspeed else "full")
         data_parallel = devices // (tp_size * pp_size) if devices % (tp_size * pp_size) == 0 else devices
         global_batch_size = global_batch_size or micro_batch_size * data_parallel * pp_size
         train = _train_args(micro_batch_size, global_batch_size, seq_len, warmup + steps, save_interval)
         plan = ParallelPlan.resolve(devices=devices, num_nodes=1, precision=precision, fsdp=fsdp, train=train,
-                                    tp=tp_size, pp=pp_size, pp_schedule=pp_schedule)
+                                    strategy=strategy, tp=tp_size, pp=pp_size, pp_schedule=pp_schedule)
     except ValueError as error:
         raise ValueError(str(error).replace("--fsdp.sharding_strategy", "--sharding_strategy")) from None
     config = Config.from_name(model)
@@ -284,7 +289,7 @@ def benchmark(
     out_dir.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=out_dir))
     try:
-        _train(run_dir, model=model, plan=plan, fsdp=fsdp, train=train, compile=compile)
+        _train(run_dir, model=model, plan=plan, fsdp=fsdp, train=train, compile=compile, strategy=strategy)
         rows = _train_rows(run_dir / "train" / "metrics.csv")
         waits = [float(line) for line in (run_dir / "data_wait.txt").read_text().split()]
     finally:
@@ -294,7 +299,7 @@ def benchmark(
     tokens_per_sec_per_device = global_batch_size * seq_len / timing["step_time_median_s"] / devices
     record = {
         "model": model, "parameters": num_parameters(config), "precision": plan.precision.name,
-        "micro_batch_size": micro_batch_size, "seq_len": seq_len, "devices": devices,
+        "micro_batch_size": micro_batch_size, "seq_len": seq_len, "devices": devices, "strategy": strategy,
         "sharding_strategy": sharding_strategy, "compile": compile, "tp_size": tp_size, "pp_size": pp_size,
         "pp_schedule": plan.pp_schedule, "global_batch_size": global_batch_size,
         "save_interval": save_interval, "async_save": async_save,
@@ -335,7 +340,7 @@ def _train_args(micro_batch_size: int, global_batch_size: int, seq_len: int, tot
 
 
 def _train(run_dir: Path, *, model: str, plan: ParallelPlan, fsdp: FSDPArgs, train: TrainArgs,
-           compile: bool) -> None:
+           compile: bool, strategy: str = "auto") -> None:
     """The pretrain recipe on the built-in corpus with the plan's layout, no validation."""
     from llmtrain.data import BuiltinStories
     from llmtrain.recipes import pretrain
@@ -344,7 +349,7 @@ def _train(run_dir: Path, *, model: str, plan: ParallelPlan, fsdp: FSDPArgs, tra
                    data=TimedData(BuiltinStories(), run_dir / "data_wait.txt"), train=train,
                    eval=EvalArgs(interval=10**9, initial_validation=False, final_validation=False),
                    devices=plan.devices, fsdp=fsdp, compile=compile, tp_size=plan.tp, pp_size=plan.pp,
-                   pp_schedule=plan.pp_schedule)
+                   pp_schedule=plan.pp_schedule, strategy=strategy)
 
 
 def _step_timing(rows: list[dict], waits: list[float], warmup: int, save_interval: Optional[int] = None) -> dict:
@@ -415,6 +420,8 @@ def baseline_key(record: dict) -> str:
     key = "|".join(str(record[k]) for k in ("model", "precision", "micro_batch_size", "seq_len", "devices",
                                             "compile", "threads_per_process"))
     split = [f"{name} {record.get(name)}" for name in ("tp_size", "pp_size") if (record.get(name) or 1) > 1]
+    if record.get("strategy", "auto") not in ("auto", "fsdp"):
+        split.append(record["strategy"])
     return "|".join([key, *split])
 
 
@@ -443,6 +450,7 @@ def _print_table(record: dict) -> None:
         ("setting", f"{record['model']} ({record['parameters'] / 1e6:.1f}M) {record['precision']}, micro batch "
                     f"{record['micro_batch_size']} × seq {record['seq_len']}, {record['devices']} process(es)"
                     f"{' ' + record['sharding_strategy'] if record['sharding_strategy'] else ''}"
+                    f"{' ' + record['strategy'] if record.get('strategy', 'auto') != 'auto' else ''}"
                     f"{_split_words(record)}, global batch {record['global_batch_size']}"
                     f"{', compiled' if record['compile'] else ''}"),
         ("device", f"{record['device']}, {record['threads_per_process']} threads per process, torch {record['torch']}"),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 import torch
 
@@ -59,7 +59,11 @@ DEEPSPEED_STRATEGIES = {
     "deepspeed_stage_3_offload": ZeroSettings(3, offload_optimizer=True, offload_parameters=True),
 }
 """Lightning's strategy names; plain ``deepspeed`` takes the stage from ``--deepspeed.config``."""
-STRATEGIES = ("auto", "ddp", "fsdp", "deepspeed", *DEEPSPEED_STRATEGIES)
+StrategyName = Literal["auto", "ddp", "fsdp", "deepspeed", "deepspeed_stage_1", "deepspeed_stage_2",
+                       "deepspeed_stage_2_offload", "deepspeed_stage_3", "deepspeed_stage_3_offload"]
+"""``--strategy``: torch's own data parallelism, or DeepSpeed ZeRO (extensions/deepspeed)."""
+STRATEGIES = get_args(StrategyName)
+assert set(STRATEGIES) == {"auto", "ddp", "fsdp", "deepspeed", *DEEPSPEED_STRATEGIES}
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 

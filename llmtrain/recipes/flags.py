@@ -16,14 +16,13 @@ from typing import Any, Callable, Literal, Optional, Union
 
 from llmtrain.args import DeepSpeedArgs, EvalArgs, FSDPArgs, ProfileArgs, TrainArgs
 from llmtrain.data.base import DataModule
+from llmtrain.distributed.parallel_plan import StrategyName
 from llmtrain.optim import OptimizerArg
 from llmtrain.plan import DryRunArgs
 from llmtrain.train.precision import PrecisionName
 
 ResumeArg = Union[bool, Literal["auto"], Path]
 Accelerator = Literal["auto", "cpu", "cuda", "gpu"]
-StrategyName = Literal["auto", "ddp", "fsdp", "deepspeed", "deepspeed_stage_1", "deepspeed_stage_2",
-                       "deepspeed_stage_2_offload", "deepspeed_stage_3", "deepspeed_stage_3_offload"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 LoggerName = Literal["csv", "tensorboard", "wandb"]
 
