@@ -44,8 +44,9 @@ def test_each_strategy_name_resolves_to_its_zero_stage_over_every_rank():
     (dict(fsdp=FSDPArgs(cpu_offload=True)), "--fsdp.cpu_offload True configures FSDP"),
     (dict(fsdp=FSDPArgs(state_dict_type="sharded")), "--fsdp.state_dict_type sharded configures FSDP"),
     (dict(precision="bf16-true"), "--precision bf16-true"),
+    (dict(precision="16-mixed", device_type="cpu"), "DeepSpeed's CPU accelerator has no fp16"),
 ], ids=["no stage", "stage contradicts", "config without deepspeed", "tensor parallel", "fsdp offload",
-        "fsdp checkpoint format", "bf16-true"])
+        "fsdp checkpoint format", "bf16-true", "fp16 on a cpu"])
 def test_what_deepspeed_cannot_honour_is_refused_by_flag(overrides, words):
     arguments = {"strategy": "deepspeed_stage_2", **overrides}
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):

@@ -294,6 +294,9 @@ class ParallelPlan:
             raise ValueError(f"--precision {precision.name}: DeepSpeed always keeps an fp32 master copy of the weights "
                              f"in its optimizer, which is {precision.name.replace('-true', '-mixed')}; pass that, or "
                              "32-true")
+        if precision.name == "16-mixed" and device_type == "cpu":
+            raise ValueError(f"--precision 16-mixed with --strategy {strategy}: DeepSpeed's CPU accelerator has no fp16; "
+                             "on a CPU pass --precision bf16-mixed or 32-true")
         world = devices * num_nodes
         batch, batch_problem = _batch(train, world, strict_batch, batch_defaults)
         return cls(devices=devices, num_nodes=num_nodes, dp_replicate=1, dp_shard=world, wrapper="deepspeed",
