@@ -153,6 +153,28 @@ def resolve_resume(resume: Union[bool, str, Path, None], out_dir: Path,
     return path
 
 
+def check_deepspeed_resume(checkpoint_dir: Path, *, deepspeed: bool, world_size: int) -> None:
+    """A DeepSpeed checkpoint resumes only under DeepSpeed on the number of processes that wrote it (ZeRO's files
+    hold each process's partition), and a DeepSpeed run resumes only a DeepSpeed checkpoint. Called in the
+    launching process, before any worker starts, and again as the checkpoint loads."""
+    checkpoint_dir = Path(checkpoint_dir)
+    fmt = checkpoint_format(checkpoint_dir)
+    if deepspeed and fmt != "deepspeed":
+        raise ValueError(f"--resume {checkpoint_dir} is a {fmt} checkpoint, written without DeepSpeed: resume it with "
+                         "the --strategy that wrote it, or start this DeepSpeed run from its weights with "
+                         "--initial_checkpoint_dir")
+    if not deepspeed and fmt == "deepspeed":
+        raise ValueError(f"--resume {checkpoint_dir} was written by DeepSpeed (--strategy deepspeed_*): resume it with "
+                         "the same --strategy on the same number of processes, or start a new run from its weights "
+                         f"(the run's {layout.FINAL_DIR}/ directory) with --initial_checkpoint_dir")
+    saved_world = files.read_marker(checkpoint_dir).get("world_size")
+    if deepspeed and saved_world != world_size:
+        raise ValueError(f"--resume {checkpoint_dir} was written by {saved_world} processes and ZeRO's files hold "
+                         f"each process's partition, so it resumes on {saved_world}, not {world_size}: pass "
+                         f"--devices/--num_nodes for {saved_world} processes, or start a new run from its "
+                         f"{layout.FINAL_DIR}/ weights with --initial_checkpoint_dir")
+
+
 def newest_intact(checkpoints: list[Path], flag: str) -> Path:
     """The newest of ``checkpoints`` (oldest first) that :func:`verify_checkpoint` accepts; warn about the others."""
     newest_problem = None

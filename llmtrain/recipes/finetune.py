@@ -107,6 +107,11 @@ def setup_lora(
         if flags["precision"] == "auto":  # quantized layers compute in one dtype: the -true of auto's choice
             flags["precision"] = resolve_precision("auto", resolve_device_type(flags["accelerator"])).unmixed().name
         world = flags["devices"] * flags["num_nodes"]
+        if flags["strategy"].startswith("deepspeed"):
+            raise ValueError(f"--quantize {quantize} cannot train under --strategy {flags['strategy']}: DeepSpeed's "
+                             "ZeRO partitions and casts every weight, which bitsandbytes' quantized layers do not "
+                             "allow. Use --devices 1 and no --strategy for QLoRA, or LoRA without --quantize under "
+                             f"--strategy {flags['strategy']}")
         if world > 1 or flags["strategy"] != "auto":
             split = [f"--{name} {flags[name]}" for name in ("tp_size", "pp_size") if flags[name] > 1]
             raise ValueError(f"--quantize {quantize} runs on one device without a data-parallel wrapper: "

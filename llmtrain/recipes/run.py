@@ -24,9 +24,10 @@ from llmtrain.data.base import DataModule
 from llmtrain.checkpoint import layout
 from llmtrain.checkpoint.checkpointer import Checkpointer, build_checkpointer
 from llmtrain.checkpoint.lora import write_lora_settings
+from llmtrain.checkpoint.resume import check_deepspeed_resume
 from llmtrain.checkpoint.size import check_disk_space
 from llmtrain.distributed.launch import is_first_process, launch, plan_launch, resolve_devices
-from llmtrain.distributed.parallel_plan import ParallelPlan, resolve_device_type
+from llmtrain.distributed.parallel_plan import DEEPSPEED_STRATEGIES, ParallelPlan, resolve_device_type
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.distributed.pipeline import build_pipeline
 from llmtrain.distributed.runtime import Runtime, configure_process
@@ -122,6 +123,8 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
         hyperparameters["train"].update(global_batch_size=train.global_batch_size,
                                         micro_batch_size=train.micro_batch_size)
     deepspeed_config = _deepspeed_config(plan, train, flags) if plan.wrapper == "deepspeed" else None
+    if resume_from is not None:  # here, not in the workers: one message, before any of them starts
+        check_deepspeed_resume(resume_from, deepspeed=deepspeed_config is not None, world_size=plan.world_size)
     check_disk_space(flags["out_dir"], config, plan.precision, trainable_parameters=trainable_parameters)
     flags["data"].validate()
     spec = RunSpec(recipe=recipe, config=config, out_dir=Path(flags["out_dir"]), plan=plan, data=flags["data"],
@@ -157,7 +160,7 @@ def _zero_from_file(flags: dict[str, Any]) -> Any:
         return None
     from llmtrain_deepspeed import config as ds_config  # NOTE: the extension, only for a DeepSpeed run
 
-    return ds_config.zero_settings(ds_config.read_config(path), path)
+    return ds_config.zero_settings(ds_config.read_config(path), path, DEEPSPEED_STRATEGIES.get(flags["strategy"]))
 
 
 def _deepspeed_config(plan: ParallelPlan, train: TrainArgs, flags: dict[str, Any]) -> dict:

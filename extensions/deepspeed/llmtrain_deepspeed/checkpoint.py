@@ -23,7 +23,7 @@ import torch
 from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint.checkpointer import Checkpointer
 from llmtrain.checkpoint.lora import merged_state_dict
-from llmtrain.checkpoint.resume import checkpoint_format, verify_checkpoint
+from llmtrain.checkpoint.resume import check_deepspeed_resume, verify_checkpoint
 from llmtrain.checkpoint.state import load_training_state, restore_training_state
 from llmtrain.distributed.parallelize import unwrap
 
@@ -52,17 +52,7 @@ class DeepSpeedCheckpointer(Checkpointer):
     def load(self, checkpoint_dir: Path, state: Any) -> None:
         checkpoint_dir = Path(checkpoint_dir)
         verify_checkpoint(checkpoint_dir, load_state=False)
-        fmt = checkpoint_format(checkpoint_dir)
-        if fmt != "deepspeed":
-            raise ValueError(f"{checkpoint_dir} is a {fmt} checkpoint, written without DeepSpeed: resume it with the "
-                             "--strategy that wrote it, or start this DeepSpeed run from its weights with "
-                             "--initial_checkpoint_dir")
-        saved_world = files.read_marker(checkpoint_dir).get("world_size")
-        if saved_world != self.runtime.world_size:
-            raise ValueError(f"{checkpoint_dir} was written by {saved_world} processes and ZeRO's files hold each "
-                             f"process's partition, so it resumes on {saved_world}, not {self.runtime.world_size}: "
-                             f"pass --devices/--num_nodes for {saved_world} processes, or start a new run from its "
-                             "final/ weights with --initial_checkpoint_dir")
+        check_deepspeed_resume(checkpoint_dir, deepspeed=True, world_size=self.runtime.world_size)
         training_state = load_training_state(checkpoint_dir, mmap=True)
         self.model.load_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name, load_optimizer_states=True,
                                    load_lr_scheduler_states=False)

@@ -54,22 +54,30 @@ def read_config(path: Path) -> dict:
     return config
 
 
-def zero_settings(config: dict, path: Path) -> ZeroSettings:
-    """What the file's ``zero_optimization`` section shards and offloads."""
+def zero_settings(config: dict, path: Path, named: Optional[ZeroSettings] = None) -> ZeroSettings:
+    """What the file's ``zero_optimization`` section shards and offloads. What the file leaves out comes from the
+    strategy named on the command line (``named``, for ``--strategy deepspeed_stage_N``), so a file of tuning
+    alone works with any stage."""
     zero = config.get("zero_optimization") or {}
-    stage = zero.get("stage", 0)
+    stage = zero.get("stage", named.stage if named else None)
+    if stage is None:
+        raise ValueError(f"--deepspeed.config {path} sets no zero_optimization.stage: add one (1, 2 or 3), or name the "
+                         "stage with --strategy deepspeed_stage_1|2|3")
     if stage not in (1, 2, 3):
         raise ValueError(f"--deepspeed.config {path} sets zero_optimization.stage {stage}; llmtrain runs ZeRO stages "
                          "1, 2 and 3 (for plain data parallelism use --strategy ddp)")
 
-    def offloaded(section: str) -> bool:
-        return (zero.get(section) or {}).get("device", "none") not in ("none", None)
+    def offloaded(section: str, default: bool) -> bool:
+        if section not in zero:
+            return default
+        return (zero[section] or {}).get("device", "none") not in ("none", None)
 
-    if offloaded("offload_param") and stage != 3:
+    offload_optimizer = offloaded("offload_optimizer", bool(named and named.offload_optimizer))
+    offload_parameters = offloaded("offload_param", bool(named and named.offload_parameters))
+    if offload_parameters and stage != 3:
         raise ValueError(f"--deepspeed.config {path}: zero_optimization.offload_param needs stage 3 (stage {stage} "
                          "keeps every parameter on each device)")
-    return ZeroSettings(stage, offload_optimizer=offloaded("offload_optimizer"),
-                        offload_parameters=offloaded("offload_param"))
+    return ZeroSettings(stage, offload_optimizer=offload_optimizer, offload_parameters=offload_parameters)
 
 
 def build_config(plan: ParallelPlan, train: TrainArgs, user: Optional[dict] = None,

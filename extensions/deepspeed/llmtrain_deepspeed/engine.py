@@ -51,6 +51,8 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
     backend = "gloo" if runtime.device.type == "cpu" else "nccl"
     # NOTE: the default process group exists already (Runtime); DeepSpeed wraps it instead of creating one.
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    # NOTE: the engine asserts LOCAL_RANK is set, which a launcher does; one process (--devices 1) runs unlaunched.
+    os.environ.setdefault("LOCAL_RANK", str(runtime.local_rank))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 

@@ -1,0 +1,312 @@
+"""DeepSpeed ZeRO (extensions/deepspeed): parity with FSDP, crash safety, fine-tuning, conversion and bad input.
+
+One 2-process launch (tests/ds_worker.py) trains the tiny model under FSDP and then under every
+``--strategy deepspeed_*`` in the same process group; the other multi-process tests run the real command line
+(``llmtrain ... --devices 2 --strategy deepspeed_stage_N``) and share one uninterrupted run. Bad input goes through
+the console script in one process per batch of command lines (ds_worker.run_command_lines), which stops any that
+gets as far as starting workers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dist_worker import launch
+from limits import hard_limit
+from llmtrain.args import TrainArgs
+from llmtrain.checkpoint import layout
+from llmtrain.cli import main
+from llmtrain.distributed.parallel_plan import DEEPSPEED_STRATEGIES, ParallelPlan
+from llmtrain.train.signals import PREEMPTED_EXIT_CODE
+from llmtrain_deepspeed.config import INSTALL_COMMAND, build_config, read_config, zero_settings
+
+from conftest import write_tiny_model
+from test_finetune import finetune_args, losses
+from test_reliability import MAX_STEPS, STOPPED, assert_same_weights, launcher, step_of, tiny_args  # noqa: F401
+
+TESTS = Path(__file__).resolve().parent
+STRATEGY = ("--strategy", "deepspeed_stage_2")
+DS_ENV = {"DS_ACCELERATOR": "cpu"}
+
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason=f"the deepspeed package is not installed ({INSTALL_COMMAND})")
+
+
+@pytest.fixture(autouse=True)
+def time_limit(request):
+    with hard_limit(600, request.node.name):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def shared_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "deepspeed-cache"))
+
+
+@pytest.fixture
+def model_file(tmp_path_factory) -> Path:
+    """The tiny model with room for instructions (block 128), so the pretraining run's final/ fine-tunes too."""
+    return write_tiny_model(tmp_path_factory.getbasetemp() / "tiny-deepspeed.yaml", block_size=128)
+
+
+# ------------------------------------------------------------------------------- parity with FSDP
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory) -> dict:
+    workdir = tmp_path_factory.mktemp("ds-parity")
+    return launch(2, "parity", workdir, timeout_s=500, script=TESTS / "ds_worker.py")
+
+
+@needs_deepspeed
+@pytest.mark.multiproc
+@pytest.mark.parametrize("strategy", list(DEEPSPEED_STRATEGIES))
+def test_every_zero_stage_matches_fsdp(parity, strategy):
+    """8 AdamW steps (clipping, warmup, padding that differs per rank): the losses, gradient norms and final
+    weights of each ZeRO variant equal FSDP's to float precision, and each really shards what it says."""
+    fsdp, ours = parity["fsdp"], parity[strategy]
+    settings = DEEPSPEED_STRATEGIES[strategy]
+    assert sorted(ours["losses"]) == list(range(1, 9))
+    for step, loss in fsdp["losses"].items():
+        assert ours["losses"][step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+        assert ours["grad_norms"][step] == pytest.approx(fsdp["grad_norms"][step], rel=1e-4, abs=1e-5), step
+    assert ours["weights"].keys() == fsdp["weights"].keys()
+    for name, tensor in fsdp["weights"].items():
+        torch.testing.assert_close(ours["weights"][name], tensor, rtol=1e-4, atol=2e-5, msg=name)
+    total = sum(tensor.numel() for tensor in fsdp["weights"].values())
+    assert ours["stage"] == settings.stage and ours["offload_optimizer"] == settings.offload_optimizer
+    assert total / 2 <= ours["optimizer_numel"] < total * 0.55  # each rank's half of the fp32 master weights
+    assert ours["parameters_numel"] == (0 if settings.stage == 3 else total)  # stage 3: partitioned between steps
+
+
+# ------------------------------------------------------------------------------- the command line
+_REFERENCE: dict = {}
+
+
+@pytest.fixture
+def reference(launcher, tmp_path_factory) -> Path:
+    """The out_dir of one uninterrupted ``--devices 2 --strategy deepspeed_stage_2`` pretraining run (made once)."""
+    if not _REFERENCE:
+        out_dir = tmp_path_factory.mktemp("ds-reference")
+        launcher.complete(out_dir, *STRATEGY, env=DS_ENV)
+        _REFERENCE["out_dir"] = out_dir
+    return _REFERENCE["out_dir"]
+
+
+@needs_deepspeed
+@pytest.mark.multiproc
+def test_kill_9_and_sigterm_then_resume_auto_match_an_uninterrupted_run(launcher, reference, tmp_path):
+    """Killed with -9 between steps, then stopped by SIGTERM to the launcher: the stop writes a complete
+    DeepSpeed checkpoint of its step and exits 75, and the twice resumed run ends with the uninterrupted run's
+    weights, bit for bit."""
+    out_dir = tmp_path / "run"
+    first = launcher.start(out_dir, *STRATEGY, "--resume", "auto", env=DS_ENV)
+    first.wait_for(r"^step 6 \|")  # after the step-4 checkpoint
+    first.kill_9()
+    resumed_from = layout.latest_checkpoint(out_dir)
+    assert resumed_from is not None and step_of(resumed_from) >= 4
+
+    second = launcher.start(out_dir, *STRATEGY, "--resume", "auto", env=DS_ENV)
+    second.wait_for(rf"^step {step_of(resumed_from) + 1} \|")
+    os.kill(second.proc.pid, signal.SIGTERM)
+    assert second.finish() == PREEMPTED_EXIT_CODE, second.output
+    assert f"resumed from {resumed_from}" in second.output
+    step = int(STOPPED.search(second.output).group(1))
+    assert step_of(resumed_from) < step < MAX_STEPS
+    latest = layout.latest_checkpoint(out_dir)
+    assert latest == out_dir / layout.step_dir_name(step)
+    assert sorted(p.name for p in latest.glob("*optim_states.pt")) == [
+        f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 1)]
+    assert not (out_dir / "final").exists()
+
+    last = launcher.start(out_dir, *STRATEGY, "--resume", "auto", env=DS_ENV)
+    assert last.finish() == 0, last.output
+    assert f"resumed from {latest}" in last.output
+    assert not list(out_dir.glob("zero_to_*.py"))  # DeepSpeed's recovery scripts are not left in out_dir
+    assert_same_weights(out_dir, load_file(str(reference / "final" / "model.safetensors")))
+
+
+@needs_deepspeed
+@pytest.mark.multiproc
+@pytest.mark.parametrize("recipe, strategy", [("finetune_full", "deepspeed_stage_2"),
+                                              ("finetune_lora", "deepspeed_stage_3")])
+def test_fine_tuning_under_deepspeed_writes_a_final_model_that_loads(reference, dist_env, tmp_path, recipe,
+                                                                     strategy):
+    """Two steps on 2 processes from the DeepSpeed pretraining run's final/; LoRA under stage 3 with every
+    parameter partitioned (a --deepspeed.config lowers the persistence threshold). final/ loads and answers;
+    LoRA's is the base plus its adapters' product, every other weight the base's bit for bit."""
+    from llmtrain.generate import load_model_dir
+
+    base = reference / "final"
+    out_dir = tmp_path / recipe
+    extra = ["--strategy", strategy, "--devices", "2", "--train.max_steps", "2", "--lora_dropout", "0"][
+        :None if recipe == "finetune_lora" else -2]
+    if recipe == "finetune_lora":
+        config = tmp_path / "ds.json"
+        config.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
+        extra += ["--deepspeed.config", str(config)]
+    result = subprocess.run([sys.executable, "-m", "llmtrain", *finetune_args(recipe, base, out_dir, *extra)],
+                            env={**dist_env, **DS_ENV}, capture_output=True, text=True, timeout=500, cwd=TESTS.parent)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"ZeRO stage {strategy[-1]}" in result.stdout
+    assert sorted(losses(out_dir)) == [1, 2]
+    model, *_ = load_model_dir(out_dir / "final", device="cpu", dtype=torch.float32)
+    assert torch.isfinite(model(torch.randint(0, 1000, (1, 16)))).all()
+    merged = load_file(str(out_dir / "final" / "model.safetensors"))
+    weights = load_file(str(base / "model.safetensors"))
+    assert merged.keys() == weights.keys()
+    if recipe == "finetune_full":
+        assert all(not torch.equal(merged[name], tensor) for name, tensor in weights.items() if "norm" not in name)
+        return
+    adapters = load_file(str(out_dir / "final" / "lora.safetensors"))
+    assert adapters and all(name.endswith(("lora_A", "lora_B")) for name in adapters)
+    assert any(tensor.abs().sum() > 0 for name, tensor in adapters.items() if name.endswith("lora_B"))  # it trained
+    for name, tensor in weights.items():
+        prefix = name.rsplit(".", 1)[0]
+        if f"{prefix}.lora_A" in adapters and name.endswith(".weight"):
+            delta = adapters[f"{prefix}.lora_B"] @ adapters[f"{prefix}.lora_A"] * (16 / 8)  # lora_alpha / lora_r
+            torch.testing.assert_close(merged[name], tensor + delta, rtol=1e-5, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(merged[name], tensor), name
+
+
+@needs_deepspeed
+@pytest.mark.multiproc
+def test_a_deepspeed_final_converts_to_transformers_with_the_same_logits(reference, tmp_path):
+    from test_convert import load_transformers, tokens
+
+    from llmtrain.generate import load_model_dir
+
+    main(["convert", "to_hf", str(reference / "final"), str(tmp_path / "hf")])
+    ours, *_ = load_model_dir(reference / "final", device="cpu", dtype=torch.float32)
+    ids = tokens(vocab_size=1000)
+    with torch.no_grad():
+        torch.testing.assert_close(load_transformers(tmp_path / "hf")(ids).logits, ours(ids), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------- bad input: exit 2
+def command_lines(cases: dict[str, dict], workdir: Path, env: dict) -> dict[str, dict]:
+    """Run the cases (name -> {"argv": [...], "hide_deepspeed": bool}) through the console script in one process."""
+    (workdir / "cases.json").write_text(json.dumps(list(cases.values())))
+    result = subprocess.run([sys.executable, str(TESTS / "ds_worker.py"), "command-lines", str(workdir / "cases.json"),
+                             str(workdir / "results.json")], env=env, capture_output=True, text=True, timeout=300,
+                            cwd=TESTS.parent)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return dict(zip(cases, json.loads((workdir / "results.json").read_text())))
+
+
+def assert_refused(result: dict, *fragments: str) -> None:
+    """Exit 2 with one message and no traceback, and no worker started."""
+    stderr = result["stderr"]
+    assert result["code"] == 2 and not result["launched"], result
+    assert "Traceback" not in stderr and stderr.count("error:") == 1, stderr
+    message = " ".join(stderr.split())
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def ds_file(directory: Path, name: str, config: dict) -> str:
+    (directory / name).write_text(json.dumps(config))
+    return str(directory / name)
+
+
+BAD_INPUTS = {
+    "batch size": (lambda d: ["--train.global_batch_size", "8", "--strategy", "deepspeed",
+                              "--deepspeed.config", ds_file(d, "batch.json", {"train_batch_size": 16,
+                                                                               "zero_optimization": {"stage": 2}})],
+                   ["sets train_batch_size 16, but --train.global_batch_size makes it 8"]),
+    "optimizer section": (lambda d: ["--strategy", "deepspeed_stage_2", "--deepspeed.config",
+                                     ds_file(d, "optimizer.json", {"optimizer": {"type": "Adam"}})],
+                          ["has an 'optimizer' section", "--optimizer"]),
+    "no config": (lambda d: ["--strategy", "deepspeed"], ["--strategy deepspeed takes its ZeRO stage from "
+                                                          "--deepspeed.config"]),
+    "stage contradicts": (lambda d: ["--strategy", "deepspeed_stage_2", "--deepspeed.config",
+                                     ds_file(d, "stage3.json", {"zero_optimization": {"stage": 3}})],
+                          ["--strategy deepspeed_stage_2 means ZeRO stage 2, but --deepspeed.config says ZeRO stage 3"]),
+    "bf16-true": (lambda d: ["--strategy", "deepspeed_stage_1", "--precision", "bf16-true"],
+                  ["--precision bf16-true", "fp32 master copy"]),
+    "tensor parallel": (lambda d: ["--strategy", "deepspeed_stage_3", "--tp_size", "2"], ["drop --tp_size"]),
+    "not installed": (lambda d: ["--strategy", "deepspeed_stage_1"], ["needs the deepspeed package", INSTALL_COMMAND]),
+}
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory) -> dict[str, dict]:
+    workdir = tmp_path_factory.mktemp("ds-bad")
+    model_file = write_tiny_model(workdir / "tiny.yaml")
+    cases = {name: {"argv": tiny_args(model_file, workdir / "out", "--devices", "2", *flags(workdir)),
+                    "hide_deepspeed": name == "not installed"}
+             for name, (flags, _) in BAD_INPUTS.items()}
+    return command_lines(cases, workdir, {**os.environ, **DS_ENV})
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_exits_2_with_one_message_before_any_worker(refusals, case):
+    assert_refused(refusals[case], *BAD_INPUTS[case][1])
+
+
+@needs_deepspeed
+@pytest.mark.multiproc
+def test_a_deepspeed_checkpoint_resumes_only_where_it_can(reference, tmp_path, model_file):
+    """On another number of processes, or without DeepSpeed, resume is refused in the launching process with the
+    checkpoint's name; QLoRA is refused under any DeepSpeed stage."""
+    step = reference / "step-00000004"
+    resume = ["--resume", str(step), "--out_dir", str(tmp_path / "out")]
+    cases = {
+        "world size": {"argv": [*tiny_args(model_file, tmp_path / "o"), *STRATEGY, "--devices", "1", *resume]},
+        "without deepspeed": {"argv": [*tiny_args(model_file, tmp_path / "o"), "--devices", "2", *resume]},
+        "qlora": {"argv": finetune_args("finetune_lora", reference / "final", tmp_path / "q", "--quantize", "bnb.nf4",
+                                        "--precision", "bf16-true", *STRATEGY)},
+    }
+    results = command_lines(cases, tmp_path, {**os.environ, **DS_ENV})
+    assert_refused(results["world size"], f"--resume {step} was written by 2 processes", "resumes on 2, not 1")
+    assert_refused(results["without deepspeed"], f"--resume {step} was written by DeepSpeed")
+    assert_refused(results["qlora"], "--quantize bnb.nf4 cannot train under --strategy deepspeed_stage_2")
+
+
+# ------------------------------------------------------------------------------- the config, in-process
+def test_auto_values_and_extra_zero_keys_are_accepted(tmp_path):
+    """A transformers-style file: "auto" where llmtrain's flags decide, ZeRO's own tuning passed through."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+        "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 5e7,
+                              "offload_optimizer": {"device": "cpu"}},
+        "communication_data_type": "fp32"}))
+    user = read_config(path)
+    train = TrainArgs(global_batch_size=16, micro_batch_size=2, max_norm=0.5)
+    plan = ParallelPlan.resolve(devices=2, num_nodes=1, train=train, precision="bf16-mixed", strategy="deepspeed",
+                                accelerator="cpu", zero=zero_settings(user, path))
+    config = build_config(plan, train, user, path)
+    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"],
+            config["gradient_accumulation_steps"], config["gradient_clipping"]) == (16, 2, 4, 0.5)
+    assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
+    assert config["zero_optimization"] == {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 5e7,
+                                           "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+    assert config["communication_data_type"] == "fp32" and "optimizer" not in config
+    assert user["train_batch_size"] == "auto"  # the user's dict is not changed
+
+
+def test_a_file_of_tuning_alone_takes_the_named_strategys_stage_and_offload(tmp_path):
+    """What --deepspeed.config leaves out comes from --strategy deepspeed_stage_N; plain --strategy deepspeed needs
+    the file's stage, and an offload of parameters below stage 3 is refused."""
+    path = tmp_path / "ds.json"
+    tuning = {"zero_optimization": {"overlap_comm": True}}
+    for name, settings in DEEPSPEED_STRATEGIES.items():
+        assert zero_settings(tuning, path, settings) == settings, name
+    assert zero_settings({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}}}, path,
+                         DEEPSPEED_STRATEGIES["deepspeed_stage_3_offload"]).offload_optimizer is False
+    with pytest.raises(ValueError, match="sets no zero_optimization.stage"):
+        zero_settings(tuning, path)
+    with pytest.raises(ValueError, match="offload_param needs stage 3"):
+        zero_settings({"zero_optimization": {"offload_param": {"device": "cpu"}}}, path,
+                      DEEPSPEED_STRATEGIES["deepspeed_stage_2"])
