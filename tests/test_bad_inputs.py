@@ -1,8 +1,12 @@
 """Bad input through the real command line: a non-zero exit, one paragraph naming the flag or file, no
 traceback (unless --debug), and nothing written or damaged.
 
-Every case runs as its own ``python -m llmtrain`` process. They run two at a time in one module fixture
-(each is mostly Python start-up), and each case is then its own test that checks its result.
+Every case runs as its own process, exactly as ``python -m llmtrain``: one fresh interpreter imports what
+``python -m llmtrain`` imports before it reads a flag, then forks one child per case, which runs
+``llmtrain/__main__.py`` with the case's command line (a fresh interpreter per case would spend about two
+seconds each importing torch, 40 cases over a minute). The children run two at a time in one module
+fixture, and each case is then its own test that checks its result. ``test_debug_shows_the_traceback``
+starts a real ``python -m llmtrain``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ import os
 import pickle
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -196,6 +199,53 @@ def _digest(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+# Run in a fresh interpreter: it imports what `python -m llmtrain` imports before it parses a command line
+# (llmtrain.cli, every subcommand's module, the data modules, jsonargparse), then forks one child per case,
+# two at a time; each child runs llmtrain/__main__.py as `python -m llmtrain ARGS` does, with its stdout and
+# stderr in files, and exits as that interpreter would. Prints the exit codes (negative: a signal), as JSON.
+_FORK_EACH = """
+import atexit, json, os, runpy, sys, traceback
+import jsonargparse, llmtrain.cli, llmtrain.data
+llmtrain.cli.commands()
+commands = json.loads(open(sys.argv[1]).read())
+
+def child(command):
+    for fd, path in ((1, command["stdout"]), (2, command["stderr"])):
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(handle, fd)
+        os.close(handle)
+    sys.argv = ["-m", *command["argv"]]  # run_module puts __main__.py's path first, as `python -m` does
+    code = 0
+    try:
+        runpy.run_module("llmtrain", run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+codes, running, pending = {}, {}, list(enumerate(commands))
+while pending or running:
+    while pending and len(running) < 2:
+        index, command = pending.pop(0)
+        pid = os.fork()
+        if pid == 0:
+            child(command)
+        running[pid] = index
+    pid, status = os.wait()
+    codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+print(json.dumps([codes[index] for index in range(len(commands))]))
+"""
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad-inputs")
@@ -207,18 +257,24 @@ def results(tmp_path_factory):
     readonly = _readonly_dir(inputs)
     before = _digest(inputs)
     env = {**os.environ, "LLMTRAIN_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-
-    def run(index_case):
-        index, case = index_case
+    logs = root / "logs"
+    logs.mkdir()
+    commands = []
+    for index, case in enumerate(CASES):
         out = root / "out" / f"case-{index}"
         argv = [a.replace("{in}", str(inputs)).replace("{out}", str(out)).replace("{readonly}", str(readonly))
                 for a in case.argv]
-        done = subprocess.run([sys.executable, "-m", "llmtrain", *argv], capture_output=True, text=True,
-                              timeout=600, env=env)
-        return case.name, (done, out)
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        outcome = dict(pool.map(run, enumerate(CASES)))
+        commands.append({"argv": argv, "stdout": str(logs / f"{index}.out"), "stderr": str(logs / f"{index}.err")})
+    (logs / "commands.json").write_text(json.dumps(commands))
+    driver = subprocess.run([sys.executable, "-c", _FORK_EACH, str(logs / "commands.json")], capture_output=True,
+                            text=True, timeout=1200, env=env)
+    assert driver.returncode == 0, f"the driver failed:\n{driver.stdout}{driver.stderr}"
+    codes = json.loads(driver.stdout)
+    outcome = {}
+    for index, (case, command) in enumerate(zip(CASES, commands)):
+        done = subprocess.CompletedProcess(command["argv"], codes[index], Path(command["stdout"]).read_text(),
+                                           Path(command["stderr"]).read_text())
+        outcome[case.name] = (done, root / "out" / f"case-{index}")
     after = _digest(inputs)
     (inputs / "locked").chmod(0o700)
     return outcome, before, after

@@ -26,16 +26,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Optional, Union
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    get_state_dict,
-    set_optimizer_state_dict,
-    set_state_dict,
-)
-from torch.distributed.tensor import DTensor
 
 from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint.lora import iter_merged_weights, merged_state_dict
@@ -134,6 +124,10 @@ class Checkpointer:
 
     def _write_tensors(self, directory: Path) -> tuple[Any, dict]:
         """Model and optimizer state into ``directory``: (the async write's future or None, the optimizer state)."""
+        # NOTE: torch.distributed.checkpoint takes seconds to import; every `llmtrain` command imports this module.
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict, get_state_dict)
+
         if self.format == "sharded":
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
             return self._write_shards(directory / layout.DCP_DIR, {"model": model_state, "optimizer": optimizer_state}), \
@@ -151,6 +145,8 @@ class Checkpointer:
         return None, optimizer_state
 
     def _write_shards(self, dcp_dir: Path, states: dict) -> Any:
+        import torch.distributed.checkpoint as dcp  # NOTE: slow, as in _write_tensors
+
         # NOTE: DCP's collectives wait for the slowest rank's writes, host work that the collective timeout
         # must not bound: they go over a gloo group with the long timeout (host_group). A background
         # write's collectives then also never interleave with the training's on the default group.
@@ -270,6 +266,8 @@ class Checkpointer:
         self.last_saved = checkpoint_dir if fmt == self.format else None
 
     def _load_full(self, checkpoint_dir: Path, fmt: CheckpointFormat, optimizer_state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict  # NOTE: slow
+
         if fmt == "lora":
             from safetensors.torch import load_file  # NOTE: lazy, as in every CLI path that may not load
 
@@ -289,6 +287,9 @@ class Checkpointer:
         set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
 
     def _load_shards(self, dcp_dir: Path) -> None:
+        import torch.distributed.checkpoint as dcp  # NOTE: slow, as in _write_tensors
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
         # The current (possibly differently sharded) state dicts are the templates DCP reads into;
         # it reshards the saved shards to whatever this world's layout is.
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
@@ -318,6 +319,8 @@ def check_finite_weights(model: torch.nn.Module, runtime: Runtime, target: Path)
     Each rank checks its own shards; one all-reduce of the count makes the verdict the same everywhere,
     so all ranks raise together instead of leaving the others waiting in the save.
     """
+    from torch.distributed.tensor import DTensor  # NOTE: slow to import, as torch.distributed.checkpoint
+
     named = [(name, param.to_local() if isinstance(param, DTensor) else param)
              for name, param in model.named_parameters()]
     if not named:
