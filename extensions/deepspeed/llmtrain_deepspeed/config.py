@@ -20,7 +20,7 @@ from llmtrain.distributed.parallel_plan import ParallelPlan, ZeroSettings
 
 INSTALL_COMMAND = "pip install -c constraints.txt -e '.[deepspeed]'"
 """In a checkout (the constraints file pins torch, so pip does not fetch a CUDA build); from PyPI,
-``pip install 'llmtrain[deepspeed]'``. ``./scripts/install.sh --deepspeed`` does the first."""
+``pip install 'llmtrain[deepspeed]'``. ``./scripts/install.sh`` does the first."""
 
 _OWNED_SECTIONS = {
     "optimizer": "--optimizer (e.g. --optimizer AdamW --optimizer.lr 3e-4)",
@@ -32,7 +32,7 @@ def require_deepspeed(strategy: str) -> None:
     """A ``ValueError`` with the command to run when the ``deepspeed`` package is not installed."""
     if importlib.util.find_spec("deepspeed") is None:
         raise ValueError(f"--strategy {strategy} needs the deepspeed package, which is not installed: run "
-                         f"{INSTALL_COMMAND} in the llmtrain checkout (./scripts/install.sh --deepspeed does it), "
+                         f"{INSTALL_COMMAND} in the llmtrain checkout (./scripts/install.sh does it), "
                          "or pip install 'llmtrain[deepspeed]'")
 
 
