@@ -38,7 +38,7 @@ from llmtrain.prompts import save_prompt_style
 from llmtrain.recipes import build, checks
 from llmtrain.recipes.flags import LoggerName
 from llmtrain.train.loggers import build_loggers
-from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon, step_limits
+from llmtrain.train.loop import Fit, TrainState, data_metrics, fit, plan_horizon, step_limits
 from llmtrain.train.profile import build_profiler
 from llmtrain.train.signals import catch_stop_signals
 
@@ -276,7 +276,7 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
               save_checkpoint=checkpointer.save, save_final=checkpointer.save_final,
               wait_for_checkpoint=checkpointer.wait,
               loggers=build_loggers(spec.logger_name, spec.out_dir, state.step if spec.resume_from else None,
-                                    spec.hyperparameters)
+                                    spec.hyperparameters, data_columns=list(data_metrics(train_loader)))
               if runtime.is_main else [],
               flops_per_token=flops_per_token(spec.config, spec.seq_len,
                                               adapter_parameters=n_trainable if spec.lora is not None else None),
