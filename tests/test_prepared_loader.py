@@ -7,7 +7,12 @@ llmtrain.data.manifest, so these tests do not depend on `llmtrain prepare_data`.
 from __future__ import annotations
 
 import csv
+import json
+import os
 import random
+import runpy
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -313,13 +318,32 @@ def test_pretrain_on_a_prepared_folder_and_on_a_mixture(folders, tokenizers, tmp
         assert text + code == int(row["tokens"]) == int(row["step"]) * 4 * 32 and text > 0 and code > 0
 
 
-def test_pretrain_refuses_a_mixture_of_tokenizers_before_training(folders, tokenizers, tmp_path) -> None:
+def test_pretrain_refuses_the_wrong_tokenizers_before_launch(folders, tokenizers, tmp_path) -> None:
+    """Exit 2 with one message naming both tokenizers, before any process starts or out_dir is made."""
     model = write_tiny_model(tmp_path / "tiny.yaml", vocab_size=tokenizers[0].vocab_size)
     sources = f'[{{"path": "{folders["text"]}"}}, {{"path": "{folders["other"]}"}}]'
     with pytest.raises(ValueError, match="different tokenizers"):
         main(pretrain_args(model, tmp_path / "out", tokenizers[0], "--data", "Mixture", "--data.sources", sources))
+    argv = pretrain_args(model, tmp_path / "out", tokenizers[1], "--data", "Prepared", "--data.path",
+                         str(folders["text"]), "--devices", "2", "--accelerator", "cpu")
+    done = subprocess.run([sys.executable, "-m", "llmtrain", *argv], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: --data.path") and "Traceback" not in done.stderr
+    assert str(tokenizers[0].checkpoint_dir) in done.stderr and str(tokenizers[1].checkpoint_dir) in done.stderr
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="--data Prepared needs a tokenizer"):
         main([arg for arg in pretrain_args(model, tmp_path / "out", tokenizers[0], "--data", "Prepared",
                                            "--data.path", str(folders["text"]))
               if arg not in ("--tokenizer_dir", str(tokenizers[0].checkpoint_dir))])
+
+
+def test_loader_benchmark_script_runs(tmp_path, monkeypatch) -> None:
+    """scripts/loader_throughput.py on a small corpus: it reports positive rates and the 3T order's numbers."""
+    results = tmp_path / "data.jsonl"
+    monkeypatch.setattr("sys.argv", ["loader_throughput.py", "--shards", "3", "--shard_tokens", "5000",
+                                     "--batches", "20", "--seq_len", "64", "--results", str(results)])
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "loader_throughput.py"), run_name="__main__")
+    record = json.loads(results.read_text())
+    assert record["prepared_tokens_per_s"] > 0 and record["mixture_tokens_per_s"] > 0
+    assert record["corpus_shards"] == 357_627 and record["order_peak_memory_mb"] < 100

@@ -44,6 +44,9 @@ class DataModule:
     def validate(self) -> None:
         """Cheap checks (paths exist, folders not empty) before anything expensive is built."""
 
+    def validate_tokenizer(self, tokenizer: Tokenizer) -> None:
+        """Cheap checks of the run's tokenizer against the data (a prepared folder's), before anything is launched."""
+
     def default_tokenizer(self) -> Optional[Tokenizer]:
         """The tokenizer this data ships with, or None if the user must pass --tokenizer_dir."""
         return None

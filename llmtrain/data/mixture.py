@@ -172,11 +172,14 @@ class Mixture(DataModule):
                                  f"{first.tokenizer_dir} and {manifest.tokenizer_dir}): prepare every source with "
                                  "the tokenizer the run uses")
 
-    def connect(self, tokenizer: Tokenizer, micro_batch_size: int, max_seq_length: int, seed: int = 42) -> None:
-        super().connect(tokenizer, micro_batch_size, max_seq_length, seed)
+    def validate_tokenizer(self, tokenizer: Tokenizer) -> None:
         for index, (source, manifest) in enumerate(zip(self.sources, self._read())):
             layout.check_tokenizer(source.path, manifest, tokenizer.fingerprint, tokenizer.checkpoint_dir,
                                    f"--data.sources[{index}].path")
+
+    def connect(self, tokenizer: Tokenizer, micro_batch_size: int, max_seq_length: int, seed: int = 42) -> None:
+        super().connect(tokenizer, micro_batch_size, max_seq_length, seed)
+        self.validate_tokenizer(tokenizer)
 
     def setup(self, dp_rank: int = 0, dp_size: int = 1) -> None:
         self._require_connected()

@@ -199,10 +199,12 @@ class Prepared(DataModule):
             raise ValueError(f"--data.shuffle_group must be at least 1, got {self.shuffle_group}")
         self._manifest = read_prepared(self.path, "--data.path")
 
+    def validate_tokenizer(self, tokenizer: Tokenizer) -> None:
+        layout.check_tokenizer(self.path, self._read(), tokenizer.fingerprint, tokenizer.checkpoint_dir, "--data.path")
+
     def connect(self, tokenizer: Tokenizer, micro_batch_size: int, max_seq_length: int, seed: int = 42) -> None:
         super().connect(tokenizer, micro_batch_size, max_seq_length, seed)
-        manifest = self._read()
-        layout.check_tokenizer(self.path, manifest, tokenizer.fingerprint, tokenizer.checkpoint_dir, "--data.path")
+        self.validate_tokenizer(tokenizer)
 
     def setup(self, dp_rank: int = 0, dp_size: int = 1) -> None:
         self._require_connected()
