@@ -55,13 +55,37 @@ def write_corpus(folder: Path, megabytes: float, files: int = 16, seed: int = 0)
     return total
 
 
+def add_loader_arguments(parser: argparse.ArgumentParser, seq_len: int) -> None:
+    """The flags of a loader measurement (scripts/loader_throughput.py has them too)."""
+    parser.add_argument("--batches", type=int, default=2000)
+    parser.add_argument("--micro_batch_size", type=int, default=8)
+    parser.add_argument("--seq_len", type=int, default=seq_len)
+    parser.add_argument("--results", type=Path, default=Path("out/benchmark/data.jsonl"))
+
+
+def loader_tokens_per_s(train_loader, args: argparse.Namespace) -> float:
+    """Input tokens/s of --batches micro-batches drawn as training draws them (the prefetch thread running)."""
+    loader = iter(train_loader)
+    next(loader)  # the prefetch thread starts
+    wall = time.perf_counter()
+    for _ in range(args.batches):
+        batch = next(loader)
+    loader_s = time.perf_counter() - wall
+    assert batch["input_ids"].shape == (args.micro_batch_size, args.seq_len)
+    return args.batches * args.micro_batch_size * args.seq_len / loader_s
+
+
+def append_record(results: Path, record: dict) -> None:
+    results.parent.mkdir(parents=True, exist_ok=True)
+    with open(results, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+    print(f"appended to {results}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--megabytes", type=float, default=64)
-    parser.add_argument("--batches", type=int, default=2000)
-    parser.add_argument("--micro_batch_size", type=int, default=8)
-    parser.add_argument("--seq_len", type=int, default=256)
-    parser.add_argument("--results", type=Path, default=Path("out/benchmark/data.jsonl"))
+    add_loader_arguments(parser, seq_len=256)
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="llmtrain-data-"))
@@ -89,13 +113,7 @@ def main() -> None:
         prepared()
         cached_s = time.perf_counter() - wall
 
-        loader = iter(data.train_dataloader())
-        next(loader)  # the prefetch thread starts
-        wall = time.perf_counter()
-        for _ in range(args.batches):
-            batch = next(loader)
-        loader_s = time.perf_counter() - wall
-        assert batch["input_ids"].shape == (args.micro_batch_size, args.seq_len)
+        loader_rate = loader_tokens_per_s(data.train_dataloader(), args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -105,7 +123,7 @@ def main() -> None:
         "tokenize_tokens_per_s": tokens / tokenize_s,
         "tokenize_cores_used": tokenize_cpu / tokenize_s, "cached_prepare_s": cached_s,
         "loader_batches": args.batches, "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len,
-        "loader_tokens_per_s": args.batches * args.micro_batch_size * args.seq_len / loader_s,
+        "loader_tokens_per_s": loader_rate,
         "command": "python scripts/data_throughput.py " + " ".join(sys.argv[1:]),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -116,10 +134,7 @@ def main() -> None:
     print(f"prepare again     {cached_s:.3f} s (cache reused)")
     print(f"loader            {record['loader_tokens_per_s']:,.0f} tokens/s "
           f"({args.batches} batches of {args.micro_batch_size} x {args.seq_len})")
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.results, "a") as handle:
-        handle.write(json.dumps(record) + "\n")
-    print(f"appended to {args.results}")
+    append_record(args.results, record)
 
 
 if __name__ == "__main__":

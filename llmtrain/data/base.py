@@ -14,7 +14,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Protocol
 
 import numpy as np
 import torch
@@ -43,6 +43,9 @@ class DataModule:
 
     def validate(self) -> None:
         """Cheap checks (paths exist, folders not empty) before anything expensive is built."""
+
+    def validate_tokenizer(self, tokenizer: Tokenizer) -> None:
+        """Cheap checks of the run's tokenizer against the data (a prepared folder's), before anything is launched."""
 
     def default_tokenizer(self) -> Optional[Tokenizer]:
         """The tokenizer this data ships with, or None if the user must pass --tokenizer_dir."""
@@ -93,14 +96,64 @@ class TokenWindows:
         return {"input_ids": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
 
 
+class SampleOrder(Protocol):
+    """Which sample each global position takes: a pure function of the position, so resuming needs only it."""
+
+    samples_per_epoch: int
+    identity: Optional[str]
+    """Says what the order depends on beyond seed and size (kept in checkpoints and compared on resume); None for
+    the plain permutation, whose checkpoints predate it."""
+
+    def indices(self, positions: np.ndarray) -> np.ndarray:
+        """Sample indices at global positions (which may span an epoch boundary)."""
+
+    def metrics(self, samples_consumed: int) -> dict[str, float]:
+        """Numbers for the log about the first ``samples_consumed`` positions (none for most orders)."""
+
+
+class PermutationOrder:
+    """One permutation of every sample per epoch, seeded by (seed, epoch); in order without ``shuffle``.
+
+    Memory is one index per sample: right for data that fits a cache file, not for billions of windows
+    (:class:`llmtrain.data.prepared.ShardOrder` is).
+    """
+
+    identity = None
+
+    def __init__(self, samples_per_epoch: int, seed: int, shuffle: bool = True) -> None:
+        self.samples_per_epoch, self.seed, self.shuffle = samples_per_epoch, seed, shuffle
+        self._orders: dict[int, np.ndarray] = {}
+
+    def indices(self, positions: np.ndarray) -> np.ndarray:
+        epochs, offsets = np.divmod(positions, self.samples_per_epoch)
+        if not self.shuffle:
+            return offsets
+        indices = np.empty_like(positions)
+        for epoch in np.unique(epochs).tolist():
+            mask = epochs == epoch
+            indices[mask] = self._order(epoch)[offsets[mask]]
+        return indices
+
+    def metrics(self, samples_consumed: int) -> dict[str, float]:
+        return {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            # Keep only the epochs a micro-step can still touch: the permutation of a big dataset is large.
+            self._orders = {e: order for e, order in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.samples_per_epoch)
+        return self._orders[epoch]
+
+
 class TrainLoader:
     """Infinite, resumable iterator over this rank's training micro-batches.
 
     The position is one global counter, `samples_consumed`. Each micro-step takes the next
     dp_size × micro_batch_size samples of the global order; rank r gets the contiguous slice
-    [r*B, (r+1)*B) of them. The global order is one permutation of the samples per epoch,
-    seeded by (seed, epoch), and epochs follow one another without a seam. So the position
-    means the same thing at any number of ranks, and a restored loader continues exactly.
+    [r*B, (r+1)*B) of them. The global order maps each position to a sample (``order``, a
+    :class:`SampleOrder`; by default one permutation of the samples per epoch, seeded by
+    (seed, epoch)), and epochs follow one another without a seam. So the position means the
+    same thing at any number of ranks, and a restored loader continues exactly.
 
     A background thread makes the next ``prefetch`` micro-batches while the current ones train
     (pinned when ``pin_memory`` is set, for an asynchronous copy to the GPU). A batch is a function of
@@ -122,6 +175,7 @@ class TrainLoader:
         dp_size: int = 1,
         seed: int = 42,
         shuffle: bool = True,
+        order: Optional["SampleOrder"] = None,
     ) -> None:
         if num_samples < 1:
             raise ValueError("TrainLoader needs at least one sample")
@@ -134,8 +188,10 @@ class TrainLoader:
         self.dp_size = dp_size
         self.seed = seed
         self.shuffle = shuffle
+        self.order = order if order is not None else PermutationOrder(num_samples, seed, shuffle)
+        if self.order.samples_per_epoch != num_samples:
+            raise ValueError(f"the order has {self.order.samples_per_epoch} samples per epoch, the data {num_samples}")
         self.samples_consumed = 0
-        self._orders: dict[int, np.ndarray] = {}
         self._ahead: deque[tuple[int, Future]] = deque()  # (position, batch being made), in order
         self._worker: Optional[ThreadPoolExecutor] = None
 
@@ -153,7 +209,7 @@ class TrainLoader:
             self.samples_consumed += self.dp_size * self.micro_batch_size
             return batch
         if self._worker is None:
-            # NOTE: one thread makes every batch, so the permutation cache needs no lock.
+            # NOTE: one thread makes every batch, so the orders' caches need no lock.
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmtrain-prefetch")
         while self._ahead and self._ahead[0][0] != self.samples_consumed:  # made for a position since left
             self._ahead.popleft()[1].cancel()
@@ -169,18 +225,25 @@ class TrainLoader:
 
     def _batch_at(self, position: int) -> Batch:
         start = position + self.dp_rank * self.micro_batch_size
-        batch = self.make_batch(self._global_order(np.arange(start, start + self.micro_batch_size)))
+        batch = self.make_batch(self.order.indices(np.arange(start, start + self.micro_batch_size)))
         if self.pin_memory:
             batch = {key: value.pin_memory() for key, value in batch.items()}
         return batch
 
+    def metrics(self) -> dict[str, float]:
+        """What the order says about the data seen so far, for the log (a mixture: tokens per source)."""
+        return self.order.metrics(self.samples_consumed)
+
     def state_dict(self) -> dict:
-        return {
+        state = {
             "samples_consumed": self.samples_consumed,
             "samples_per_epoch": self.samples_per_epoch,
             "seed": self.seed,
             "shuffle": int(self.shuffle),
         }
+        if self.order.identity is not None:  # NOTE: absent for the permutation, so its checkpoints stay as they were
+            state["order"] = self.order.identity
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         for key, current in (("samples_per_epoch", self.samples_per_epoch), ("seed", self.seed),
@@ -191,26 +254,14 @@ class TrainLoader:
                     f"{current}. The dataset, --train.max_seq_length or the seed changed since the checkpoint "
                     "was written; restore them, or start without resuming."
                 )
+        saved, current = state.get("order"), self.order.identity
+        if saved != current:
+            raise ValueError(
+                f"Cannot resume the data position: the checkpoint's sample order is {saved or 'a permutation'}, this "
+                f"run's is {current or 'a permutation'}. The data module, its shards or its mixture weights changed "
+                "since the checkpoint was written; restore them, or start without resuming."
+            )
         self.samples_consumed = int(state["samples_consumed"])
-
-    def _global_order(self, positions: np.ndarray) -> np.ndarray:
-        """Sample indices at global positions (which may span an epoch boundary)."""
-        epochs, offsets = np.divmod(positions, self.samples_per_epoch)
-        if not self.shuffle:
-            return offsets
-        indices = np.empty_like(positions)
-        for epoch in np.unique(epochs).tolist():
-            mask = epochs == epoch
-            indices[mask] = self._order(epoch)[offsets[mask]]
-        return indices
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            # Keep only the epochs a micro-step can still touch: the permutation of a big dataset is large.
-            self._orders = {e: order for e, order in self._orders.items() if e >= epoch - 1}
-            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.samples_per_epoch)
-        return self._orders[epoch]
-
 
 class ValLoader:
     """Deterministic validation batches; every `iter()` starts over.

@@ -37,8 +37,9 @@ from llmtrain.optim import OptimizerArg, build_optimizer
 from llmtrain.prompts import save_prompt_style
 from llmtrain.recipes import build, checks
 from llmtrain.recipes.flags import LoggerName
+from llmtrain.tokenizer import Tokenizer
 from llmtrain.train.loggers import build_loggers
-from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon, step_limits
+from llmtrain.train.loop import Fit, TrainState, data_metrics, fit, plan_horizon, step_limits
 from llmtrain.train.profile import build_profiler
 from llmtrain.train.signals import catch_stop_signals
 
@@ -127,6 +128,8 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
         check_deepspeed_resume(resume_from, deepspeed=deepspeed_config is not None, world_size=plan.world_size)
     check_disk_space(flags["out_dir"], config, plan.precision, trainable_parameters=trainable_parameters)
     flags["data"].validate()
+    if tokenizer_dir is not None:  # a prepared folder's tokenizer is checked here, not after launch on every rank
+        flags["data"].validate_tokenizer(Tokenizer(tokenizer_dir))
     spec = RunSpec(recipe=recipe, config=config, out_dir=Path(flags["out_dir"]), plan=plan, data=flags["data"],
                    train=train, eval=flags["eval"], optimizer=flags["optimizer"], seq_len=seq_len,
                    hyperparameters=hyperparameters, fsdp=fsdp, seed=flags["seed"], compile=flags["compile"],
@@ -276,7 +279,7 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
               save_checkpoint=checkpointer.save, save_final=checkpointer.save_final,
               wait_for_checkpoint=checkpointer.wait,
               loggers=build_loggers(spec.logger_name, spec.out_dir, state.step if spec.resume_from else None,
-                                    spec.hyperparameters)
+                                    spec.hyperparameters, data_columns=list(data_metrics(train_loader)))
               if runtime.is_main else [],
               flops_per_token=flops_per_token(spec.config, spec.seq_len,
                                               adapter_parameters=n_trainable if spec.lora is not None else None),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import csv
 import sys
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 LoggerName = Literal["csv", "tensorboard", "wandb"]
 
@@ -16,21 +16,24 @@ LoggerName = Literal["csv", "tensorboard", "wandb"]
 METRICS = ("step", "tokens", "epoch", "loss", "lr", "grad_norm", "tokens_per_sec",
            "tokens_per_sec_per_device", "mfu", "peak_memory_gb", "val_loss", "val_ppl", "elapsed_s",
            "skipped", "data_wait_fraction", "reserved_memory_gb", "alloc_retries")
+DATA_PREFIX = "data/"
+"""Metrics the data module adds (a mixture's ``data/tokens/<source>``): columns after METRICS in a run that has them."""
 
 
 class CSVLogger:
     """Appends rows to ``out_dir/metrics.csv``; on resume, rows after the resumed step are dropped."""
 
-    def __init__(self, out_dir: Path, resume_step: Optional[int] = None) -> None:
+    def __init__(self, out_dir: Path, resume_step: Optional[int] = None, data_columns: Sequence[str] = ()) -> None:
         self.path = Path(out_dir) / "metrics.csv"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.columns = (*METRICS, *data_columns)
         rows = self._read_rows() if self.path.exists() else []
         if resume_step is not None:
             rows = [row for row in rows if int(float(row["step"])) <= resume_step]
         else:
             rows = []  # a fresh run starts a fresh file
         with open(self.path, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=METRICS)
+            writer = csv.DictWriter(handle, fieldnames=self.columns)
             writer.writeheader()
             writer.writerows(rows)
 
@@ -39,12 +42,12 @@ class CSVLogger:
             reader = csv.DictReader(handle)
             if reader.fieldnames is None or "step" not in reader.fieldnames:
                 return []
-            return [{k: row.get(k, "") for k in METRICS} for row in reader]
+            return [{k: row.get(k, "") for k in self.columns} for row in reader]
 
     def log(self, metrics: dict) -> None:
-        row = {key: _format(metrics.get(key)) for key in METRICS}
+        row = {key: _format(metrics.get(key)) for key in self.columns}
         with open(self.path, "a", newline="") as handle:
-            csv.DictWriter(handle, fieldnames=METRICS).writerow(row)
+            csv.DictWriter(handle, fieldnames=self.columns).writerow(row)
 
     def close(self) -> None:
         pass
@@ -93,9 +96,10 @@ class WandbLogger:
 
 
 def _numbers(metrics: dict) -> dict:
-    """The metrics with a numeric value, under their METRICS names (the step is the x axis)."""
+    """The metrics with a numeric value, under their METRICS (or data module's) names (the step is the x axis)."""
     return {key: value for key, value in metrics.items()
-            if key in METRICS and key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+            if (key in METRICS or key.startswith(DATA_PREFIX)) and key != "step"
+            and isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
 def _format(value) -> str:
@@ -172,8 +176,10 @@ def format_seconds(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-def build_loggers(name: str, out_dir: Path, resume_step: Optional[int], hyperparameters: Optional[dict] = None) -> list:
-    loggers: list = [CSVLogger(out_dir, resume_step)]
+def build_loggers(name: str, out_dir: Path, resume_step: Optional[int], hyperparameters: Optional[dict] = None,
+                  data_columns: Sequence[str] = ()) -> list:
+    """The CSV logger, and the one ``name`` asks for; ``data_columns`` are the data module's metrics (DATA_PREFIX)."""
+    loggers: list = [CSVLogger(out_dir, resume_step, data_columns)]
     if name == "tensorboard":
         loggers.append(TensorBoardLogger(out_dir))
     elif name == "wandb":

@@ -662,6 +662,7 @@ class LogInterval:
             seconds = time.perf_counter() - self.started
             metrics = _step_metrics(job, loss, lr, float(grad_norm), self.tokens / seconds, sums[1].item() / seconds)
             metrics["data_wait_fraction"] = self.data_wait / seconds
+            metrics.update(data_metrics(job.train_loader))
             _log(job, metrics)
         self._restart()
 
@@ -782,6 +783,12 @@ def _step_metrics(job: Fit, loss: float, lr: float, grad_norm: float, tokens_per
             "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
             "tokens_per_sec_per_device": per_device, "mfu": mfu, **interval_memory(job.runtime.device),
             "elapsed_s": state.elapsed_s, "eta_s": remaining * seconds_per_step}
+
+
+def data_metrics(train_loader: Any) -> dict:
+    """What the loader reports about the data seen so far (a mixture: ``data/tokens/<source>``); most report nothing."""
+    report = getattr(train_loader, "metrics", None)
+    return report() if report is not None else {}
 
 
 def _log(job: Fit, metrics: dict, line: Optional[str] = None) -> None:
