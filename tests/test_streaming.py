@@ -14,7 +14,7 @@ import torch
 import llmtrain.data.streaming as streaming
 from llmtrain.cli import main
 from llmtrain.data import HFDataset
-from llmtrain.data.base import TokenWindows
+from llmtrain.data.base import TokenWindows, TrainLoader
 from llmtrain.data.streaming import StreamingLoader, StreamPosition
 from llmtrain.tokenizer import Tokenizer
 
@@ -158,10 +158,12 @@ def test_resume_on_another_data_parallel_size_is_refused(tmp_path, tokenizer):
     loader = streamed(files, tokenizer).train_dataloader()
     take(loader, 2)
     state = {"per_rank": [loader.state_dict()]}
-    with pytest.raises(ValueError, match="streamed on 1 data-parallel ranks, this run has 2"):
+    with pytest.raises(ValueError, match="the checkpoint streamed on 1 data-parallel ranks, this run has 2"):
         streamed(files, tokenizer, 0, 2).train_dataloader().load_state_dict(state)
-    with pytest.raises(ValueError, match="did not stream"):
+    with pytest.raises(ValueError, match="did not stream its data, this one does"):
         streamed(files, tokenizer).train_dataloader().load_state_dict({"samples_consumed": 8})
+    with pytest.raises(ValueError, match="streamed its data, this one does not"):
+        TrainLoader(10, lambda indices: {}, micro_batch_size=2).load_state_dict(state)
     loader.close()
 
 
@@ -235,6 +237,8 @@ def test_pretrain_streams_and_resumes_through_the_cli(tmp_path, tokenizer):
     assert [resumed[s] for s in range(5, 9)] == [expected[s] for s in range(5, 9)]
     state = torch.load(full / "step-00000004" / "training_state.pt", weights_only=True)
     assert [entry["samples_consumed"] for entry in state["data"]["per_rank"]] == [16]
+    with pytest.raises(ValueError, match="streamed its data, this one does not"):  # before any model is built
+        main(cli_args(tmp_path, tokenizer, crashed, "--resume", "auto", "--data.streaming", "false"))
 
 
 def test_streaming_errors_exit_2_through_the_command_line(tmp_path, tokenizer, monkeypatch, capsys):
@@ -270,5 +274,5 @@ def test_two_ranks_stream_save_every_position_and_resume(tmp_path, tokenizer, di
     run(crashed, "--resume", "auto")
     expected, resumed = losses(full), losses(crashed)
     assert [resumed[s] for s in range(5, 9)] == [expected[s] for s in range(5, 9)]
-    with pytest.raises(ValueError, match="streamed on 2 data-parallel ranks, this run has 1"):
+    with pytest.raises(ValueError, match="--resume .* streamed on 2 data-parallel ranks, this run has 1"):
         main(cli_args(tmp_path, tokenizer, crashed, "--resume", "auto"))

@@ -215,20 +215,34 @@ class StreamingLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """This rank's entry of a checkpoint's ``{"per_rank": [state_dict() of every rank]}``."""
-        if "per_rank" not in state:
-            raise ValueError("Cannot resume the data position: the checkpoint was written by a run that did not "
-                             "stream its data. Resume it without --data.streaming, or start without resuming.")
-        saved_size = state["per_rank"][0]["dp_size"]
-        if saved_size != self.dp_size:
-            raise ValueError(
-                f"Cannot resume the data position: the checkpoint streamed on {saved_size} data-parallel ranks, "
-                f"this run has {self.dp_size}. Each rank's place in its own part of the stream is saved, and the "
-                f"parts change with their number: resume on {saved_size} data-parallel ranks, or start without "
-                "resuming.")
+        check_stream_resume(state, streaming=True, data_parallel_size=self.dp_size)
         mine = next(entry for entry in state["per_rank"] if entry["dp_rank"] == self.dp_rank)
         self.close()
         self.samples_consumed = int(mine["samples_consumed"])
         self.position = StreamPosition.from_dict(mine["position"])
+
+
+def check_stream_resume(data_state: dict, *, streaming: bool, data_parallel_size: int,
+                        checkpoint: str = "the checkpoint") -> None:
+    """That a run streaming its data or not (``streaming``) on ``data_parallel_size`` ranks can continue from a
+    checkpoint's data position (``training_state.pt``'s ``data``). Called before the workers start, and again
+    as the position loads."""
+    saved_streaming = "per_rank" in data_state
+    if saved_streaming != streaming:
+        raise ValueError(
+            f"Cannot resume the data position: {checkpoint} was written by a run that "
+            f"{'streamed' if saved_streaming else 'did not stream'} its data, this one "
+            f"{'does' if streaming else 'does not'}. Resume with the data flags that wrote it "
+            f"(--data.streaming {str(saved_streaming).lower()}), or start without resuming.")
+    if not streaming:
+        return
+    saved_size = data_state["per_rank"][0]["dp_size"]
+    if saved_size != data_parallel_size:
+        raise ValueError(
+            f"Cannot resume the data position: {checkpoint} streamed on {saved_size} data-parallel ranks, this "
+            f"run has {data_parallel_size}. Each rank's place in its own part of the stream is saved, and the "
+            f"parts change with their number: resume on {saved_size} data-parallel ranks (--devices, --num_nodes), "
+            "or start without resuming.")
 
 
 def _put(made: queue.Queue, item: Any, stop: threading.Event) -> bool:
