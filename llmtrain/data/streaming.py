@@ -181,25 +181,12 @@ class StreamingLoader:
     def _start(self) -> None:
         self._stop = threading.Event()
         self._made = queue.Queue(maxsize=max(1, self.prefetch))
-        self._thread = threading.Thread(target=self._make, args=(self.position, self._made, self._stop),
-                                        name="llmtrain-stream", daemon=True)
+        # NOTE: the thread holds no reference to the loader, so a loader that is dropped unclosed is collected,
+        # and __del__ stops its thread.
+        self._thread = threading.Thread(
+            target=_make_batches, name="llmtrain-stream", daemon=True,
+            args=(self.open_windows(self.position), self.micro_batch_size, self.pin_memory, self._made, self._stop))
         self._thread.start()
-
-    def _make(self, start: StreamPosition, made: queue.Queue, stop: threading.Event) -> None:
-        try:
-            windows: list[np.ndarray] = []
-            for window, position in self.open_windows(start):
-                windows.append(window)
-                if len(windows) < self.micro_batch_size:
-                    continue
-                batch = windows_batch(windows)
-                if self.pin_memory:
-                    batch = {key: value.pin_memory() for key, value in batch.items()}
-                windows = []
-                if not _put(made, (batch, position), stop):
-                    return
-        except BaseException as error:  # noqa: BLE001 - handed to the training thread, which raises it
-            _put(made, _Failed(error), stop)
 
     def close(self) -> None:
         """Stop the thread (it finishes the chunk it encodes) and drop the batches made ahead."""
@@ -208,6 +195,10 @@ class StreamingLoader:
         self._stop.set()
         self._thread.join(timeout=60)
         self._thread, self._made = None, None
+
+    def __del__(self) -> None:
+        if getattr(self, "_thread", None) is not None:  # not after an __init__ that raised
+            self._stop.set()
 
     def state_dict(self) -> dict:
         return {"streaming": 1, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
@@ -243,6 +234,25 @@ def check_stream_resume(data_state: dict, *, streaming: bool, data_parallel_size
             f"run has {data_parallel_size}. Each rank's place in its own part of the stream is saved, and the "
             f"parts change with their number: resume on {saved_size} data-parallel ranks (--devices, --num_nodes), "
             "or start without resuming.")
+
+
+def _make_batches(windows: Iterator[tuple[np.ndarray, StreamPosition]], micro_batch_size: int, pin_memory: bool,
+                  made: queue.Queue, stop: threading.Event) -> None:
+    """The loader's thread: (micro-batch, the position after it) into ``made`` until ``stop`` is set."""
+    try:
+        rows: list[np.ndarray] = []
+        for window, position in windows:
+            rows.append(window)
+            if len(rows) < micro_batch_size:
+                continue
+            batch = windows_batch(rows)
+            if pin_memory:
+                batch = {key: value.pin_memory() for key, value in batch.items()}
+            rows = []
+            if not _put(made, (batch, position), stop):
+                return
+    except BaseException as error:  # noqa: BLE001 - handed to the training thread, which raises it
+        _put(made, _Failed(error), stop)
 
 
 def _put(made: queue.Queue, item: Any, stop: threading.Event) -> bool:
