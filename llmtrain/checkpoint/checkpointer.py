@@ -34,6 +34,7 @@ from llmtrain.checkpoint.state import (
     Stateful,
     build_training_state,
     capture_rng_state,
+    data_state,
     load_training_state,
     restore_training_state,
 )
@@ -106,10 +107,11 @@ class Checkpointer:
         # NOTE: before the writes: rank 0 writes the full weights alone, and a collective after them would wait
         # for its disk within the collective timeout (NCCL's watchdog). The writes change no generator.
         rng_states = self.runtime.all_gather_object(capture_rng_state(self.runtime.device))
+        data = data_state(self.train_loader, self.runtime.all_gather_object)
         future, optimizer_state = self._write_tensors(tmp)
         if self.runtime.is_main:
             training_state = build_training_state(
-                state=state, train_loader=self.train_loader, scaler=self.scaler, rng_states=rng_states,
+                state=state, data=data, scaler=self.scaler, rng_states=rng_states,
                 world_size=self.runtime.world_size, optimizer_state=optimizer_state,
                 include_optimizer=self.format in ("full", "lora"))
             torch.save(training_state, tmp / layout.STATE_FILE)

@@ -3,7 +3,7 @@
 ::
 
     train_state             step and token counters (``TrainState.state_dict()``)
-    data                    the train loader's exact position
+    data                    the train loader's exact position (a streaming loader's: {"per_rank": [every rank's]})
     rng                     every rank's RNG states, a list indexed by rank
     scaler                  the fp16 loss scaler, or None
     world_size              the world size that wrote it
@@ -20,7 +20,7 @@ import pickle
 import random
 import re
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 import torch
@@ -40,14 +40,24 @@ class DamagedCheckpointError(ValueError):
     """A checkpoint file is damaged or holds something llmtrain will not load; the message names the file."""
 
 
-def build_training_state(*, state: Stateful, train_loader: Stateful, scaler: Optional[Stateful],
+def data_state(train_loader: Stateful, all_gather_object: Callable[[Any], list]) -> dict:
+    """The train loader's position, for ``training_state.pt``. Every rank calls it: a loader whose position
+    differs per rank (``state_per_rank``, a streaming one) has every rank's gathered, and finds its own again
+    in ``load_state_dict``."""
+    if getattr(train_loader, "state_per_rank", False):
+        return {"per_rank": all_gather_object(train_loader.state_dict())}
+    return train_loader.state_dict()
+
+
+def build_training_state(*, state: Stateful, data: dict, scaler: Optional[Stateful],
                          rng_states: list[dict], world_size: int, optimizer_state: dict,
                          include_optimizer: bool) -> dict:
-    """The dict ``training_state.pt`` holds (see the module doc). ``optimizer_state`` is a full optimizer state dict
-    for the full format, or this rank's (only its param groups are kept) for the sharded one."""
+    """The dict ``training_state.pt`` holds (see the module doc). ``data`` is :func:`data_state`'s.
+    ``optimizer_state`` is a full optimizer state dict for the full format, or this rank's (only its param groups
+    are kept) for the sharded one."""
     training_state = {
         "train_state": state.state_dict(),
-        "data": train_loader.state_dict(),
+        "data": data,
         "rng": rng_states,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "world_size": world_size,

@@ -246,6 +246,10 @@ class TrainLoader:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        if "per_rank" in state:  # every rank's position of a streaming loader (llmtrain.data.streaming)
+            raise ValueError("Cannot resume the data position: the checkpoint was written by a run that streamed its "
+                             "data, this one does not. Resume with the data flags that wrote it (--data.streaming "
+                             "true), or start without resuming.")
         for key, current in (("samples_per_epoch", self.samples_per_epoch), ("seed", self.seed),
                              ("shuffle", int(self.shuffle))):
             if key in state and state[key] != current:

@@ -1,10 +1,15 @@
-"""Pretrain on anything `datasets.load_dataset` reads: local json/parquet/csv/text files, or a Hub dataset."""
+"""Pretrain on anything `datasets.load_dataset` reads: local json/parquet/csv/text files, or a Hub dataset.
+
+By default the text is tokenized once into the token cache; with ``streaming`` every rank streams its
+own part and tokenizes it as training goes (`llmtrain.data.streaming`).
+"""
 
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from llmtrain.data.base import PretrainDataModule, TokenFiles
+from llmtrain.data.base import PretrainDataModule, TokenFiles, TrainLoader, ValLoader
+from llmtrain.data.streaming import StreamingLoader, StreamingValLoader, StreamPosition, stream_windows
 from llmtrain.data.tokens import Piece, available_cpu_count, cache_key, document_pieces, tokenize_to_cache
 from llmtrain.tokenizer import Tokenizer
 
@@ -27,11 +32,19 @@ class HFDataset(PretrainDataModule):
     text_field: str = "text"
     """Column that holds the text."""
     val_split: Optional[str] = None
-    """Split to validate on, e.g. "validation". None: hold out the end of the training data."""
-    val_split_fraction: float = 0.05
-    """Without --data.val_split: the fraction of training tokens, from the end, kept for validation. 0: no validation."""
+    """Split to validate on, e.g. "validation". None: hold out the end of the training data (not when streaming)."""
+    val_split_fraction: Optional[float] = None
+    """Without --data.val_split: the fraction of training tokens, from the end, kept for validation. 0: no
+    validation. None: 0.05, or no validation when streaming (an endless stream has no end to hold out)."""
     num_workers: int = field(default_factory=available_cpu_count)
-    """Processes that tokenize in parallel (default: every available CPU core)."""
+    """Processes that tokenize in parallel (default: every available CPU core); not used when streaming."""
+    streaming: bool = False
+    """Stream the data instead of tokenizing it all first: for corpora too large to tokenize up front. Every
+    data-parallel rank reads its own part of the rows (whole shards when their number divides by the ranks)
+    and tokenizes it in a background thread as it trains, in the source's order, pass after pass, without
+    shuffling. Resume is exact, on the same number of data-parallel ranks only. --train.epochs cannot size
+    the run (a stream's length is unknown): use --train.max_steps or --train.max_tokens. Validation needs
+    --data.val_split: its first windows, as many as --eval.max_iters asks, read by every rank."""
 
     def validate(self) -> None:
         if self.path in FILE_BUILDERS:
@@ -42,17 +55,28 @@ class HFDataset(PretrainDataModule):
                     raise FileNotFoundError(f"--data.data_files names {file}, which does not exist")
         elif _looks_local(self.path) and not Path(self.path).expanduser().exists():
             raise FileNotFoundError(f"--data.path {self.path} does not exist")
-        if not 0 <= self.val_split_fraction < 1:
+        if self.val_split_fraction is not None and not 0 <= self.val_split_fraction < 1:
             raise ValueError(f"--data.val_split_fraction must be in [0, 1), got {self.val_split_fraction}")
+        if self.streaming and self.val_split_fraction:
+            raise ValueError(
+                f"--data.val_split_fraction {self.val_split_fraction:g} holds out the end of the data, which a "
+                "stream (--data.streaming true) never reaches: validate on a split with --data.val_split NAME, "
+                "or drop --data.val_split_fraction")
         if self.num_workers < 1:
             raise ValueError(f"--data.num_workers must be at least 1, got {self.num_workers}")
 
     def prepare_data(self) -> None:
         tokenizer = self._require_connected()
+        if self.streaming:  # nothing to tokenize ahead: open the splits, so that a wrong one fails now
+            self._load(self.split, "--data.split", streaming=True)
+            if self.val_split is not None:
+                self._load(self.val_split, "--data.val_split", streaming=True)
+            return
         train_name = f"--data.path {self.path} (split {self.split!r})"
         train = self._tokenize(self.split, "--data.split", tokenizer)
         if self.val_split is None:
-            self._files = TokenFiles(train, train_name, val_fraction=self.val_split_fraction)
+            fraction = 0.05 if self.val_split_fraction is None else self.val_split_fraction
+            self._files = TokenFiles(train, train_name, val_fraction=fraction)
             return
         val = self._tokenize(self.val_split, "--data.val_split", tokenizer)
         self._files = TokenFiles(train, train_name, val, f"--data.path {self.path} (split {self.val_split!r})")
@@ -68,15 +92,55 @@ class HFDataset(PretrainDataModule):
             total_chars=dataset.data.nbytes, description=f"{self.path} split {split!r} ({dataset.num_rows:,} rows)",
         )
 
-    def _load(self, split: str, flag: str) -> Any:
+    def setup(self, dp_rank: int = 0, dp_size: int = 1) -> None:
+        if not self.streaming:
+            super().setup(dp_rank, dp_size)
+            return
+        self._require_connected()
+        self._dp_rank, self._dp_size = dp_rank, dp_size
+
+    def train_dataloader(self) -> Union[TrainLoader, StreamingLoader]:
+        if not self.streaming:
+            return super().train_dataloader()
+        return StreamingLoader(self._train_windows, self.micro_batch_size, self._dp_rank, self._dp_size)
+
+    def val_dataloader(self) -> Union[ValLoader, StreamingValLoader, None]:
+        if not self.streaming:
+            return super().val_dataloader()
+        if self.val_split is None:
+            return None
+        return StreamingValLoader(self._val_windows, self.micro_batch_size, self._dp_rank, self._dp_size)
+
+    def _train_windows(self, start: StreamPosition) -> Iterator[tuple[Any, StreamPosition]]:
+        """This rank's part of --data.split as windows, from ``start``."""
+        from datasets.distributed import split_dataset_by_node
+
+        source = self._load(self.split, "--data.split", streaming=True)
+        name = (f"--data.path {self.path} (split {self.split!r}, data-parallel rank {self._dp_rank}'s part of "
+                f"{self._dp_size})")
+        return stream_windows(lambda: split_dataset_by_node(source, rank=self._dp_rank, world_size=self._dp_size),
+                              self.text_field, self._require_connected(), self.max_seq_length, start, name=name)
+
+    def _val_windows(self) -> Iterator[Any]:
+        """--data.val_split whole, once, as windows (every rank reads it all)."""
+        assert self.val_split is not None
+        dataset = self._load(self.val_split, "--data.val_split", streaming=True)
+        windows = stream_windows(lambda: dataset, self.text_field, self._require_connected(), self.max_seq_length,
+                                 endless=False, name=f"--data.path {self.path} (split {self.val_split!r})")
+        return (window for window, _ in windows)
+
+    def _load(self, split: str, flag: str, streaming: bool = False) -> Any:
         import datasets
 
         try:
-            dataset = datasets.load_dataset(self.path, name=self.name, data_files=self.data_files, split=split)
+            dataset = datasets.load_dataset(self.path, name=self.name, data_files=self.data_files, split=split,
+                                            streaming=streaming)
         except ValueError as error:
             if "split" in str(error).lower():
                 raise ValueError(f"{flag} {split!r} is not available in --data.path {self.path}: {error}") from error
             raise
+        if dataset.column_names is None:  # a stream whose columns are known only from its rows
+            return dataset
         if self.text_field not in dataset.column_names:
             raise ValueError(
                 f"--data.text_field {self.text_field!r} is not a column of --data.path {self.path} (split {split!r}); "

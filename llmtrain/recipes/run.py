@@ -21,11 +21,13 @@ from llmtrain import plan as planning
 from llmtrain.args import BatchDefaults, EvalArgs, FSDPArgs, ProfileArgs, TrainArgs
 from llmtrain.config import Config
 from llmtrain.data.base import DataModule
+from llmtrain.data.streaming import check_stream_resume
 from llmtrain.checkpoint import layout
 from llmtrain.checkpoint.checkpointer import Checkpointer, build_checkpointer
 from llmtrain.checkpoint.lora import write_lora_settings
 from llmtrain.checkpoint.resume import check_deepspeed_resume
 from llmtrain.checkpoint.size import check_disk_space
+from llmtrain.checkpoint.state import load_training_state
 from llmtrain.distributed.launch import is_first_process, launch, plan_launch, resolve_devices
 from llmtrain.distributed.parallel_plan import DEEPSPEED_STRATEGIES, ParallelPlan, resolve_device_type
 from llmtrain.distributed.parallelize import unwrap
@@ -126,6 +128,9 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
     deepspeed_config = _deepspeed_config(plan, train, flags) if plan.wrapper == "deepspeed" else None
     if resume_from is not None:  # here, not in the workers: one message, before any of them starts
         check_deepspeed_resume(resume_from, deepspeed=deepspeed_config is not None, world_size=plan.world_size)
+        check_stream_resume(load_training_state(resume_from, mmap=True)["data"],
+                            streaming=getattr(flags["data"], "streaming", False),
+                            data_parallel_size=plan.data_parallel_size, checkpoint=f"--resume {resume_from}")
     check_disk_space(flags["out_dir"], config, plan.precision, trainable_parameters=trainable_parameters)
     flags["data"].validate()
     if tokenizer_dir is not None:  # a prepared folder's tokenizer is checked here, not after launch on every rank
