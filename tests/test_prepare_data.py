@@ -116,6 +116,25 @@ def test_two_ranks_prepare_the_same_bytes(reference: Path, corpus: Path, tokeniz
 
 
 @pytest.mark.multiproc
+def test_an_out_dir_that_another_node_cannot_see_is_refused(corpus: Path, tokenizer, tmp_path: Path,
+                                                            free_port) -> None:
+    """Two "nodes" under torchrun's variables, each given a folder of its own, as node-local disks would be."""
+    port = str(free_port())
+    ranks = []
+    for rank in range(2):
+        env = child_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        command = [sys.executable, "-m", "llmtrain", "prepare_data",
+                   *text_flags(corpus, tokenizer, tmp_path / f"node{rank}", "--num_nodes", "2", "--num_workers", "1")]
+        ranks.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      cwd=ROOT))
+    outputs = [rank.communicate(timeout=300) for rank in ranks]
+    assert all(rank.returncode != 0 for rank in ranks), outputs
+    assert "is not the same folder on every node: rank(s) [1]" in outputs[0][1], outputs[0][1]
+    assert not layout.is_prepared(tmp_path / "node0") and not layout.is_prepared(tmp_path / "node1")
+
+
+@pytest.mark.multiproc
 def test_a_killed_preparation_resumes_and_ends_identical(reference: Path, corpus: Path, tokenizer,
                                                          tmp_path: Path) -> None:
     out_dir = tmp_path / "killed"

@@ -69,8 +69,7 @@ def setup(
     preparation, units = plan(data, tokenizer, shard_tokens, unit_bytes)
     manifest = finished(out_dir, preparation)
     if manifest is not None:
-        if verify:
-            check_shards(out_dir, manifest, checksums=True)
+        check_shards(out_dir, manifest, checksums=verify)  # sizes always (cheap), the sha256 when asked
         if is_first_process():
             shards = sum(len(split.shards) for split in manifest.splits.values())
             print(f"prepare_data: {out_dir} is prepared already ({manifest.splits['train'].tokens:,} training tokens "
