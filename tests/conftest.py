@@ -107,6 +107,15 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., To
     return train
 
 
+@pytest.fixture
+def hf_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`datasets` with a cache in this test's tmp_path and no network (HFDataset on local files)."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    datasets.disable_progress_bars()
+
+
 class ListLoader:
     """A fixed list of (input_ids, labels) samples served as micro-batches, sharded like llmtrain.data's
     TrainLoader: one global position; in each micro-step rank r takes the r-th contiguous slice of

@@ -231,14 +231,6 @@ def test_worker_processes_and_pieces_give_the_same_tokens(
 # ------------------------------------------------------------------------------------- HFDataset
 
 
-@pytest.fixture
-def hf_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    datasets = pytest.importorskip("datasets")
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
-    datasets.disable_progress_bars()
-
-
 @pytest.mark.parametrize("file_format", ["json", "parquet", "text"])
 def test_hf_dataset_from_local_files(tmp_path: Path, tokenizer: Tokenizer, hf_offline: None, file_format: str) -> None:
     documents = [d.strip() for d in DOCUMENTS]  # the text builder makes one row per line

@@ -26,7 +26,7 @@ from llmtrain.data import manifest as layout
 from llmtrain.data.base import TrainLoader
 from llmtrain.data.mixture import BLOCK
 from llmtrain.data.prepared import ShardOrder
-from llmtrain.data.tokens import Piece, _encode_chunk, token_dtype
+from llmtrain.data.tokens import Piece, encode_pieces, token_dtype
 from llmtrain.tokenizer import Tokenizer
 
 from conftest import write_tiny_model
@@ -47,7 +47,7 @@ def write_prepared(root: Path, tokenizer: Tokenizer, texts: list[str], shard_tok
     for split, split_texts in (("train", texts), ("val", val_texts)):
         if not split_texts:
             continue
-        ids, count = _encode_chunk(tokenizer, [Piece(text) for text in split_texts])
+        ids, count = encode_pieces(tokenizer, [Piece(text) for text in split_texts])
         shards = []
         for index, start in enumerate(range(0, len(ids), shard_tokens)):
             name = layout.shard_name(split, 0, index)

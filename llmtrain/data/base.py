@@ -12,9 +12,9 @@ has ``"real_tokens"``: a LongTensor () counting its input tokens that are not pa
 
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import MISSING, Field, dataclass, fields
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol
 
 import numpy as np
 import torch
@@ -23,7 +23,13 @@ from llmtrain.data.tokens import open_tokens
 from llmtrain.loss import IGNORE_INDEX  # the label value the loss skips
 from llmtrain.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from llmtrain.data.units import WorkUnit
+
 Batch = dict[str, torch.Tensor]
+
+NOT_SOURCE_FLAGS = ("num_workers", "val_split_fraction")
+"""Data module flags that change how the data is tokenized or split at training time, not its documents."""
 
 
 def real_tokens(batch: Batch) -> int:
@@ -309,6 +315,31 @@ class PretrainDataModule(DataModule):
         super().connect(tokenizer, micro_batch_size, max_seq_length, seed)
         self._files = None  # token files belong to one tokenizer; find them again
 
+    def work_units(self, split: str, unit_bytes: int) -> list["WorkUnit"]:
+        """The documents of ``split`` ("train" or "val") as units of work of about ``unit_bytes`` of text each for
+        ``llmtrain prepare_data``, in the order the token cache holds them; [] when the module has no such split.
+
+        A held-out fraction (``--data.val_split_fraction``) is no split of its own: it stays in "train", and
+        whoever reads the prepared folder holds it out.
+        """
+        raise NotImplementedError(f"--data {type(self).__name__} cannot be prepared by llmtrain prepare_data")
+
+    def describe_source(self) -> str:
+        """The module and the flags that decide its documents, as a person reads them (the manifest's source).
+
+        Flags that only say how to tokenize or where to hold out validation data (``NOT_SOURCE_FLAGS``) are
+        left out; paths are made absolute, so the same data reads the same from any folder.
+        """
+        flags = []
+        for spec in fields(self):  # type: ignore[arg-type]  (subclasses are dataclasses)
+            value = getattr(self, spec.name)
+            if spec.name in NOT_SOURCE_FLAGS or value == _field_default(spec):
+                continue
+            if isinstance(value, Path):
+                value = value.expanduser().resolve()
+            flags.append(f"--data.{spec.name} {value}")
+        return " ".join([type(self).__name__, *flags])
+
     def setup(self, dp_rank: int = 0, dp_size: int = 1) -> None:
         self._require_connected()
         if self._files is None:  # prepare_data is idempotent: on a cache hit it only finds the files
@@ -356,6 +387,12 @@ class PretrainDataModule(DataModule):
                 f"{name} has {len(tokens):,} tokens, which make {windows} windows of {self.max_seq_length + 1} "
                 f"tokens (--train.max_seq_length {self.max_seq_length} + 1), but {why}."
             )
+
+
+def _field_default(spec: Field) -> Any:
+    if spec.default is not MISSING:
+        return spec.default
+    return spec.default_factory() if spec.default_factory is not MISSING else MISSING
 
 
 @dataclass

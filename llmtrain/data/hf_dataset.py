@@ -4,13 +4,15 @@ By default the text is tokenized once into the token cache; with ``streaming`` e
 own part and tokenizes it as training goes (`llmtrain.data.streaming`).
 """
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 from llmtrain.data.base import PretrainDataModule, TokenFiles, TrainLoader, ValLoader
 from llmtrain.data.streaming import StreamingLoader, StreamingValLoader, StreamPosition, stream_windows
 from llmtrain.data.tokens import Piece, available_cpu_count, cache_key, document_pieces, tokenize_to_cache
+from llmtrain.data.units import WorkUnit
 from llmtrain.tokenizer import Tokenizer
 
 # load_dataset builders that read local files and so need --data.data_files.
@@ -80,6 +82,17 @@ class HFDataset(PretrainDataModule):
             return
         val = self._tokenize(self.val_split, "--data.val_split", tokenizer)
         self._files = TokenFiles(train, train_name, val, f"--data.path {self.path} (split {self.val_split!r})")
+
+    def work_units(self, split: str, unit_bytes: int) -> list[WorkUnit]:
+        name, flag = (self.split, "--data.split") if split == "train" else (self.val_split, "--data.val_split")
+        if name is None:
+            return []
+        dataset = self._load(name, flag)
+        if dataset.num_rows == 0:
+            return []
+        size = dataset.data.nbytes
+        parts = min(dataset.num_rows, max(1, math.ceil(size / unit_bytes)))
+        return [DatasetRows(replace(self), name, parts, index, size // parts) for index in range(parts)]
 
     def _tokenize(self, split: str, flag: str, tokenizer: Tokenizer) -> Path:
         dataset = self._load(split, flag)
@@ -153,6 +166,29 @@ class HFDataset(PretrainDataModule):
                 f"pass --data.text_field with a text column of {dataset.column_names}."
             )
         return dataset.select_columns([self.text_field])
+
+
+@dataclass(frozen=True)
+class DatasetRows(WorkUnit):
+    """Part ``index`` of ``parts`` equal, contiguous row ranges of one split of an HFDataset source."""
+
+    source: HFDataset
+    split: str
+    parts: int
+    index: int
+    size: int
+
+    def pieces(self) -> Iterator[Piece]:
+        key = repr((self.source.describe_source(), self.split))
+        if key not in _loaded:  # a process prepares several parts of one split: load it once
+            _loaded.clear()
+            _loaded[key] = self.source._load(self.split, "--data.split")
+        rows = _loaded[key].shard(self.parts, self.index, contiguous=True)
+        return _documents(rows, self.source.text_field)
+
+
+_loaded: dict[str, Any] = {}
+"""The split this process read last, by source and split name."""
 
 
 def _documents(dataset: Any, text_field: str) -> Iterator[Piece]:

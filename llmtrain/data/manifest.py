@@ -5,6 +5,8 @@
                                       ``shard_tokens``
     DIR/.progress/<split>-UUUUU.json  one record per finished work unit (its shards), what a killed
                                       preparation resumes from; the manifest gathers them
+    DIR/.progress/preparation.json    what is being prepared (tokenizer, source, shard size, units): a
+                                      preparation resumes only the one it names
 
 Shards are listed in unit order, then shard order, which never depends on how many processes prepared
 the folder. A document is tokenized as the token cache does (:func:`llmtrain.data.tokens.encode_pieces`):
@@ -18,7 +20,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -27,6 +29,8 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 PROGRESS_DIR = ".progress"
 SPLITS = ("train", "val")
+TEMP_MARK = ".tmp-"
+"""In the name of a file still being written (``.NAME.tmp-PID``); a killed writer's leftovers can go."""
 
 
 def shard_name(split: str, unit: int, shard: int) -> str:
@@ -36,6 +40,10 @@ def shard_name(split: str, unit: int, shard: int) -> str:
 
 def progress_path(root: Path, split: str, unit: int) -> Path:
     return Path(root) / PROGRESS_DIR / f"{split}-{unit:05d}.json"
+
+
+def preparation_path(root: Path) -> Path:
+    return Path(root) / PROGRESS_DIR / "preparation.json"
 
 
 @dataclass(frozen=True)
@@ -57,7 +65,9 @@ class Split:
 
 
 @dataclass
-class Manifest:
+class Provenance:
+    """What made a folder's tokens: the manifest's header, and what a preparation underway records."""
+
     tokenizer: str
     """The fingerprint of the tokenizer that made the tokens (``Tokenizer.fingerprint``)."""
     tokenizer_dir: str
@@ -67,7 +77,11 @@ class Manifest:
     shard_tokens: int
     source: str
     """The data module and its flags, as a person reads them."""
-    splits: dict[str, Split]
+
+
+@dataclass
+class Manifest(Provenance):
+    splits: dict[str, Split] = field(default_factory=dict)
     format: int = FORMAT
 
     def to_json(self) -> str:
@@ -84,13 +98,13 @@ class Manifest:
         return cls(**{key: value for key, value in data.items() if key in cls.__dataclass_fields__}, splits=splits)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """``text`` into ``path`` under a temporary name, fsynced, then renamed: a reader sees all of it or none."""
+def write_atomic(path: Path, content: Union[str, bytes]) -> None:
+    """``content`` into ``path`` under a temporary name, fsynced, then renamed: a reader sees all of it or none."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temp, "w") as handle:
-        handle.write(text)
+    temp = path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}")
+    with open(temp, "wb" if isinstance(content, bytes) else "w") as handle:
+        handle.write(content)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temp, path)

@@ -25,6 +25,7 @@ from llmtrain.checkpoint.layout import TOKENIZER_FILE
 from llmtrain.data.base import PretrainDataModule, TokenFiles
 from llmtrain.data.tokens import (Piece, available_cpu_count, cache_dir, cache_key, document_pieces,
                                   exclusive_lock, tokenize_to_cache)
+from llmtrain.data.units import WorkUnit, contiguous_groups
 from llmtrain.tokenizer import Tokenizer, train_bpe_tokenizer
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,13 @@ class PythonStdlib(PretrainDataModule):
         val_budget = int(self.max_bytes * self.val_fraction)
         return take_within(train, self.max_bytes - val_budget), take_within(val, val_budget)
 
+    def work_units(self, split: str, unit_bytes: int) -> list[WorkUnit]:
+        train, val = self.files()
+        if split == "val" and self.val_fraction == 0:
+            return []
+        files = train if split == "train" else val
+        return [SourceFileGroup(tuple(group)) for group in contiguous_groups(files, [file.size for file in files], unit_bytes)]
+
     def _tokenize(self, split: str, files: list[SourceFile], tokenizer: Tokenizer) -> Path:
         stats = [(file.relative, file.size) for file in files]
         key = cache_key("python-stdlib", CORPUS_VERSION, python_version(), split, stats, tokenizer.fingerprint)
@@ -122,6 +130,20 @@ class PythonStdlib(PretrainDataModule):
             read_documents(files), tokenizer, key, available_cpu_count(), total_chars=size,
             description=f"{len(files)} {split} files ({size / 1e6:.1f} MB) of the Python {python_version()} library",
         )
+
+
+@dataclass(frozen=True)
+class SourceFileGroup(WorkUnit):
+    """Consecutive files of a split, in its sample order: each one document."""
+
+    files: tuple[SourceFile, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(file.size for file in self.files)
+
+    def pieces(self) -> Iterator[Piece]:
+        return read_documents(list(self.files))
 
 
 def python_version() -> str:

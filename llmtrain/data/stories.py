@@ -13,13 +13,16 @@ from typing import Iterator, Optional
 
 from llmtrain.checkpoint.layout import TOKENIZER_FILE
 from llmtrain.data.base import PretrainDataModule, TokenFiles
-from llmtrain.data.tokens import cache_dir, cache_key, exclusive_lock, tokenize_to_cache, whole_documents
+from llmtrain.data.tokens import Piece, cache_dir, cache_key, exclusive_lock, tokenize_to_cache, whole_documents
+from llmtrain.data.units import WorkUnit
 from llmtrain.tokenizer import Tokenizer, train_bpe_tokenizer
 
 GENERATOR_VERSION = 1
 """Bump whenever the generated text changes, so cached tokens and tokenizers are rebuilt."""
 TOKENIZER_TRAINING_DOCUMENTS = 4000
 """Stories the tokenizer is trained on; the vocabulary is small, so more adds time but no words."""
+STORY_CHARS = 700
+"""About how long a story is."""
 
 
 @dataclass
@@ -27,7 +30,7 @@ class BuiltinStories(PretrainDataModule):
     """Generated short stories with their own tokenizer; no download, the same on every machine."""
 
     num_documents: int = 10_000
-    """Training stories to generate (about 700 characters each)."""
+    """Training stories to generate (about STORY_CHARS = 700 characters each)."""
     num_val_documents: int = 500
     """Validation stories, drawn from a separate random stream."""
     vocab_size: int = 4096
@@ -64,6 +67,12 @@ class BuiltinStories(PretrainDataModule):
         val = self._tokenize("val", self.num_val_documents, tokenizer)
         self._files = TokenFiles(train, name, val, f"BuiltinStories (--data.num_val_documents {self.num_val_documents})")
 
+    def work_units(self, split: str, unit_bytes: int) -> list[WorkUnit]:
+        count = self.num_documents if split == "train" else self.num_val_documents
+        per_unit = max(1, unit_bytes // STORY_CHARS)
+        return [StoryRange(self.generator_seed, split, start, min(start + per_unit, count))
+                for start in range(0, count, per_unit)]
+
     def _tokenize(self, split: str, count: int, tokenizer: Tokenizer) -> Path:
         key = cache_key("builtin-stories", GENERATOR_VERSION, self.generator_seed, split, count, tokenizer.fingerprint)
         return tokenize_to_cache(
@@ -72,10 +81,28 @@ class BuiltinStories(PretrainDataModule):
         )
 
 
-def generate_stories(seed: int, split: str, count: int) -> Iterator[str]:
-    """`count` stories; each split is its own random stream, so train and val never share a story draw."""
+@dataclass(frozen=True)
+class StoryRange(WorkUnit):
+    """Stories ``start`` to ``stop`` (exclusive) of a split."""
+
+    generator_seed: int
+    split: str
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return (self.stop - self.start) * STORY_CHARS
+
+    def pieces(self) -> Iterator[Piece]:
+        return whole_documents(generate_stories(self.generator_seed, self.split, self.stop, start=self.start))
+
+
+def generate_stories(seed: int, split: str, count: int, start: int = 0) -> Iterator[str]:
+    """Stories `start` to `count` - 1 of a split (the first `count` by default). Each split is its own random
+    stream, so train and val never share a story draw, and each story its own, so it is the same in any range."""
     writer = StoryWriter()
-    for index in range(count):
+    for index in range(start, count):
         # NOTE: string seeds hash with SHA-512, so they are stable across processes and Python versions.
         yield writer.story(random.Random(f"stories-v{GENERATOR_VERSION}:{seed}:{split}:{index}"))
 

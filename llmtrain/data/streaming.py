@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from llmtrain.data.base import Batch
-from llmtrain.data.tokens import Piece, _encode_chunk, document_pieces
+from llmtrain.data.tokens import Piece, document_pieces, encode_pieces
 from llmtrain.tokenizer import Tokenizer
 
 STREAM_CHUNK_CHARS = 1_000_000
@@ -74,7 +74,7 @@ def stream_windows(open_part: Callable[[], Any], text_field: str, tokenizer: Tok
         skip, found_text = position.windows, False
         for chunk_start, chunk in _chunks(part, text_field, position.source, name):
             found_text = True
-            tokens = np.concatenate([carry, _encode_chunk(tokenizer, chunk)[0]])
+            tokens = np.concatenate([carry, encode_pieces(tokenizer, chunk)[0]])
             count = max(0, (len(tokens) - 1) // length)
             carried = tuple(carry.tolist())
             for index in range(skip, count):

@@ -6,6 +6,7 @@ from typing import Iterator, Optional
 
 from llmtrain.data.base import PretrainDataModule, TokenFiles
 from llmtrain.data.tokens import Piece, available_cpu_count, cache_key, split_lines, tokenize_to_cache
+from llmtrain.data.units import WorkUnit, contiguous_groups
 from llmtrain.tokenizer import Tokenizer
 
 
@@ -41,6 +42,16 @@ class TextFiles(PretrainDataModule):
         val = self._tokenize(self.val_data_path, "--data.val_data_path", tokenizer)
         self._files = TokenFiles(train, train_name, val, f"--data.val_data_path {self.val_data_path}")
 
+    def work_units(self, split: str, unit_bytes: int) -> list[WorkUnit]:
+        path, flag = ((self.train_data_path, "--data.train_data_path") if split == "train"
+                      else (self.val_data_path, "--data.val_data_path"))
+        if path is None:
+            return []
+        files = list_text_files(path, flag)
+        groups = contiguous_groups(files, [file.stat().st_size for file in files], unit_bytes)
+        return [TextFileGroup(tuple(str(file) for file in group), sum(file.stat().st_size for file in group))
+                for group in groups]
+
     def _tokenize(self, path: Path, flag: str, tokenizer: Tokenizer) -> Path:
         files = list_text_files(path, flag)
         stats = [(str(file), file.stat().st_size, file.stat().st_mtime_ns) for file in files]
@@ -50,6 +61,17 @@ class TextFiles(PretrainDataModule):
             read_documents(files), tokenizer, key, self.num_workers,
             total_chars=sum(size for _, size, _ in stats), description=f"{len(files)} text files in {path}",
         )
+
+
+@dataclass(frozen=True)
+class TextFileGroup(WorkUnit):
+    """Consecutive files of a TextFiles source: each one document."""
+
+    files: tuple[str, ...]
+    size: int
+
+    def pieces(self) -> Iterator[Piece]:
+        return read_documents([Path(file) for file in self.files])
 
 
 def list_text_files(path: Path, flag: str) -> list[Path]:

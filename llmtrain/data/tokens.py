@@ -116,7 +116,7 @@ def _tokenize(
     num_tokens = num_documents = 0
     try:
         with open(temp_bin, "wb") as f:
-            for ids, documents in _encode_chunks(_chunk(pieces), tokenizer, num_workers):
+            for ids, documents in _encode_chunks(chunk_pieces(pieces), tokenizer, num_workers):
                 f.write(ids.astype(dtype, copy=False).tobytes())
                 num_tokens += len(ids)
                 num_documents += documents
@@ -201,7 +201,8 @@ def exclusive_lock(path: Path) -> Iterator[None]:
         yield
 
 
-def _chunk(pieces: Iterable[Piece]) -> Iterator[list[Piece]]:
+def chunk_pieces(pieces: Iterable[Piece]) -> Iterator[list[Piece]]:
+    """Consecutive pieces in lists of about CHUNK_CHARS characters: the units of one batch encode."""
     chunk: list[Piece] = []
     size = 0
     for piece in pieces:
@@ -220,12 +221,12 @@ def _encode_chunks(
     """(token ids, documents ended) per chunk, in input order."""
     if num_workers <= 1:
         for chunk in chunks:
-            yield _encode_chunk(tokenizer, chunk)
+            yield encode_pieces(tokenizer, chunk)
         return
     # NOTE: spawn, not fork: the parent may hold threads (torch, NCCL, tokenizers' own pool),
     # and forking a threaded process can deadlock the child.
     context = multiprocessing.get_context("spawn")
-    with context.Pool(num_workers, initializer=_init_worker, initargs=(str(tokenizer.checkpoint_dir),)) as pool:
+    with context.Pool(num_workers, initializer=init_tokenizer_worker, initargs=(str(tokenizer.checkpoint_dir),)) as pool:
         pending: deque = deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
@@ -236,11 +237,16 @@ def _encode_chunks(
             yield pending.popleft().get()
 
 
-def _encode_chunk(tokenizer: Tokenizer, chunk: list[Piece]) -> tuple[np.ndarray, int]:
-    encoded = tokenizer.encode_batch([piece.text for piece in chunk], bos=False, eos=False)
+def encode_pieces(tokenizer: Tokenizer, pieces: list[Piece]) -> tuple[np.ndarray, int]:
+    """The token ids of ``pieces`` in one array, and how many documents they end.
+
+    The one encoding of a document, shared by the token cache and ``llmtrain prepare_data``: the
+    tokenizer's default bos in front of its first piece, eos after its last.
+    """
+    encoded = tokenizer.encode_batch([piece.text for piece in pieces], bos=False, eos=False)
     pieces_ids: list[np.ndarray] = []
     documents = 0
-    for piece, ids in zip(chunk, encoded):
+    for piece, ids in zip(pieces, encoded):
         # The tokenizer's own default decides about bos, and a text that already starts with it keeps one.
         if piece.starts_document and tokenizer.add_bos and (not ids or ids[0] != tokenizer.bos_id):
             ids = [tokenizer.bos_id] + ids
@@ -260,16 +266,22 @@ def _encode_chunk(tokenizer: Tokenizer, chunk: list[Piece]) -> tuple[np.ndarray,
 _worker_tokenizer: Optional[Tokenizer] = None
 
 
-def _init_worker(tokenizer_dir: str) -> None:
+def init_tokenizer_worker(tokenizer_dir: str) -> None:
+    """A pool process's initializer: load the tokenizer once, single-threaded."""
     global _worker_tokenizer
     # One thread per worker: the pool already supplies the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_tokenizer = Tokenizer(tokenizer_dir)
 
 
+def worker_tokenizer() -> Tokenizer:
+    """The tokenizer :func:`init_tokenizer_worker` loaded in this pool process."""
+    assert _worker_tokenizer is not None, "worker was started without init_tokenizer_worker"
+    return _worker_tokenizer
+
+
 def _encode_in_worker(chunk: list[Piece]) -> tuple[np.ndarray, int]:
-    assert _worker_tokenizer is not None, "worker was started without _init_worker"
-    return _encode_chunk(_worker_tokenizer, chunk)
+    return encode_pieces(worker_tokenizer(), chunk)
 
 
 def _temp_name(path: Path) -> Path:

@@ -1,0 +1,97 @@
+"""``llmtrain prepare_data``: tokenize a pretraining data module once, on every core of every rank, into a folder
+of token shards and a manifest that training reads lazily (``--data Prepared --data.path DIR``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+from llmtrain.data.base import DataModule, PretrainDataModule
+from llmtrain.data.manifest import check_shards
+from llmtrain.data.prepare import Preparation, check_writable, finished, plan, prepare_rank
+from llmtrain.data.tokens import available_cpu_count
+from llmtrain.data.units import UNIT_BYTES, WorkUnit
+from llmtrain.distributed.launch import is_first_process, launch, plan_launch, resolve_devices
+from llmtrain.recipes.build import resolve_tokenizer
+
+
+@dataclass
+class PrepareJob:
+    """What every rank needs (plain data: spawned ranks unpickle it)."""
+
+    preparation: Preparation
+    units: dict[str, list[WorkUnit]]
+    out_dir: Path
+    num_workers: int
+
+
+def setup(
+    data: Optional[DataModule] = None,
+    out_dir: Optional[Path] = None,
+    tokenizer_dir: Optional[Path] = None,
+    shard_tokens: int = 2**23,
+    unit_bytes: int = UNIT_BYTES,
+    num_workers: Optional[int] = None,
+    devices: Union[int, Literal["auto"]] = "auto",
+    num_nodes: int = 1,
+    verify: bool = False,
+) -> None:
+    """Tokenize a pretraining data module into a folder of fixed-size token shards and a manifest.
+
+    Every rank takes its share of the source's work units and tokenizes them on every core; a killed
+    preparation resumes where it stopped, and a finished one is never redone.
+
+    Args:
+        data: The pretraining data module, as for pretrain, e.g. `--data TextFiles --data.train_data_path DIR`.
+        out_dir: The prepared folder. Under several nodes, every node must see it (a shared filesystem).
+        tokenizer_dir: Folder with tokenizer.json and tokenizer_config.json. Built-in data brings its own.
+        shard_tokens: Most tokens in one shard file (default 2**23: 16 MiB of uint16 ids).
+        unit_bytes: About how much text one work unit holds (default 16 MiB): the grain of the work handed to a
+            process, and of a resume. Each unit's tokens start a new shard.
+        num_workers: Processes that tokenize on each rank (default: the available cores shared by the ranks of
+            a node). With 1, the tokenizer's own threads use the cores.
+        devices: Processes (ranks) per node: a number, or auto (one; under torchrun or srun, the processes it
+            starts per node).
+        num_nodes: Number of nodes.
+        verify: For a folder that is prepared already, check every shard's sha256 against the manifest.
+    """
+    if data is None or out_dir is None:
+        raise ValueError("prepare_data needs --data (e.g. `--data TextFiles --data.train_data_path DIR`) and "
+                         "--out_dir (the folder to prepare)")
+    if not isinstance(data, PretrainDataModule):
+        raise ValueError(f"--data {type(data).__name__} is not pretraining data; prepare_data tokenizes a pretraining "
+                         "module (TextFiles, HFDataset, BuiltinStories, PythonStdlib)")
+    if num_workers is not None and num_workers < 1:
+        raise ValueError(f"--num_workers {num_workers} must be at least 1 (or left out: every core)")
+    if getattr(data, "streaming", False):
+        raise ValueError("--data.streaming true tokenizes while training, and prepare_data tokenizes everything up "
+                         "front: drop --data.streaming to prepare the source, or train on the stream directly")
+    data.validate()
+    tokenizer = resolve_tokenizer(tokenizer_dir, data)
+    preparation, units = plan(data, tokenizer, shard_tokens, unit_bytes)
+    manifest = finished(out_dir, preparation)
+    if manifest is not None:
+        check_shards(out_dir, manifest, checksums=verify)  # sizes always (cheap), the sha256 when asked
+        if is_first_process():
+            shards = sum(len(split.shards) for split in manifest.splits.values())
+            print(f"prepare_data: {out_dir} is prepared already ({manifest.splits['train'].tokens:,} training tokens "
+                  f"in {shards} shards{', checksums verified' if verify else ''}); nothing to do")
+        return
+    check_writable(out_dir)
+    devices, _ = resolve_devices(devices, num_nodes, "cpu")
+    plan_launch(devices, num_nodes)  # the launcher's environment agrees with the flags
+    workers = num_workers or max(1, available_cpu_count() // devices)
+    launch(run, args=(PrepareJob(preparation, units, Path(out_dir), workers),), devices=devices, num_nodes=num_nodes)
+
+
+def run(job: PrepareJob) -> None:
+    """One rank's preparation. Every process of the job executes this."""
+    from llmtrain.distributed.runtime import Runtime
+
+    runtime = Runtime.from_env("cpu")
+    try:
+        prepare_rank(job.preparation, job.units, job.out_dir, job.num_workers, runtime)
+    finally:
+        if not runtime.is_distributed:
+            runtime.shutdown()
