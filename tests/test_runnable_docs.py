@@ -54,7 +54,7 @@ def _given_records(folder: Path) -> None:
 GIVEN = {"pretrain_on_your_own_text.md": [_given_texts], "finetune_on_your_own_json.md": [_given_records],
          "convert_to_and_from_hf.md": [_given_records], "out_of_memory.md": [], "multi_gpu_and_multi_node.md": [],
          "parallelism.md": [],
-         "README.md": [], "deepspeed.md": []}
+         "README.md": [], "deepspeed.md": [], "data_at_scale.md": [_given_texts]}
 DOCS = {name: (ROOT / "tutorials" / name if name != "README.md" else ROOT / name) for name in GIVEN}
 
 

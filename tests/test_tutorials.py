@@ -32,7 +32,7 @@ BOOLEAN_VALUES = {"true", "false", "True", "False", "yes", "no"}
 DEFAULT_DATA = {"pretrain": "BuiltinStories", "finetune_full": "BuiltinInstruct", "finetune_lora": "BuiltinInstruct",
                 "finetune": "BuiltinInstruct"}
 REQUIRED_TUTORIALS = ("pretrain_on_your_own_text.md", "finetune_on_your_own_json.md", "add_a_model_family.md",
-                      "add_a_data_module.md", "deepspeed.md")
+                      "add_a_data_module.md", "deepspeed.md", "data_at_scale.md")
 
 
 # ---- reading the documents ------------------------------------------------------------------------
