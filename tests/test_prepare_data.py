@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import LAUNCHER_PREFIXES, LAUNCHER_VARS
+from test_prepared_loader import global_samples, loaders, same_rows
 
-from llmtrain.data import BuiltinStories, HFDataset, PythonStdlib, TextFiles
+from llmtrain.data import BuiltinStories, HFDataset, Prepared, PythonStdlib, TextFiles
 from llmtrain.data import manifest as layout
 from llmtrain.data.prepare import KILL_AFTER_UNITS_ENV
 from llmtrain.data.tokens import open_tokens
@@ -113,6 +114,14 @@ def test_two_ranks_prepare_the_same_bytes(reference: Path, corpus: Path, tokeniz
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 rank(s)" in done.stdout
     assert contents(out_dir) == contents(reference)
+    # Prepared by 2, trained on 3, resumed on 1: exactly the samples of one uninterrupted rank.
+    make = lambda: Prepared(out_dir, shuffle_group=2)
+    three = loaders(make, tokenizer, 3, seq_len=32)
+    first_part = global_samples(three, 20)
+    resumed = loaders(make, tokenizer, 1, seq_len=32)[0]
+    resumed.load_state_dict(three[0].state_dict())
+    second_part = global_samples([resumed], 25)
+    assert same_rows(first_part + second_part, global_samples(loaders(make, tokenizer, 1, seq_len=32), 60 + 25))
 
 
 @pytest.mark.multiproc
@@ -242,3 +251,12 @@ def test_an_out_dir_that_cannot_be_written_is_refused(tmp_path: Path, corpus: Pa
     a_file.write_text("")
     with pytest.raises(ValueError, match=f"--out_dir {a_file / 'out'} cannot be written"):
         prepare_data(TextFiles(train_data_path=corpus), a_file / "out", tokenizer_dir=tokenizer.checkpoint_dir)
+
+
+def test_a_streaming_source_is_refused(tmp_path: Path, tokenizer) -> None:
+    """prepare_data tokenizes everything up front: a --data.streaming true source is a contradiction, not ignored."""
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "one document"}) + "\n")
+    data = HFDataset(path="json", data_files=str(tmp_path / "docs.jsonl"), streaming=True)
+    with pytest.raises(ValueError, match="--data.streaming true tokenizes while training"):
+        prepare_data(data=data, out_dir=tmp_path / "prepared", tokenizer_dir=tokenizer.checkpoint_dir)
+    assert not (tmp_path / "prepared").exists()
