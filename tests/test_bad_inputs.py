@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from llmtrain.checkpoint.layout import DCP_DIR
 from llmtrain.tokenizer import train_bpe_tokenizer
 
 from conftest import write_tiny_model
+from forked_cli import run_forked
 
 
 @dataclass
@@ -51,6 +53,13 @@ def _lora(*extra: str) -> list[str]:
 
 def _json_data(name: str) -> list[str]:
     return ["--data", "JSON", "--data.json_path", f"{{in}}/{name}"]
+
+
+def _pretrain_on(*data: str) -> list[str]:
+    """A tiny pretraining run on a data module of the data-at-scale family (--tokenizer_dir {in}/tok)."""
+    return ["pretrain", "--model_config", "{in}/tiny.yaml", "--out_dir", "{out}", "--tokenizer_dir", "{in}/tok",
+            "--train.max_steps", "2", "--train.global_batch_size", "4", "--train.micro_batch_size", "2",
+            "--train.max_seq_length", "16", *data]
 
 
 CASES = [
@@ -131,6 +140,19 @@ CASES = [
          ["convert", "to_hf", "{in}/evil-run/step-00000001", "{out}"], [".metadata", "will not unpickle"]),
     Case("generate from a missing folder", ["generate", "{in}/no-such-model", "--prompt", "hi"],
          ["no-such-model"]),
+    # data at scale: prepare_data, Prepared, Mixture
+    Case("prepare_data of an empty folder", ["prepare_data", "--data", "TextFiles", "--data.train_data_path",
+                                             "{in}/empty-texts", "--tokenizer_dir", "{in}/tok", "--out_dir", "{out}"],
+         ["--data.train_data_path", "empty-texts", "no .txt files"]),
+    Case("mixture weight zero", _pretrain_on("--data", "Mixture", "--data.sources",
+                                             '[{"path": "{in}/prepared", "weight": 0.7}, {"path": "{in}/prepared", '
+                                             '"weight": 0, "name": "again"}]'),
+         ["--data.sources[1]", "weight 0", "positive number"]),
+    Case("prepared folder missing a shard", _pretrain_on("--data", "Prepared", "--data.path", "{in}/prepared-broken"),
+         ["unit-00000-0001.bin", "is missing", "prepare the folder again"]),
+    Case("prepared with another tokenizer", _pretrain_on("--data", "Prepared", "--data.path", "{in}/prepared",
+                                                         "--tokenizer_dir", "{in}/tok2"),
+         ["was prepared with the tokenizer in", "--tokenizer_dir"]),
 ]
 
 
@@ -165,6 +187,16 @@ def _make_inputs(inputs: Path) -> None:
     (inputs / "hf-remote" / "config.json").write_text(json.dumps({
         "model_type": "custom_gpt", "architectures": ["CustomGPT"],
         "auto_map": {"AutoModelForCausalLM": "modeling_custom.CustomGPT"}}))
+    # Prepared folders: one intact, one with a shard deleted, both from tokenizer "tok" ("tok2" is another).
+    story_words = [f"w{i} " for i in range(200)]
+    train_bpe_tokenizer(iter(story_words * 3), vocab_size=300, out_dir=inputs / "tok")
+    train_bpe_tokenizer(iter(story_words[::-1] * 3), vocab_size=290, out_dir=inputs / "tok2")
+    (inputs / "texts").mkdir()
+    (inputs / "texts" / "a.txt").write_text(" ".join(story_words * 40))
+    main(["prepare_data", "--data", "TextFiles", "--data.train_data_path", str(inputs / "texts"), "--tokenizer_dir",
+          str(inputs / "tok"), "--out_dir", str(inputs / "prepared"), "--shard_tokens", "2000", "--num_workers", "1"])
+    shutil.copytree(inputs / "prepared", inputs / "prepared-broken")
+    (inputs / "prepared-broken" / "train" / "unit-00000-0001.bin").unlink()
     # A real run with checkpoints: cases point at it and must leave it as it was.
     main(["pretrain", "--model_config", str(inputs / "tiny.yaml"), "--out_dir", str(inputs / "run"),
           "--data", "BuiltinStories", "--data.num_documents", "200", "--data.num_val_documents", "20",
@@ -199,51 +231,6 @@ def _digest(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-# Run in a fresh interpreter: it imports what `python -m llmtrain` imports before it parses a command line
-# (llmtrain.cli, every subcommand's module, the data modules, jsonargparse), then forks one child per case,
-# two at a time; each child runs llmtrain/__main__.py as `python -m llmtrain ARGS` does, with its stdout and
-# stderr in files, and exits as that interpreter would. Prints the exit codes (negative: a signal), as JSON.
-_FORK_EACH = """
-import atexit, json, os, runpy, sys, traceback
-import jsonargparse, llmtrain.cli, llmtrain.data
-llmtrain.cli.commands()
-commands = json.loads(open(sys.argv[1]).read())
-
-def child(command):
-    for fd, path in ((1, command["stdout"]), (2, command["stderr"])):
-        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(handle, fd)
-        os.close(handle)
-    sys.argv = ["-m", *command["argv"]]  # run_module puts __main__.py's path first, as `python -m` does
-    code = 0
-    try:
-        runpy.run_module("llmtrain", run_name="__main__", alter_sys=True)
-    except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            code = stop.code or 0
-        else:
-            print(stop.code, file=sys.stderr)
-            code = 1
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-codes, running, pending = {}, {}, list(enumerate(commands))
-while pending or running:
-    while pending and len(running) < 2:
-        index, command = pending.pop(0)
-        pid = os.fork()
-        if pid == 0:
-            child(command)
-        running[pid] = index
-    pid, status = os.wait()
-    codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
-print(json.dumps([codes[index] for index in range(len(commands))]))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -264,17 +251,10 @@ def results(tmp_path_factory):
         out = root / "out" / f"case-{index}"
         argv = [a.replace("{in}", str(inputs)).replace("{out}", str(out)).replace("{readonly}", str(readonly))
                 for a in case.argv]
-        commands.append({"argv": argv, "stdout": str(logs / f"{index}.out"), "stderr": str(logs / f"{index}.err")})
-    (logs / "commands.json").write_text(json.dumps(commands))
-    driver = subprocess.run([sys.executable, "-c", _FORK_EACH, str(logs / "commands.json")], capture_output=True,
-                            text=True, timeout=1200, env=env)
-    assert driver.returncode == 0, f"the driver failed:\n{driver.stdout}{driver.stderr}"
-    codes = json.loads(driver.stdout)
-    outcome = {}
-    for index, (case, command) in enumerate(zip(CASES, commands)):
-        done = subprocess.CompletedProcess(command["argv"], codes[index], Path(command["stdout"]).read_text(),
-                                           Path(command["stderr"]).read_text())
-        outcome[case.name] = (done, root / "out" / f"case-{index}")
+        commands.append(argv)
+    done = run_forked([command for command in commands], logs, env)
+    outcome = {case.name: (result, root / "out" / f"case-{index}")
+               for index, (case, result) in enumerate(zip(CASES, done))}
     after = _digest(inputs)
     (inputs / "locked").chmod(0o700)
     return outcome, before, after

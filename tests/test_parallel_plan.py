@@ -3,6 +3,7 @@ with ``--devices 2``, with one process, and under two torchrun commands of two p
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -13,6 +14,9 @@ import yaml
 
 from llmtrain.args import FSDPArgs, TrainArgs
 from llmtrain.distributed.parallel_plan import ParallelPlan
+
+from conftest import LAUNCHER_PREFIXES, LAUNCHER_VARS
+from forked_cli import run_forked
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = ["pretrain", "--config", str(ROOT / "config_hub/pretrain/debug.yaml"), "--train.max_steps", "1"]
@@ -71,23 +75,36 @@ def assert_one_message(output: str, expected: str) -> None:
     assert "Traceback" not in output.split("torch.distributed.elastic")[0] or "ChildFailedError" in output, output
 
 
-@pytest.mark.parametrize("flags, expected", BAD_ON_TWO_DEVICES, ids=[" ".join(f) for f, _ in BAD_ON_TWO_DEVICES])
-def test_bad_combination_on_two_devices_is_one_message_and_exit_2(flags, expected, tmp_path, dist_env):
-    command = [sys.executable, "-m", "llmtrain", *DEBUG, "--devices", "2", *flags, "--out_dir", str(tmp_path / "o")]
-    done = subprocess.run(command, capture_output=True, text=True, env=dist_env, timeout=HANG_GUARD_S)
-    assert done.returncode == 2, done.stderr
-    assert "Traceback" not in done.stderr + done.stdout
-    assert_one_message(done.stderr, expected)
-    assert not (tmp_path / "o").exists()  # nothing started
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Every single-node case's command line, each its own process (forked_cli), by table and index."""
+    root = tmp_path_factory.mktemp("plan-refusals")
+    env = {name: value for name, value in os.environ.items()
+           if name not in LAUNCHER_VARS and not name.startswith(LAUNCHER_PREFIXES)}
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cases = [(f"two-{index}", [*DEBUG, "--devices", "2", *flags]) for index, (flags, _) in enumerate(BAD_ON_TWO_DEVICES)]
+    cases += [(f"one-{index}", [*DEBUG, *flags]) for index, (flags, _) in enumerate(BAD_ON_ONE_PROCESS)]
+    argvs = [[*argv, "--out_dir", str(root / name / "o")] for name, argv in cases]
+    done = run_forked(argvs, root / "logs", env, timeout_s=HANG_GUARD_S * 4)
+    return {name: (result, root / name / "o") for (name, _), result in zip(cases, done)}
 
 
-@pytest.mark.parametrize("flags, expected", BAD_ON_ONE_PROCESS, ids=[" ".join(f) for f, _ in BAD_ON_ONE_PROCESS])
-def test_flag_that_needs_several_processes_is_refused_with_one(flags, expected, tmp_path, dist_env):
-    command = [sys.executable, "-m", "llmtrain", *DEBUG, *flags, "--out_dir", str(tmp_path / "o")]
-    done = subprocess.run(command, capture_output=True, text=True, env=dist_env, timeout=HANG_GUARD_S)
+@pytest.mark.parametrize("index", range(len(BAD_ON_TWO_DEVICES)), ids=[" ".join(f) for f, _ in BAD_ON_TWO_DEVICES])
+def test_bad_combination_on_two_devices_is_one_message_and_exit_2(index, refused):
+    done, out_dir = refused[f"two-{index}"]
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr + done.stdout
-    assert_one_message(done.stderr, expected)
+    assert_one_message(done.stderr, BAD_ON_TWO_DEVICES[index][1])
+    assert not out_dir.exists()  # nothing started
+
+
+@pytest.mark.parametrize("index", range(len(BAD_ON_ONE_PROCESS)), ids=[" ".join(f) for f, _ in BAD_ON_ONE_PROCESS])
+def test_flag_that_needs_several_processes_is_refused_with_one(index, refused):
+    done, out_dir = refused[f"one-{index}"]
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert_one_message(done.stderr, BAD_ON_ONE_PROCESS[index][1])
+    assert not out_dir.exists()
 
 
 @pytest.mark.multiproc

@@ -70,6 +70,10 @@ class DataModule:
     def prepare_data(self) -> None:
         """Expensive, cached work (tokenization). Idempotent; safe to run from several processes."""
 
+    def uses_token_cache(self) -> bool:
+        """Whether prepare_data() tokenizes into the token cache (``cache_dir()``), which nodes then must share."""
+        return False
+
     def setup(self, dp_rank: int = 0, dp_size: int = 1) -> None:
         raise NotImplementedError
 
@@ -306,6 +310,9 @@ class PretrainDataModule(DataModule):
     """
 
     _files: Optional["TokenFiles"] = None
+
+    def uses_token_cache(self) -> bool:
+        return True
     _train_tokens: Optional[np.ndarray] = None
     _val_tokens: Optional[np.ndarray] = None
     _dp_rank: int = 0

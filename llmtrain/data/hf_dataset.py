@@ -67,6 +67,9 @@ class HFDataset(PretrainDataModule):
         if self.num_workers < 1:
             raise ValueError(f"--data.num_workers must be at least 1, got {self.num_workers}")
 
+    def uses_token_cache(self) -> bool:
+        return not self.streaming
+
     def prepare_data(self) -> None:
         tokenizer = self._require_connected()
         if self.streaming:  # nothing to tokenize ahead: open the splits, so that a wrong one fails now

@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import signal
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -267,15 +266,8 @@ def _intact(path: Path, size: int) -> bool:
 
 
 def _check_shared(root: Path, runtime: Any) -> None:
-    """Every rank must see the folder rank 0 writes: rank 0 leaves a note there, and every rank reads it back."""
-    note = root / layout.PROGRESS_DIR / "shared-folder-check"
-    token = uuid.uuid4().hex if runtime.is_main else None
-    if runtime.is_main:
-        layout.write_atomic(note, token)
-    token = runtime.broadcast_object(token)
-    runtime.barrier()
-    sees = note.is_file() and note.read_text() == token
-    blind = [rank for rank, seen in enumerate(runtime.all_gather_object(sees)) if not seen]
+    """Every rank must see the folder rank 0 prepares into."""
+    blind = runtime.ranks_not_seeing(root / layout.PROGRESS_DIR)
     if blind:
         raise ValueError(f"--out_dir {root} is not the same folder on every node: rank(s) {blind} do not see what "
                          "rank 0 wrote there. Put it on a filesystem every node shares, or prepare on each node "

@@ -17,7 +17,9 @@ import contextlib
 import datetime
 import os
 import socket
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
@@ -153,6 +155,26 @@ class Runtime:
         box = [obj]
         dist.broadcast_object_list(box, src=src)
         return box[0]
+
+    def ranks_not_seeing(self, folder: Path) -> list[int]:
+        """The ranks that do not see what rank 0 writes into ``folder`` (created if missing): none when every
+        node shares it. Rank 0 leaves a note with a fresh token there, every rank reads it back, and rank 0
+        removes it. Every rank gets the same answer; call it on every rank."""
+        if self.world_size == 1:
+            return []
+        token = uuid.uuid4().hex if self.is_main else None
+        token = self.broadcast_object(token)
+        note = Path(folder) / f".llmtrain-shared-check-{token}"
+        if self.is_main:
+            note.parent.mkdir(parents=True, exist_ok=True)
+            note.write_text(token)
+        self.barrier()
+        sees = note.is_file() and note.read_text() == token
+        blind = [rank for rank, seen in enumerate(self.all_gather_object(sees)) if not seen]
+        self.barrier()  # every rank has looked before the note goes
+        if self.is_main:
+            note.unlink(missing_ok=True)
+        return blind
 
     @contextlib.contextmanager
     def main_process_first(self, local: bool = True) -> Iterator[None]:

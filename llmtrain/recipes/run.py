@@ -22,6 +22,7 @@ from llmtrain.args import BatchDefaults, EvalArgs, FSDPArgs, ProfileArgs, TrainA
 from llmtrain.config import Config
 from llmtrain.data.base import DataModule
 from llmtrain.data.streaming import check_stream_resume
+from llmtrain.data.tokens import cache_dir
 from llmtrain.checkpoint import layout
 from llmtrain.checkpoint.checkpointer import Checkpointer, build_checkpointer
 from llmtrain.checkpoint.lora import write_lora_settings
@@ -223,10 +224,31 @@ def run(spec: RunSpec) -> None:
             runtime.shutdown()
 
 
+def _check_shared_folders(spec: RunSpec, runtime: Runtime) -> None:
+    """Several nodes: every rank writes and reads checkpoints in out_dir, and a module that tokenizes into the
+    token cache tokenizes once only if the nodes share it; say so before any work instead of working per node."""
+    blind = runtime.ranks_not_seeing(spec.out_dir)
+    if blind:
+        raise ValueError(f"--out_dir {spec.out_dir} is not the same folder on every node: rank(s) {blind} do not see "
+                         "what rank 0 wrote there, and every rank writes and reads checkpoints in it. Put it on a "
+                         "filesystem every node shares")
+    if spec.data.uses_token_cache():
+        cache = cache_dir()
+        blind = runtime.ranks_not_seeing(cache / "tokens")
+        if blind:
+            raise ValueError(f"The token cache {cache} is not shared by every node: rank(s) {blind} do not see it, so "
+                             f"each node would tokenize --data {type(spec.data).__name__} itself. Set "
+                             "LLMTRAIN_CACHE_DIR to a folder every node shares, or prepare the data once with "
+                             "`llmtrain prepare_data ... --out_dir SHARED` and train with --data Prepared "
+                             "--data.path SHARED")
+
+
 def _run(spec: RunSpec, runtime: Runtime) -> None:
     configure_process(runtime, spec.plan.precision)
     plan = spec.plan
     say = print if runtime.is_main else (lambda *a, **k: None)
+    if runtime.world_size > runtime.local_world_size:
+        _check_shared_folders(spec, runtime)
 
     with runtime.main_process_first():
         tokenizer = build.resolve_tokenizer(spec.tokenizer_dir, spec.data, spec.resume_from,
