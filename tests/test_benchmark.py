@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,23 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 def run_benchmark(*flags, cwd):
     return subprocess.run([sys.executable, "-m", "llmtrain", "benchmark", *flags], capture_output=True, text=True,
                           timeout=600, env=ENV, cwd=cwd)
+
+
+def run_benchmarks(*flag_lists, cwd) -> list[subprocess.CompletedProcess]:
+    """Several benchmark commands side by side (one thread each, so two share this machine's two cores); for tests
+    that check what a run reports, never how fast it was."""
+    started = [(flags, subprocess.Popen([sys.executable, "-m", "llmtrain", "benchmark", *flags], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, env=ENV, cwd=cwd))
+               for flags in flag_lists]
+    done = []
+    try:
+        for flags, process in started:
+            stdout, stderr = process.communicate(timeout=600)
+            done.append(subprocess.CompletedProcess(flags, process.returncode, stdout, stderr))
+    finally:
+        for _, process in started:
+            process.kill()
+    return done
 
 
 @pytest.mark.slow
@@ -49,33 +67,40 @@ def test_short_benchmark_reports_sane_numbers_and_compares_with_the_baseline(tmp
     assert [p.name for p in (tmp_path / "bench").iterdir()] == ["benchmarks.jsonl"]  # the training run is gone
 
 
-def far_below_the_baseline(tmp_path, *flags):
-    """A tiny --short run against a baseline of 1e9 tokens/s: its ratio is 0.00x."""
-    key = "llama-debug|32-true|1|32|1|False|1"
-    (tmp_path / "baseline.json").write_text(json.dumps({key: {"tokens_per_sec_per_device": 1e9, "commit": "x"}}))
-    done = run_benchmark("--short", "true", "--micro_batch_size", "1", "--seq_len", "32", "--steps", "1", "--warmup",
-                         "1", "--baseline", str(tmp_path / "baseline.json"), "--results", str(tmp_path / "r.jsonl"),
-                         "--out_dir", str(tmp_path / "bench"), *flags, cwd=tmp_path)
-    return done, key
+FAR_BELOW_KEY = "llama-debug|32-true|1|32|1|False|1"
+
+
+@pytest.fixture(scope="module")
+def far_below(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Tiny --short runs against a baseline of 1e9 tokens/s (their ratio is 0.00x), with and without
+    --fail_below 0.3, side by side."""
+    root = tmp_path_factory.mktemp("far-below")
+    (root / "baseline.json").write_text(json.dumps({FAR_BELOW_KEY: {"tokens_per_sec_per_device": 1e9, "commit": "x"}}))
+    modes = {"report": [], "fail": ["--fail_below", "0.3"]}
+    flag_lists = [["--short", "true", "--micro_batch_size", "1", "--seq_len", "32", "--steps", "1", "--warmup", "1",
+                   "--baseline", str(root / "baseline.json"), "--results", str(root / f"{mode}.jsonl"),
+                   "--out_dir", str(root / f"bench-{mode}"), *extra] for mode, extra in modes.items()]
+    done = run_benchmarks(*flag_lists, cwd=root)
+    return {mode: (result, root / f"{mode}.jsonl") for mode, result in zip(modes, done)}
 
 
 @pytest.mark.slow
-def test_short_benchmark_reports_a_low_ratio_without_failing(tmp_path):
+def test_short_benchmark_reports_a_low_ratio_without_failing(far_below):
     """Inside the test suite speed is reported, never a reason to fail: a busy machine is not a regression."""
-    done, _ = far_below_the_baseline(tmp_path)
+    done, _ = far_below["report"]
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tokens/s vs baseline: 0.00x" in done.stdout
 
 
 @pytest.mark.slow
-def test_short_benchmark_fails_far_below_the_baseline_and_still_records(tmp_path):
+def test_short_benchmark_fails_far_below_the_baseline_and_still_records(far_below):
     """The separate regression check: `llmtrain benchmark --short true --fail_below 0.3`."""
-    done, key = far_below_the_baseline(tmp_path, "--fail_below", "0.3")
+    done, results = far_below["fail"]
     assert done.returncode == 1, done.stderr[-3000:]
     assert "tokens/s vs baseline: 0.00x" in done.stdout
     assert "below 0.3x" in done.stderr and "performance regression" in done.stderr
-    (record,) = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
-    assert baseline_key(record) == key and record["baseline_ratio"] < 0.3
+    (record,) = [json.loads(line) for line in results.read_text().splitlines()]
+    assert baseline_key(record) == FAR_BELOW_KEY and record["baseline_ratio"] < 0.3
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -137,12 +162,13 @@ def test_steps_after_a_save_give_the_stall_and_stay_out_of_the_step_times():
 @pytest.mark.slow
 def test_async_and_sync_saves_report_their_stall(tmp_path):
     records = []
-    for mode in ("false", "true"):
-        done = run_benchmark("--micro_batch_size", "1", "--seq_len", "32", "--steps", "4", "--warmup", "1",
-                             "--save_interval", "2", "--async_save", mode, "--results", str(tmp_path / "r.jsonl"),
-                             "--out_dir", str(tmp_path / "bench"), "--baseline", "null", cwd=tmp_path)
+    modes = ("false", "true")
+    flag_lists = [["--micro_batch_size", "1", "--seq_len", "32", "--steps", "4", "--warmup", "1", "--save_interval",
+                   "2", "--async_save", mode, "--results", str(tmp_path / f"r-{mode}.jsonl"), "--out_dir",
+                   str(tmp_path / f"bench-{mode}"), "--baseline", "null"] for mode in modes]
+    for mode, done in zip(modes, run_benchmarks(*flag_lists, cwd=tmp_path)):
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-        records.append(json.loads((tmp_path / "r.jsonl").read_text().splitlines()[-1]))
+        records.append(json.loads((tmp_path / f"r-{mode}.jsonl").read_text().splitlines()[-1]))
         assert "sharded saves" in done.stdout
     for record, async_save in zip(records, (False, True)):
         assert record["async_save"] is async_save and record["save_interval"] == 2

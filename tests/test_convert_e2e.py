@@ -19,7 +19,7 @@ DEBUG = ["--config", str(ROOT / "config_hub/pretrain/debug.yaml"), "--train.max_
 
 @pytest.fixture(autouse=True)
 def shared_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "convert-cache"))
+    monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "shared-cache"))
 
 
 def greedy_llmtrain(checkpoint_dir, prompt_ids, new_tokens):
@@ -75,7 +75,7 @@ def test_debug_run_converts_and_transformers_generates_the_same_tokens(tmp_path)
 
 def test_sharded_checkpoint_converts_without_its_world_size(tmp_path, dist_env, tmp_path_factory):
     out_dir = tmp_path / "sharded"
-    env = dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "convert-cache"))
+    env = dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "shared-cache"))
     result = subprocess.run([sys.executable, "-m", "llmtrain", "pretrain", *DEBUG, "--out_dir", str(out_dir),
                              "--devices", "2", "--fsdp.state_dict_type", "sharded"],
                             env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)

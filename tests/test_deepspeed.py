@@ -50,7 +50,7 @@ def time_limit(request):
 
 @pytest.fixture(autouse=True)
 def shared_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "deepspeed-cache"))
+    monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "shared-cache"))
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from conftest import write_tiny_model
 
 @pytest.fixture(autouse=True)
 def shared_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "llmtrain-cache"))
+    monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "shared-cache"))
 
 
 def tiny_run(tmp_path: Path, out_dir: Path, *extra: str) -> list[str]:

@@ -169,7 +169,7 @@ def llmtrain_cli(*argv: str, env: dict, timeout: float = 600) -> subprocess.Comp
 
 @pytest.fixture
 def cli_env(dist_env, tmp_path_factory) -> dict:
-    return dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "convert-cache"))
+    return dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "shared-cache"))
 
 
 @pytest.mark.multiproc

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True)
 def shared_cache(tmp_path_factory, monkeypatch):
     """One cache for the module: the built-in tokenizer and token files are made once."""
-    monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "llmtrain-cache"))
+    monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "shared-cache"))
 
 
 def tiny_args(model_file, out_dir, *extra):

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def run_cli(tiny_model_file, dist_env, tmp_path_factory):
-    env = dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "dist-cache"))
+    env = dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "shared-cache"))
 
     def run(out_dir, *extra, timeout=600):
         command = [sys.executable, "-m", "llmtrain", "pretrain", "--model_config", str(tiny_model_file),
@@ -85,7 +85,7 @@ def test_two_nodes_as_two_torchrun_commands_use_hybrid_shard(tmp_path, run_cli, 
     reference = tmp_path / "reference"
     run_cli(reference, "--train.max_steps", "4")
     out_dir = tmp_path / "hsdp"
-    env = dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "dist-cache"))
+    env = dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "shared-cache"))
     port = free_port()
     nodes = []
     for node_rank in (0, 1):

@@ -29,7 +29,7 @@ SMALL_DATA = ["--data.num_documents", "400", "--data.num_val_documents", "40"]
 @pytest.fixture(autouse=True)
 def shared_cache(tmp_path_factory, monkeypatch):
     """One cache for the module: the built-in tokenizer and token files are made once."""
-    monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "llmtrain-cache"))
+    monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "shared-cache"))
 
 
 def tiny_args(model_file, out_dir, *extra):
@@ -263,7 +263,7 @@ def test_debug_recipe_writes_a_trace_and_prints_the_table(tmp_path, capsys):
 
 
 def test_two_ranks_write_a_trace_each(tmp_path, tiny_model_file, dist_env, tmp_path_factory):
-    env = dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "llmtrain-cache"))
+    env = dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "shared-cache"))
     out_dir = tmp_path / "out"
     command = [sys.executable, "-m", "llmtrain", *tiny_args(tiny_model_file, out_dir, "--devices", "2",
                                                             "--train.max_steps", "2", "--profile")]

@@ -61,7 +61,7 @@ def time_limit(request):
 @pytest.fixture(autouse=True)
 def shared_cache(tmp_path_factory, monkeypatch):
     """One token cache for the module, for in-process runs and (through the environment) for subprocesses."""
-    monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "reliability-cache"))
+    monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "shared-cache"))
 
 
 def tiny_args(model_file: Path, out_dir: Path, *extra: str) -> list[str]:

@@ -100,7 +100,7 @@ def test_document_runs_verbatim(name, tmp_path, tmp_path_factory):
     for give in GIVEN[name]:
         give(folder)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "OMP_NUM_THREADS": "2", "GLOO_SOCKET_IFNAME": "lo", "LLMTRAIN_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "docs-cache"),
+           "OMP_NUM_THREADS": "2", "GLOO_SOCKET_IFNAME": "lo", "LLMTRAIN_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "shared-cache"),
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     for number, (lang, body, save_as) in enumerate(runnable_blocks(DOCS[name].read_text()), start=1):
         if save_as:

@@ -247,7 +247,7 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
     configure_process(runtime, spec.plan.precision)
     plan = spec.plan
     say = print if runtime.is_main else (lambda *a, **k: None)
-    if runtime.world_size > runtime.local_world_size:
+    if plan.num_nodes > 1:
         _check_shared_folders(spec, runtime)
 
     with runtime.main_process_first():
