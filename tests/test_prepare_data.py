@@ -260,3 +260,12 @@ def test_a_streaming_source_is_refused(tmp_path: Path, tokenizer) -> None:
     with pytest.raises(ValueError, match="--data.streaming true tokenizes while training"):
         prepare_data(data=data, out_dir=tmp_path / "prepared", tokenizer_dir=tokenizer.checkpoint_dir)
     assert not (tmp_path / "prepared").exists()
+
+
+def test_another_shard_size_for_a_prepared_folder_is_refused(reference: Path, corpus: Path, tokenizer) -> None:
+    """--shard_tokens is never ignored: a finished folder cut into other shards is named, not called prepared."""
+    before = contents(reference)
+    with pytest.raises(ValueError, match=f"with --shard_tokens {SHARD_TOKENS}, not {2 * SHARD_TOKENS}"):
+        prepare_data(TextFiles(corpus, num_workers=1), reference, tokenizer_dir=tokenizer.checkpoint_dir,
+                     shard_tokens=2 * SHARD_TOKENS, unit_bytes=UNIT_BYTES, num_workers=1)
+    assert contents(reference) == before

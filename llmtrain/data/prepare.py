@@ -89,13 +89,14 @@ def plan(data: Any, tokenizer: Tokenizer, shard_tokens: int,
 def finished(root: Path, preparation: Preparation) -> Optional[Manifest]:
     """The manifest of ``root`` if it holds this preparation already; None if it holds nothing finished.
 
-    A folder prepared (or being prepared) from another source or with another tokenizer is a ValueError that
-    names both: the user picked the wrong folder, and overwriting it would destroy data.
+    A folder prepared (or being prepared) from another source, with another tokenizer or another --shard_tokens
+    is a ValueError that names both: the user picked the wrong folder, and overwriting it would destroy data.
     """
     root = Path(root)
     if layout.is_prepared(root):
         manifest = layout.read_manifest(root, "--out_dir")
-        if manifest.tokenizer == preparation.tokenizer and manifest.source == preparation.source:
+        if (manifest.tokenizer, manifest.source, manifest.shard_tokens) == (
+                preparation.tokenizer, preparation.source, preparation.shard_tokens):
             return manifest
         raise ValueError(f"--out_dir {root} holds data prepared {_difference(manifest, preparation)}; pass another "
                          "--out_dir, or delete the folder to prepare it again")
