@@ -102,18 +102,43 @@ CASES = [(recipe, flag, annotation, default) for recipe, fn in RECIPES.items()
          for flag, annotation, default in leaf_flags(fn)]
 
 
+@pytest.fixture(scope="module")
+def base_runs(model_dir) -> dict[str, tuple[list[str], Any]]:
+    """Per recipe: the command without any of the walked flags, and what it launches (computed once: each
+    case compares against it). The run is never launched, so the shared --out_dir must stay empty: a file
+    there could change what a later case's command does."""
+    runs: dict[str, tuple[list[str], Any]] = {}
+    yield runs
+    written = [str(path) for recipe in runs for path in (model_dir.parent / f"out-{recipe}").rglob("*")]
+    assert not written, f"a case wrote into the shared --out_dir: {written}"
+
+
+def base_run(recipe, model_dir, base_runs, monkeypatch, capsys) -> tuple[list[str], Any]:
+    if recipe not in base_runs:
+        head = [recipe, "llama-debug"] if recipe == "pretrain" else [recipe, str(model_dir)]
+        base = [*head, "--out_dir", str(model_dir.parent / f"out-{recipe}"), "--train.max_steps", "10"]
+        base_runs[recipe] = base, outcome(base, monkeypatch, capsys)
+    return base_runs[recipe]
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_the_base_run_launches_and_is_the_same_every_time(recipe, model_dir, base_runs, monkeypatch, capsys):
+    """What makes one shared reference per recipe sound: the same command launches the same RunSpec again."""
+    base, reference = base_run(recipe, model_dir, base_runs, monkeypatch, capsys)
+    assert reference[0] == "launched", reference
+    assert outcome(base, monkeypatch, capsys) == reference
+
+
 @pytest.mark.parametrize("recipe, flag, annotation, default", CASES, ids=[f"{c[0]} {c[1]}" for c in CASES])
-def test_every_flag_changes_the_run_or_is_refused(recipe, flag, annotation, default, model_dir, tmp_path,
+def test_every_flag_changes_the_run_or_is_refused(recipe, flag, annotation, default, model_dir, base_runs, tmp_path,
                                                   monkeypatch, capsys):
-    head = [recipe, "llama-debug"] if recipe == "pretrain" else [recipe, str(model_dir)]
-    base = [*head, "--out_dir", str(tmp_path / "out"), "--train.max_steps", "10"]
+    base, reference = base_run(recipe, model_dir, base_runs, monkeypatch, capsys)
+    assert reference[0] == "launched", reference
     value = other_value(annotation, default, tmp_path)
     if flag == "--optimizer":
         value = "SGD"
     if flag == "--accelerator":
         value = "cuda"  # auto is cpu on a machine without a GPU: cuda is the value that differs (refused here)
-    reference = outcome(base, monkeypatch, capsys)
-    assert reference[0] == "launched", reference
     result = outcome([*base, flag, value], monkeypatch, capsys)
     assert result != reference, f"{recipe} {flag} {value} was accepted and changed nothing"
 
