@@ -278,12 +278,12 @@ def test_kill_9_during_a_sharded_save_then_resume(launcher, reference, tmp_path)
 
 # ------------------------------------------------------------------------------------- signals
 def test_sigterm_and_sigusr1_checkpoint_exit_75_and_resume_exactly(launcher, reference, tmp_path):
-    """TERM and USR1, sent to the launcher (as SLURM and torchrun do) or to a single worker: every rank
+    """TERM sent to the launcher (as torchrun does), TERM or USR1 sent to a single worker: every rank
     stops after the same step, a complete checkpoint of that step is written, the exit code is 75, and
-    the resumed run ends with the uninterrupted run's weights."""
+    the resumed run ends with the uninterrupted run's weights. (USR1 to the launcher, SLURM's time-limit
+    signal, is test_slurm's preemption test.)"""
     out_dir = tmp_path / "preempted"
-    deliveries = [(signal.SIGTERM, "launcher"), (signal.SIGUSR1, "launcher"), (signal.SIGTERM, 1),
-                  (signal.SIGUSR1, 0)]
+    deliveries = [(signal.SIGTERM, "launcher"), (signal.SIGTERM, 1), (signal.SIGUSR1, 0)]
     reached = 0
     for signum, target in deliveries:
         run = launcher.start(out_dir, "--resume", "auto")

@@ -179,48 +179,24 @@ def test_finetune_sbatch_one_task_per_node_arguments(cluster, tmp_path):
     assert not (marks / "run0-task2.args").exists()
 
 
-@pytest.mark.parametrize("tasks_per_node", [2, 1], ids=["task-per-device", "task-per-node"])
-def test_pretrain_sbatch_writes_final_model(cluster, tmp_path, tasks_per_node):
-    """The project's sbatch script runs the debug recipe (shrunk) on 2 nodes × 2 devices, both layouts."""
-    out_dir = tmp_path / "out"
-    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {
-        "LLMTRAIN": f"{sys.executable} -m llmtrain",
-        "PYTHONPATH": python_path,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "LLMTRAIN_CACHE_DIR": str(tmp_path / "cache"),
-        "GLOO_SOCKET_IFNAME": "lo",
-        "OMP_NUM_THREADS": "1",
-    }
-    args = ["--config", str(ROOT / "config_hub/pretrain/debug.yaml"), "--out_dir", str(out_dir),
-            "--train.max_steps", "4", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
-            "--train.max_seq_length", "64", "--train.lr_warmup_steps", "1", "--eval.max_iters", "2",
-            "--accelerator", "cpu", "--devices", "2", "--num_nodes", "2", "--data.max_bytes", "2000000"]
-    # One task per node gets the node's two cores for its two workers.
-    cpus = ["--cpus-per-task=2"] if tasks_per_node == 1 else []
-    job_id = run_job(cluster, PRETRAIN_SBATCH, args, env,
-                     [*CPU_OPTIONS, f"--ntasks-per-node={tasks_per_node}", *cpus, f"--chdir={tmp_path}"])
-    output = cluster.output(job_id)
-    assert "world 4," in output, output  # one run of four ranks, not four single-process runs
-    final = out_dir / "final"
-    assert (final / "model.safetensors").is_file()
-    assert (final / "model_config.yaml").is_file()
-
-
 def read_losses(out_dir):
     with open(Path(out_dir) / "metrics.csv") as handle:
         return {int(row["step"]): row["loss"] for row in csv.DictReader(handle) if row["loss"]}
 
 
 def test_pretrain_sbatch_preempted_by_usr1_checkpoints_requeues_and_resumes(cluster, tmp_path):
-    """The real time-limit path: USR1 to the batch script (what `--signal=B:USR1@600` sends) reaches the
-    ranks through srun and the launchers; they checkpoint and exit 75, the script requeues the job, the
-    next run continues through --resume auto, and every loss equals an uninterrupted job's."""
+    """The project's sbatch script trains the debug recipe (shrunk) on 2 nodes x 2 devices in both layouts,
+    and the real time-limit path. The uninterrupted job runs a task per device; the preempted one runs a
+    task per node, whose launcher spawns the node's two workers. USR1 to the batch script (what
+    `--signal=B:USR1@600` sends) reaches the ranks through srun and the launchers; they checkpoint and exit
+    75, the script requeues the job, the next run continues through --resume auto, and every loss equals
+    the uninterrupted job's."""
     python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {"LLMTRAIN": f"{sys.executable} -m llmtrain", "PYTHONPATH": python_path,
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "LLMTRAIN_CACHE_DIR": str(tmp_path / "cache"), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    options = [*CPU_OPTIONS, "--ntasks-per-node=1", "--cpus-per-task=2", f"--chdir={tmp_path}"]
+    task_per_node = [*CPU_OPTIONS, "--ntasks-per-node=1", "--cpus-per-task=2", f"--chdir={tmp_path}"]
+    task_per_device = [*CPU_OPTIONS, "--ntasks-per-node=2", f"--chdir={tmp_path}"]
 
     def arguments(out_dir):
         return ["--config", str(ROOT / "config_hub/pretrain/debug.yaml"), "--out_dir", str(out_dir),
@@ -230,10 +206,13 @@ def test_pretrain_sbatch_preempted_by_usr1_checkpoints_requeues_and_resumes(clus
                 "--num_nodes", "2", "--data.max_bytes", "2000000"]
 
     uninterrupted = tmp_path / "uninterrupted"
-    run_job(cluster, PRETRAIN_SBATCH, arguments(uninterrupted), env, options)
+    job_id = run_job(cluster, PRETRAIN_SBATCH, arguments(uninterrupted), env, task_per_device)
+    assert "world 4," in cluster.output(job_id)  # one run of four ranks, not four single-process runs
+    assert (uninterrupted / "final" / "model.safetensors").is_file()
+    assert (uninterrupted / "final" / "model_config.yaml").is_file()
 
     preempted = tmp_path / "preempted"
-    job_id = cluster.submit(PRETRAIN_SBATCH, arguments(preempted), env, options)
+    job_id = cluster.submit(PRETRAIN_SBATCH, arguments(preempted), env, task_per_node)
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while "\nstep 2 |" not in cluster.output(job_id):
         assert time.monotonic() < deadline, cluster.output(job_id)
@@ -249,5 +228,6 @@ def test_pretrain_sbatch_preempted_by_usr1_checkpoints_requeues_and_resumes(clus
     assert 2 < step < 12
     assert f"resumed from {preempted / f'step-{step:08d}'} at step {step}" in output
     assert (preempted / "final" / "model.safetensors").is_file()
+    assert (preempted / "final" / "model_config.yaml").is_file()
     assert read_losses(preempted) == read_losses(uninterrupted)
     assert sorted(read_losses(preempted)) == list(range(1, 13))
