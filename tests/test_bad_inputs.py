@@ -76,6 +76,8 @@ CASES = [
     Case("misspelled flag", _pretrain("--train.max_stepz", "3"), ["max_stepz", "did you mean --train.max_steps"]),
     Case("unknown precision", _pretrain("--precision", "fp8"), ["precision", "fp8"]),
     Case("unknown optimizer", _pretrain("--optimizer", "Adamm"), ["optimizer", "Adamm"]),
+    Case("negative learning rate", _pretrain("--optimizer", "AdamW", "--optimizer.lr", "-1"),
+         ["--optimizer: Invalid learning rate: -1"]),
     Case("unknown data module", _pretrain("--data", "NoSuchData"), ["NoSuchData"]),
     Case("zero devices", _pretrain("--devices", "0"), ["--devices"]),
     Case("two nodes from a plain process", _pretrain("--num_nodes", "2"), ["--num_nodes", "torchrun"]),

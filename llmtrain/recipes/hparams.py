@@ -35,11 +35,15 @@ def to_yaml(value: Any) -> Any:
 
 
 def hyperparameters(arguments: dict) -> dict:
-    """A recipe's arguments as YAML that ``--config`` accepts back (call with the recipe's ``locals()`` first thing)."""
+    """A recipe's arguments as YAML that ``--config`` accepts back (call with the recipe's ``locals()`` first thing).
+
+    The optimizer's entry stays None here: :func:`optimizer_spec` builds a probe optimizer, whose first
+    construction imports torch._dynamo (1.6 s), so the caller fills it in once the cheaper checks have passed.
+    """
     out = {}
     for name, value in arguments.items():
         if name == "optimizer":
-            out[name] = optimizer_spec(value)
+            out[name] = None
         elif name == "data":
             out[name] = data_spec(value)
         else:
@@ -55,7 +59,10 @@ def data_spec(data: Any) -> Optional[dict]:
 
 def optimizer_spec(spec: OptimizerArg) -> dict:
     """A YAML-able description (class_path + init_args) that ``--optimizer`` accepts back."""
-    probe = build_optimizer(spec, [torch.nn.Parameter(torch.zeros(1))])
+    try:
+        probe = build_optimizer(spec, [torch.nn.Parameter(torch.zeros(1))])
+    except ValueError as error:  # e.g. torch's "Invalid learning rate: -1.0"
+        raise ValueError(f"--optimizer: {error}") from None
     cls = type(probe)
     accepted = inspect.signature(cls.__init__).parameters
     init_args = {k: to_yaml(v) for k, v in probe.defaults.items() if k in accepted and k != "params"}

@@ -38,7 +38,7 @@ from llmtrain.flops import device_peak_flops, flops_per_token
 from llmtrain.lora import LoRAArgs
 from llmtrain.optim import OptimizerArg, build_optimizer
 from llmtrain.prompts import save_prompt_style
-from llmtrain.recipes import build, checks
+from llmtrain.recipes import build, checks, hparams
 from llmtrain.recipes.flags import LoggerName
 from llmtrain.tokenizer import Tokenizer
 from llmtrain.train.loggers import build_loggers
@@ -113,6 +113,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
         _check_model_split(plan, config, seq_len, lora=lora, quantize=quantize)
         if profile is not None:
             _check_profile_window(profile, _with_batch(train, plan), seq_len)
+        hparams.optimizer_spec(flags["optimizer"])  # a bad optimizer argument fails a dry run too
         planning.dry_run(recipe=recipe, config=config, plan=plan, train=_with_batch(train, plan), seq_len=seq_len,
                          dry=dry, fsdp=fsdp, out_dir=flags["out_dir"], quantize=quantize,
                          trainable_parameters=trainable_parameters)
@@ -123,6 +124,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
     train = _with_batch(train, plan)
     if profile is not None:
         _check_profile_window(profile, train, seq_len)
+    hyperparameters["optimizer"] = hparams.optimizer_spec(flags["optimizer"])  # checks the optimizer's arguments
     if isinstance(hyperparameters.get("train"), dict):  # the checkpoint records the batch this run used
         hyperparameters["train"].update(global_batch_size=train.global_batch_size,
                                         micro_batch_size=train.micro_batch_size)
