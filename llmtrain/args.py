@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
@@ -105,14 +105,40 @@ class EvalArgs:
             raise ValueError(f"--eval.max_iters must be at least 1, got {self.max_iters}")
 
 
+def canonical_checkpointing(value: Union[bool, str]) -> Union[bool, str]:
+    """A ``--fsdp.activation_checkpointing`` value in one spelling: False, "full", "selective:N" or "op"."""
+    spelled = str(value).strip().lower()
+    if value is False or spelled in ("false", "none", "no"):
+        return False
+    if value is True or spelled in ("true", "full"):
+        return "full"
+    if spelled == "op":
+        return "op"
+    kind, _, every = spelled.partition(":")
+    if kind == "selective" and every.isdigit() and int(every) >= 1:
+        return "full" if int(every) == 1 else f"selective:{int(every)}"
+    raise ValueError(f"--fsdp.activation_checkpointing {value!r} is not a mode: pass full (every block), "
+                     "selective:N (every Nth block, N >= 1), op (every block, keeping its matmul and attention "
+                     "outputs) or false")
+
+
+def checkpointed_every(mode: Union[bool, str]) -> int:
+    """Every how many blocks a mode checkpoints: 0 for none, 1 for full and op, N for selective:N."""
+    if not mode:
+        return 0
+    return int(mode.partition(":")[2]) if mode.startswith("selective:") else 1
+
+
 @dataclass
 class FSDPArgs:
     """How FSDP shards and wraps the model (``--fsdp.*``)."""
 
     sharding_strategy: Optional[ShardingStrategy] = None
     """FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD (DDP). None: HYBRID_SHARD on several nodes, else FULL_SHARD."""
-    activation_checkpointing: bool = False
-    """Recompute each transformer block's activations in backward instead of storing them."""
+    activation_checkpointing: Union[bool, str] = False
+    """Recompute activations in backward instead of storing them: `full` (or true) every block's whole forward;
+    `selective:N` every Nth block's; `op` every block, but the outputs of its matmuls and attention are kept and
+    only the cheap operators between them (norms, RoPE, activations) run again. false: store everything."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory."""
     state_dict_type: Literal["full", "sharded"] = "full"
@@ -126,6 +152,7 @@ class FSDPArgs:
     write has finished, so a kill during it leaves none that resume picks. Needs state_dict_type sharded."""
 
     def __post_init__(self) -> None:
+        self.activation_checkpointing = canonical_checkpointing(self.activation_checkpointing)
         if self.sharding_strategy is not None and self.sharding_strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"--fsdp.sharding_strategy {self.sharding_strategy!r} must be one of "
                              f"{', '.join(SHARDING_STRATEGIES)} (or null for the default)")

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -39,7 +39,7 @@ FULL_DEFAULTS = (8, 256, 20, 5)
 SHORT_DEFAULTS = (4, 128, 3, 2)
 RECORD_FIELDS = (
     "model", "parameters", "precision", "micro_batch_size", "seq_len", "devices", "strategy", "sharding_strategy",
-    "compile",
+    "compile", "activation_checkpointing",
     "tp_size", "pp_size", "pp_schedule", "global_batch_size", "steps", "warmup",
     "tokens_per_sec_per_device", "tokens_per_sec", "step_time_median_s", "step_time_min_s", "step_time_max_s",
     "step_time_p25_s", "step_time_p75_s", "flops_per_token", "matmul_peak_flops", "matmul_peak_size", "mfu",
@@ -196,6 +196,7 @@ def benchmark(
     save_interval: Optional[int] = None,
     async_save: bool = False,
     compile: bool = False,
+    activation_checkpointing: Union[bool, str] = False,
     short: bool = False,
     out_dir: Path = Path("out/benchmark"),
     results: Optional[Path] = None,
@@ -230,11 +231,15 @@ def benchmark(
         async_save: Write those checkpoints as `--fsdp.async_save true` does, to compare the stall with
             a synchronous save.
         compile: torch.compile every block, as `pretrain --compile`.
+        activation_checkpointing: As `pretrain --fsdp.activation_checkpointing`: false, true (full), selective:N
+            or op; the record's peak memory and step time show what the mode costs and saves.
         short: A quick check for CI: the small defaults above, and the ratio to the stored baseline.
         out_dir: The run trains in a temporary folder here (removed afterwards); results go here too.
         results: JSON-lines file that each run appends one record to. Default: out_dir/benchmarks.jsonl.
-        baseline: JSON file of reference numbers per setting; the run prints its tokens/s ratio to the
-            matching one.
+        baseline: JSON file of reference numbers per machine (the CPU or GPU model) and setting; the run prints
+            its tokens/s ratio to the matching one. Where it has none, the run is recorded as it, and passes: by
+            default (the repository's file) in the machine's own file under the llmtrain cache, which later runs
+            read too; a file given here gets the record itself. null: no comparison.
         fail_below: Exit with an error (after recording the run) when that ratio is below this, e.g. 0.3
             to catch a regression and not noise. None: report the ratio, never fail on it.
     """
@@ -259,14 +264,16 @@ def benchmark(
     try:
         deepspeed = strategy.startswith("deepspeed")  # DeepSpeed writes its own sharded files
         fsdp = FSDPArgs(sharding_strategy=sharding_strategy, async_save=async_save,
-                        state_dict_type="sharded" if save_interval and not deepspeed else "full")
+                        state_dict_type="sharded" if save_interval and not deepspeed else "full",
+                        activation_checkpointing=activation_checkpointing)
         data_parallel = devices // (tp_size * pp_size) if devices % (tp_size * pp_size) == 0 else devices
         global_batch_size = global_batch_size or micro_batch_size * data_parallel * pp_size
         train = _train_args(micro_batch_size, global_batch_size, seq_len, warmup + steps, save_interval)
         plan = ParallelPlan.resolve(devices=devices, num_nodes=1, precision=precision, fsdp=fsdp, train=train,
                                     strategy=strategy, tp=tp_size, pp=pp_size, pp_schedule=pp_schedule)
     except ValueError as error:
-        raise ValueError(str(error).replace("--fsdp.sharding_strategy", "--sharding_strategy")) from None
+        raise ValueError(str(error).replace("--fsdp.sharding_strategy", "--sharding_strategy")
+                         .replace("--fsdp.activation_checkpointing", "--activation_checkpointing")) from None
     config = Config.from_name(model)
     if seq_len > config.block_size:
         raise ValueError(f"--seq_len {seq_len} exceeds {model}'s block size {config.block_size}")
@@ -300,7 +307,8 @@ def benchmark(
     record = {
         "model": model, "parameters": num_parameters(config), "precision": plan.precision.name,
         "micro_batch_size": micro_batch_size, "seq_len": seq_len, "devices": devices, "strategy": strategy,
-        "sharding_strategy": sharding_strategy, "compile": compile, "tp_size": tp_size, "pp_size": pp_size,
+        "sharding_strategy": sharding_strategy, "compile": compile,
+        "activation_checkpointing": fsdp.activation_checkpointing, "tp_size": tp_size, "pp_size": pp_size,
         "pp_schedule": plan.pp_schedule, "global_batch_size": global_batch_size,
         "save_interval": save_interval, "async_save": async_save,
         "steps": steps, "warmup": warmup, "tokens_per_sec_per_device": tokens_per_sec_per_device,
@@ -415,14 +423,22 @@ def _command_line() -> str:
 
 
 def baseline_key(record: dict) -> str:
-    """The setting a baseline belongs to. Threads are part of it: on a shared box a run with one thread per
-    process is steadier than one whose OpenMP threads wait for each other behind other work."""
-    key = "|".join(str(record[k]) for k in ("model", "precision", "micro_batch_size", "seq_len", "devices",
-                                            "compile", "threads_per_process"))
+    """The machine and setting a baseline belongs to. The machine is the device's model (a CPU's with its core
+    count), since another CPU is another speed. Threads are part of the setting: on a shared box a run with one
+    thread per process is steadier than one whose OpenMP threads wait for each other behind other work."""
+    key = "|".join(str(record[k]) for k in ("device", "model", "precision", "micro_batch_size", "seq_len",
+                                            "devices", "compile", "threads_per_process"))
     split = [f"{name} {record.get(name)}" for name in ("tp_size", "pp_size") if (record.get(name) or 1) > 1]
     if record.get("strategy", "auto") not in ("auto", "fsdp"):
         split.append(record["strategy"])
+    if record.get("activation_checkpointing"):
+        split.append(f"activation checkpointing {record['activation_checkpointing']}")
     return "|".join([key, *split])
+
+
+def _checkpointing_words(record: dict) -> str:
+    mode = record.get("activation_checkpointing")
+    return f", activation checkpointing {mode}" if mode else ""
 
 
 def _load_average() -> Optional[float]:
@@ -433,14 +449,34 @@ def _load_average() -> Optional[float]:
         return None
 
 
+def machine_baseline_file() -> Path:
+    """Where a machine that the repository has no baseline for keeps its own: the llmtrain cache."""
+    from llmtrain.data.tokens import cache_dir
+
+    return cache_dir() / "benchmark_baseline.json"
+
+
 def _stored_baseline(record: dict, path: Path) -> Optional[dict]:
-    if not path.is_file():
-        print(f"no baseline at {path}")
-        return None
-    stored = json.loads(path.read_text()).get(baseline_key(record))
-    if stored is None:
-        print(f"no baseline for {baseline_key(record)} in {path}")
-    return stored
+    """The baseline for this machine and setting: from ``path`` (for the default, the repository's file and then
+    :func:`machine_baseline_file`). Where none is stored, this run becomes it (in ``path``, or for the default in
+    the machine's file, never in the repository) and None is returned: there is nothing to compare with yet."""
+    key = baseline_key(record)
+    files = [path, machine_baseline_file()] if path == DEFAULT_BASELINE else [path]
+    for file in files:
+        stored = json.loads(file.read_text()) if file.is_file() else {}
+        if key in stored:
+            return stored[key]
+    target = files[-1]
+    stored = json.loads(target.read_text()) if target.is_file() else {}
+    stored[key] = {name: record[name] for name in ("tokens_per_sec_per_device", "mfu", "commit", "device", "torch",
+                                                   "load_average", "time", "command")}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(stored, indent=2) + "\n")
+    os.replace(partial, target)  # never a half-written file
+    print(f"no baseline for this machine and setting ({key}) in {' or '.join(map(str, files))}: this run "
+          f"({record['tokens_per_sec_per_device']:,.0f} tokens/s) is now the baseline, in {target}")
+    return None
 
 
 def _print_table(record: dict) -> None:
@@ -452,7 +488,8 @@ def _print_table(record: dict) -> None:
                     f"{' ' + record['sharding_strategy'] if record['sharding_strategy'] else ''}"
                     f"{' ' + record['strategy'] if record.get('strategy', 'auto') != 'auto' else ''}"
                     f"{_split_words(record)}, global batch {record['global_batch_size']}"
-                    f"{', compiled' if record['compile'] else ''}"),
+                    f"{', compiled' if record['compile'] else ''}"
+                    f"{_checkpointing_words(record)}"),
         ("device", f"{record['device']}, {record['threads_per_process']} threads per process, torch {record['torch']}"),
         ("tokens/s per device", f"{record['tokens_per_sec_per_device']:,.0f} ({record['tokens_per_sec']:,.0f} in all)"),
         ("step time", f"median {ms['step_time_median_s']:.1f} ms, IQR {ms['step_time_p25_s']:.1f}–"

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -104,13 +104,20 @@ def _bytes(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits // 8
 
 
-def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, checkpointing: bool, *, tp: int = 1,
-                               sequence_parallel: bool = False) -> dict[str, float]:
+def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, checkpointing: Union[bool, str], *,
+                               tp: int = 1, sequence_parallel: bool = False) -> dict[str, float]:
     """Bytes autograd keeps per token on one tensor-parallel rank: per block, for the whole stack, for the loss.
 
-    ``layer``: one block's full set; ``kept``: what a block keeps until its backward (``layer``, or only its
-    input under activation checkpointing); ``stack``: ``n_layer`` blocks' ``kept``; ``head_hidden``: norm_f's
-    saved tensors and the hidden state's gradient; ``logits``: one token's logits in the loss chunk.
+    ``layer``: one block's full set; ``kept``: what a block keeps until its backward, on average over the blocks
+    (``layer``, or less under ``checkpointing``: False, "full", "selective:N" or "op"); ``stack``: ``n_layer``
+    blocks' ``kept``; ``recomputed``: what a checkpointed block's backward makes again at once (0 without
+    checkpointing); ``head_hidden``: norm_f's saved tensors and the hidden state's gradient; ``logits``: one token's
+    logits in the loss chunk.
+
+    A ``full`` checkpointed block keeps only its input. ``selective:N`` checkpoints ceil(n_layer / N) of the blocks
+    (layer 0, N, 2N, ...) and the others keep their full set. An ``op`` block keeps its input and the outputs of its
+    matmuls, attention (with its fp32 log-sum-exp) and tensor-parallel collectives: the norms' tensors, RoPE's and
+    the MLP activation's are what it saves.
 
     Tensor parallelism splits the heads (q, k, v, SDPA) and the MLP width over ``tp`` ranks. The norms' tensors and
     the d-wide inputs of the linears are replicated on every rank, unless sequence parallelism splits them over the
@@ -118,6 +125,8 @@ def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, check
     column-parallel linear in backward; torch's DTensor keeps the gathered input, a d-wide tensor per linear more).
     The vocabulary-sharded head holds ``V / tp`` of each token's logits.
     """
+    from llmtrain.args import canonical_checkpointing, checkpointed_every
+
     a = _bytes(compute_dtype)
     d, f = config.n_embd, config.intermediate_size
     q, kv = config.n_head * config.head_size, config.n_query_groups * config.head_size
@@ -128,11 +137,38 @@ def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, check
     replicated = norms * norm + d * a  # the norms, and the MLP's input
     split = (2 * q + 4 * kv) * a + (4 if gated else 2) * f * a  # attention heads and MLP width
     layer = replicated / sequence_split + split / tp
-    # NOTE: a checkpointed block keeps only its input; its full set returns one block at a time in backward.
-    kept = d * a / sequence_split if checkpointing else layer
+    block_input = d * a / sequence_split
+    mode = canonical_checkpointing(checkpointing)
+    if mode == "op":
+        # NOTE: attention's o and the MLP's down projection write a d-wide partial sum on every rank; under tensor
+        # parallelism each then goes through a collective whose output is kept as well.
+        matmuls = ((q + 2 * kv) * a + q * a + 4 * config.n_head + (2 if gated else 1) * f * a) / tp + 2 * d * a
+        collectives = 2 * d * a / sequence_split if tp > 1 else 0
+        checkpointed = block_input + matmuls + collectives
+    else:
+        checkpointed = block_input
+    every = checkpointed_every(mode)
+    count = -(-config.n_layer // every) if every else 0  # blocks 0, N, 2N, ... below n_layer
+    kept = (count * checkpointed + (config.n_layer - count) * layer) / config.n_layer
     logits = (4 + (a if a < 4 else 0)) * config.padded_vocab_size / tp  # fp32, and their compute-dtype copy
     return {"layer": layer, "kept": kept, "stack": config.n_layer * kept,
+            "recomputed": max(layer - checkpointed, 0.0) if count else 0.0,
             "head_hidden": norm / sequence_split + d * a, "logits": logits}
+
+
+def tensor_parallel_passes(plan: ParallelPlan, n_layer: int) -> float:
+    """Collectives of (tp - 1)/tp·B·T·C·bytes per block and micro-batch (:func:`tensor_parallel_bytes_per_layer`),
+    averaged over the blocks: 8, plus the forward's 4 again in each block that checkpointing recomputes whole
+    (``full``, every Nth under ``selective:N``); ``op`` keeps the collectives' outputs except sequence parallelism's
+    2 all-gathers, which it runs again."""
+    from llmtrain.args import checkpointed_every
+
+    mode = plan.activation_checkpointing
+    if mode == "op":
+        return 10 if plan.sequence_parallel else 8
+    every = checkpointed_every(mode)
+    count = -(-n_layer // every) if every else 0
+    return 8 + 4 * count / n_layer
 
 
 def head_chunk_tokens(config: Config) -> int:
@@ -235,8 +271,7 @@ def tensor_parallel_bytes_per_layer(config: Config, plan: ParallelPlan, seq_len:
     """
     tp = plan.tp
     activation = plan.batch.micro_batch_size * seq_len * config.n_embd * _bytes(plan.precision.compute_dtype)
-    passes = 12 if plan.activation_checkpointing else 8
-    return passes * (tp - 1) / tp * activation
+    return tensor_parallel_passes(plan, config.n_layer) * (tp - 1) / tp * activation
 
 
 def tensor_parallel_bytes_per_step(config: Config, plan: ParallelPlan, seq_len: int) -> float:
@@ -330,7 +365,7 @@ def activation_bytes(config: Config, plan: ParallelPlan, pipeline_rank: int = 0,
     tokens = plan.batch.micro_batch_size * seq_len
     layers = stage_layers(config, plan)[pipeline_rank]
     kept = tokens * layers * per_token["kept"] * microbatches_in_flight(plan, pipeline_rank)
-    recomputed = tokens * per_token["layer"] if plan.activation_checkpointing else 0
+    recomputed = tokens * per_token["recomputed"]
     if pipeline_rank < plan.pp - 1:
         return int(kept + recomputed)
     heads_in_flight = plan.pp_microbatches if plan.pp_schedule == "gpipe" else 1
@@ -517,7 +552,7 @@ def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_
         f"model        {config.name or 'custom'}: {total / 1e6:,.1f}M parameters, {trainable / 1e6:,.1f}M trainable"
         f"{f', base quantized {quantize}' if quantize else ''}",
         f"layout       {plan.devices} devices × {plan.num_nodes} nodes = {world} ranks on {plan.device_type}; {layout}"
-        f"{'; activation checkpointing' if plan.activation_checkpointing else ''}"
+        f"{f'; activation checkpointing {plan.activation_checkpointing}' if plan.activation_checkpointing else ''}"
         f"{'; CPU offload' if plan.cpu_offload else ''}",
         f"precision    {precision.name} (weights {precision.param_dtype}, compute {precision.compute_dtype})"
         f"{f'; auto: {precision.chosen_because}' if precision.chosen_because else ''}",
@@ -613,7 +648,7 @@ def _describe_split_costs(config: Config, plan: ParallelPlan, seq_len: int, dry:
         link, known = link_bytes_per_s(gpu)
         where = (f"{gpu} NVLink, one way" if known else
                  "assumed: PCIe 4.0 x16 one way; --dry_run.gpu names a GPU with NVLink")
-        passes = 12 if plan.activation_checkpointing else 8
+        passes = f"{tensor_parallel_passes(plan, config.n_layer):g}"
         lines.append(f"tensor       each of {plan.tp} ranks sends {passes}·(tp - 1)/tp·B·T·C·bytes = {_size(per_layer)} per "
                      f"block and micro-batch, {_size(per_step)} per step ({max(stage_layers(config, plan))} blocks × "
                      f"{_plural(plan.batch.grad_accum_steps, 'micro-batch')}): {_seconds(per_step / link)} per step at "

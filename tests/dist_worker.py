@@ -182,6 +182,7 @@ def suite_two(runtime: Runtime, workdir: Path) -> dict:
         "shard_grad_op": train(runtime, fsdp=FSDPArgs(sharding_strategy="SHARD_GRAD_OP"), micro_batch_size=2),
         "ddp": train(runtime, strategy="ddp"),
         "activation_checkpointing": train(runtime, fsdp=FSDPArgs(activation_checkpointing=True)),
+        "op_checkpointing": train(runtime, fsdp=FSDPArgs(activation_checkpointing="op")),
         "bf16_mixed": train(runtime, precision="bf16-mixed"),
         "cpu_offload": train(runtime, fsdp=FSDPArgs(cpu_offload=True)),
         "init": initial_weights(runtime),

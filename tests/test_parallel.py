@@ -113,6 +113,10 @@ def test_activation_checkpointing_gives_the_same_losses(two):
     assert_same_training(two["activation_checkpointing"], two["full_shard"])
 
 
+def test_per_op_checkpointing_under_fsdp_gives_the_same_losses(two):
+    assert_same_training(two["op_checkpointing"], two["full_shard"])
+
+
 @pytest.mark.multiproc
 def test_bf16_mixed_under_fsdp_uses_the_policy_and_stays_close_to_fp32(two, single):
     result = two["bf16_mixed"]

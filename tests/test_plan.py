@@ -14,14 +14,14 @@ from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.plan import activation_bytes_per_token, estimate_memory
 
 
-def layout(precision: str, micro_batch: int, checkpointing: bool = False, devices: int = 1,
+def layout(precision: str, micro_batch: int, checkpointing: bool | str = False, devices: int = 1,
            sharding: Optional[str] = None) -> ParallelPlan:
     return ParallelPlan.resolve(devices=devices, num_nodes=1, precision=precision, device_type="cuda",
                                 train=TrainArgs(global_batch_size=micro_batch * devices, micro_batch_size=micro_batch),
                                 fsdp=FSDPArgs(sharding_strategy=sharding, activation_checkpointing=checkpointing))
 
 
-def measured_peak(config: Config, precision: str, micro_batch: int, seq_len: int, checkpointing: bool) -> int:
+def measured_peak(config: Config, precision: str, micro_batch: int, seq_len: int, checkpointing: bool | str) -> int:
     """Peak bytes of live tensors over two training steps of the model the recipes build, as torch's
     MemTracker counts them on the CPU (the CPU's analogue of torch.cuda.max_memory_allocated)."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -70,6 +70,21 @@ def test_memory_estimate_is_within_25_percent_of_the_measured_peak(name, precisi
     print(f"{name} {precision} micro {micro_batch} seq {seq_len} checkpointing {checkpointing}: "
           f"estimate {estimate.total / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB, ratio {ratio:.2f}")
     assert 0.75 <= ratio <= 1.25, (estimate, measured)
+
+
+@pytest.mark.slow
+def test_each_checkpointing_mode_saves_the_memory_the_estimate_says():
+    """Measured peaks of full, selective:2 and op checkpointing against none (llama-debug, 4 layers, fp32), each
+    within 25% of the estimate, and in the estimate's order: full keeps least, op keeps the matmul outputs."""
+    config = Config.from_name("llama-debug")
+    modes = [False, "full", "selective:2", "op"]
+    peaks = {mode: measured_peak(config, "32-true", 8, 256, mode) for mode in modes}
+    for mode in modes:
+        estimate = estimate_memory(config, layout("32-true", 8, mode), seq_len=256).total
+        print(f"checkpointing {mode}: measured {peaks[mode] / 2**20:.1f} MiB, estimate {estimate / 2**20:.1f} MiB")
+        assert 0.75 <= estimate / peaks[mode] <= 1.25, (mode, estimate, peaks[mode])
+    assert peaks["full"] < peaks["selective:2"] < peaks[False]
+    assert peaks["full"] < peaks["op"] < peaks[False]
 
 
 def test_estimate_follows_the_layout():

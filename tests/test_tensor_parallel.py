@@ -48,7 +48,7 @@ def assert_same_losses(result: dict, expected: dict, steps=range(1, tp_worker.MA
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("scenario", ["sp", "no_sp", "sp_checkpointed"])
+@pytest.mark.parametrize("scenario", ["sp", "no_sp", "sp_checkpointed", "sp_op_checkpointed"])
 def test_tp2_trains_like_one_process(two, single, scenario):
     assert two[scenario]["mesh"] == "tensor 2"
     assert_same_losses(two[scenario], single)

@@ -126,7 +126,9 @@ def gradients(world_size: int = 1, *, name: str, **layout) -> dict:
 # ------------------------------------------------------------------------------------ suites
 def suite_two(runtime: Runtime, workdir: Path) -> dict:
     results = {"sp": train(2, tp=2), "no_sp": train(2, tp=2, sequence_parallel=False),
-               "sp_checkpointed": train(2, tp=2, fsdp=FSDPArgs(activation_checkpointing=True))}
+               "sp_checkpointed": train(2, tp=2, fsdp=FSDPArgs(activation_checkpointing=True)),
+               # Per-op checkpointing keeps the collectives' outputs: backward must not run them again.
+               "sp_op_checkpointed": train(2, tp=2, fsdp=FSDPArgs(activation_checkpointing="op"))}
     for name in FAMILIES:
         results[name] = gradients(2, name=name, tp=2)
     results["llama-debug no_sp"] = gradients(2, name="llama-debug", tp=2, sequence_parallel=False)

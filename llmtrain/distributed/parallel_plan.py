@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Optional, get_args
+from typing import Any, Literal, Optional, Union, get_args
 
 import torch
 
@@ -96,7 +96,8 @@ class ParallelPlan:
     """gpipe, 1f1b or interleaved_1f1b under pipeline parallelism, else None."""
     pp_virtual_stages: int = 1
     """Pipeline stages per pipeline rank (more than one only for interleaved_1f1b)."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: Union[bool, str] = False
+    """False, "full", "selective:N" or "op" (``--fsdp.activation_checkpointing``, in llmtrain.args' spelling)."""
     cpu_offload: bool = False
     """FSDP keeps parameters, gradients and optimizer state in host memory (applied only under FSDP)."""
     grad_sync_only_last: bool = False
@@ -191,7 +192,8 @@ class ParallelPlan:
                                         (f"pipeline schedule {self.pp_schedule}"
                                          + (f" × {self.pp_virtual_stages} stages per rank"
                                             if self.pp_virtual_stages > 1 else ""), self.pp > 1),
-                                        ("activation checkpointing", self.activation_checkpointing),
+                                        (f"activation checkpointing {self.activation_checkpointing}",
+                                         self.activation_checkpointing),
                                         ("CPU offload", self.cpu_offload)) if on]
         batch = (f"micro batch {self.batch.micro_batch_size}, global batch {self.batch.global_batch_size}, "
                  f"grad accumulation {self.batch.grad_accum_steps}" if self.batch_problem is None else

@@ -36,7 +36,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from llmtrain.args import canonical_checkpointing, checkpointed_every
 from llmtrain.distributed.parallel_plan import ParallelPlan, data_parallel_mesh
 from llmtrain.distributed.tensor_parallel import apply_tensor_parallel
 from llmtrain.model import transformer_blocks
@@ -59,7 +61,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device, c
     if plan.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=plan.sequence_parallel)
     if plan.activation_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, plan.activation_checkpointing)
     if compile:
         apply_compile(model)
     if plan.wrapper in ("none", "deepspeed"):  # DeepSpeed's engine wraps the model later (llmtrain_deepspeed)
@@ -71,26 +73,67 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device, c
     return model
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute every Block's forward in backward (non-reentrant ``torch.utils.checkpoint``).
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> None:
+    """Recompute Blocks' activations in backward (non-reentrant ``torch.utils.checkpoint``), as ``mode`` says:
 
-    The Block's class is swapped for a subclass whose forward is checkpointed, so parameter names
-    and state-dict keys stay exactly as they were (a wrapper module would add a prefix).
+    - ``full``: every Block keeps only its input; its whole forward runs again in backward.
+    - ``selective:N``: every Nth Block (layer index 0, N, 2N, ...) as in ``full``; the others keep everything.
+    - ``op``: every Block, under torch's selective checkpoint policy: the outputs of matmuls and attention
+      (and of tensor parallelism's reduce-scatters and all-reduces) are kept, the cheap operators between them are run
+      again. Most of the recomputation of ``full`` (its matmuls) is gone; the norms', RoPE's and the MLP
+      activation's tensors are what it saves.
+
+    A Block's class is swapped for a subclass whose forward is checkpointed, so parameter names and state-dict
+    keys stay exactly as they were (a wrapper module would add a prefix). A pipeline stage's Blocks count by
+    their layer index in the whole model, so a stage checkpoints what the whole model would. A Block already
+    checkpointed stays as it is.
     """
-    for block in transformer_blocks(model):
-        block.__class__ = _checkpointed_class(type(block))
+    mode = canonical_checkpointing(mode)
+    every = checkpointed_every(mode)
+    if not every:
+        return
+    blocks = model.blocks
+    indexed = ([(int(key), block) for key, block in blocks.items()] if isinstance(blocks, nn.ModuleDict) else
+               list(enumerate(transformer_blocks(model))))
+    for index, block in indexed:
+        if index % every == 0:
+            block.__class__ = _checkpointed_class(type(block), per_op=mode == "op")
 
 
 @functools.lru_cache(maxsize=None)
-def _checkpointed_class(block_class: type) -> type:
+def _checkpointed_class(block_class: type, per_op: bool) -> type:
     if getattr(block_class, "_activation_checkpointed", False):
         return block_class
+    options = {"context_fn": _keep_matmuls_and_attention} if per_op else {}
 
     def forward(self, *args, **kwargs):
-        return torch.utils.checkpoint.checkpoint(block_class.forward, self, *args, use_reentrant=False, **kwargs)
+        return torch.utils.checkpoint.checkpoint(block_class.forward, self, *args, use_reentrant=False, **options,
+                                                 **kwargs)
 
-    return type(f"Checkpointed{block_class.__name__}", (block_class,),
+    return type(f"{'OpCheckpointed' if per_op else 'Checkpointed'}{block_class.__name__}", (block_class,),
                 {"forward": forward, "_activation_checkpointed": True, "__module__": block_class.__module__})
+
+
+@functools.lru_cache(maxsize=None)
+def _kept_operators() -> frozenset:
+    """The operators whose outputs ``op`` checkpointing keeps: the matmuls, every attention kernel torch's SDPA
+    may pick (CPU, flash, memory-efficient, cuDNN), and tensor parallelism's reduce-scatters and all-reduces (so
+    that backward does not run them again)."""
+    names = [("aten", "mm"), ("aten", "addmm"), ("aten", "bmm"), ("aten", "baddbmm"),
+             ("aten", "_scaled_dot_product_flash_attention_for_cpu"), ("aten", "_scaled_dot_product_flash_attention"),
+             ("aten", "_scaled_dot_product_efficient_attention"), ("aten", "_scaled_dot_product_cudnn_attention"),
+             ("_c10d_functional", "reduce_scatter_tensor"), ("_c10d_functional", "all_reduce")]
+    return frozenset(getattr(getattr(torch.ops, space), name).default for space, name in names
+                     if hasattr(getattr(torch.ops, space), name))
+
+
+def _keep_matmuls_and_attention():
+    kept = _kept_operators()
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def apply_compile(model: nn.Module) -> None:
