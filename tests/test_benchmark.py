@@ -10,16 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmtrain.benchmark import DEFAULT_BASELINE, RECORD_FIELDS, baseline_key, benchmark, measure_matmul_peak
+from llmtrain.benchmark import (DEFAULT_BASELINE, RECORD_FIELDS, baseline_key, benchmark, device_name,
+                                machine_baseline_file, measure_matmul_peak)
 
 # NOTE: one thread per process, as the stored CI baseline was measured: on a shared runner two OpenMP
 # threads that wait for each other behind other work make a step several times slower, one thread does not.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def run_benchmark(*flags, cwd):
+def run_benchmark(*flags, cwd, env=ENV):
     return subprocess.run([sys.executable, "-m", "llmtrain", "benchmark", *flags], capture_output=True, text=True,
-                          timeout=600, env=ENV, cwd=cwd)
+                          timeout=600, env=env, cwd=cwd)
 
 
 def run_benchmarks(*flag_lists, cwd) -> list[subprocess.CompletedProcess]:
@@ -40,15 +41,18 @@ def run_benchmarks(*flag_lists, cwd) -> list[subprocess.CompletedProcess]:
 
 
 @pytest.mark.slow
-def test_short_benchmark_reports_sane_numbers_and_compares_with_the_baseline(tmp_path, capsys):
-    done = run_benchmark("--short", "true", "--out_dir", str(tmp_path / "bench"), cwd=tmp_path)
+def test_short_benchmark_reports_sane_numbers_and_compares_with_the_baseline(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path / "cache"))  # a machine's own baseline goes there
+    done = run_benchmark("--short", "true", "--out_dir", str(tmp_path / "bench"), cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     with capsys.disabled():  # past pytest's capture: CI's log shows the ratio even when the test passes
-        ratio_line = next(line for line in done.stdout.splitlines() if line.startswith("tokens/s vs baseline"))
+        ratio_line = next(line for line in done.stdout.splitlines()
+                          if line.startswith("tokens/s vs baseline") or "is now the baseline" in line)
         print(f"\n[benchmark --short] {ratio_line}")
     results = tmp_path / "bench" / "benchmarks.jsonl"  # the default place
     (record,) = [json.loads(line) for line in results.read_text().splitlines()]
-    assert set(record) == {*RECORD_FIELDS, "baseline_ratio"}
+    assert set(record) - {"baseline_ratio"} == set(RECORD_FIELDS)
     for key in ("tokens_per_sec_per_device", "tokens_per_sec", "step_time_median_s", "mfu", "matmul_peak_flops",
                 "peak_memory_gb", "flops_per_token"):
         assert math.isfinite(record[key]) and record[key] > 0, (key, record[key])
@@ -62,26 +66,36 @@ def test_short_benchmark_reports_sane_numbers_and_compares_with_the_baseline(tmp
     assert record["threads_per_process"] == 1 and record["torch"] == torch.__version__ and record["commit"]
     assert record["command"] == "llmtrain benchmark --short true --out_dir " + str(tmp_path / "bench")
     assert record["device"] and record["matmul_peak_size"] in (2048, 3072, 4096)
-    assert baseline_key(record) in json.loads(DEFAULT_BASELINE.read_text())
-    assert f"tokens/s vs baseline: {record['baseline_ratio']:.2f}x" in done.stdout and record["baseline_ratio"] > 0
+    # This machine's CPU has a baseline in the repository, or the run recorded one in the machine's file.
+    key = baseline_key(record)
+    if key in json.loads(DEFAULT_BASELINE.read_text()):
+        assert f"tokens/s vs baseline: {record['baseline_ratio']:.2f}x" in done.stdout and record["baseline_ratio"] > 0
+    else:
+        assert "is now the baseline" in done.stdout and "baseline_ratio" not in record
+        assert json.loads(machine_baseline_file().read_text())[key]["commit"] == record["commit"]
     assert [p.name for p in (tmp_path / "bench").iterdir()] == ["benchmarks.jsonl"]  # the training run is gone
 
 
-FAR_BELOW_KEY = "llama-debug|32-true|1|32|1|False|1"
+FAR_BELOW_KEY = f"{device_name('cpu')}|llama-debug|32-true|1|32|1|False|1"
+OTHER_CPU_KEY = "Some Other CPU (64 cores)|llama-debug|32-true|1|32|1|False|1"
 
 
 @pytest.fixture(scope="module")
 def far_below(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """Tiny --short runs against a baseline of 1e9 tokens/s (their ratio is 0.00x), with and without
-    --fail_below 0.3, side by side."""
+    """Tiny --short runs against a baseline of 1e9 tokens/s for this CPU (their ratio is 0.00x), with and without
+    --fail_below 0.3, and one with --fail_below 0.3 against a file that only another CPU has a baseline in, side
+    by side."""
     root = tmp_path_factory.mktemp("far-below")
-    (root / "baseline.json").write_text(json.dumps({FAR_BELOW_KEY: {"tokens_per_sec_per_device": 1e9, "commit": "x"}}))
-    modes = {"report": [], "fail": ["--fail_below", "0.3"]}
+    far = {FAR_BELOW_KEY: {"tokens_per_sec_per_device": 1e9, "commit": "x"}}
+    (root / "baseline.json").write_text(json.dumps(far))
+    (root / "other-cpu.json").write_text(json.dumps({OTHER_CPU_KEY: {"tokens_per_sec_per_device": 1e9}}))
+    modes = {"report": ("baseline.json", []), "fail": ("baseline.json", ["--fail_below", "0.3"]),
+             "new machine": ("other-cpu.json", ["--fail_below", "0.3"])}
     flag_lists = [["--short", "true", "--micro_batch_size", "1", "--seq_len", "32", "--steps", "1", "--warmup", "1",
-                   "--baseline", str(root / "baseline.json"), "--results", str(root / f"{mode}.jsonl"),
-                   "--out_dir", str(root / f"bench-{mode}"), *extra] for mode, extra in modes.items()]
+                   "--baseline", str(root / file), "--results", str(root / f"{mode}.jsonl"),
+                   "--out_dir", str(root / f"bench-{mode}"), *extra] for mode, (file, extra) in modes.items()]
     done = run_benchmarks(*flag_lists, cwd=root)
-    return {mode: (result, root / f"{mode}.jsonl") for mode, result in zip(modes, done)}
+    return {mode: (result, root / f"{mode}.jsonl") for mode, result in zip(modes, done)} | {"root": root}
 
 
 @pytest.mark.slow
@@ -101,6 +115,20 @@ def test_short_benchmark_fails_far_below_the_baseline_and_still_records(far_belo
     assert "below 0.3x" in done.stderr and "performance regression" in done.stderr
     (record,) = [json.loads(line) for line in results.read_text().splitlines()]
     assert baseline_key(record) == FAR_BELOW_KEY and record["baseline_ratio"] < 0.3
+
+
+@pytest.mark.slow
+def test_a_machine_without_a_baseline_records_one_and_passes(far_below):
+    """The baseline is keyed by the CPU model: a file with only another CPU's is no baseline for this one, even
+    far above it. The run passes --fail_below, and the file now holds its numbers under this CPU's key."""
+    done, results = far_below["new machine"]
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tokens/s vs baseline" not in done.stdout and "is now the baseline" in done.stdout
+    (record,) = [json.loads(line) for line in results.read_text().splitlines()]
+    stored = json.loads((far_below["root"] / "other-cpu.json").read_text())
+    assert set(stored) == {OTHER_CPU_KEY, baseline_key(record)}
+    assert baseline_key(record).startswith(device_name("cpu") + "|")
+    assert stored[baseline_key(record)]["tokens_per_sec_per_device"] == record["tokens_per_sec_per_device"]
 
 
 @pytest.mark.parametrize("flags, message", [
