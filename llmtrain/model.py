@@ -161,21 +161,39 @@ class GPT(nn.Module):
         return module
 
 
+INIT_SCHEMES = ("gpt2", "neox")
+DEFAULT_INIT = "gpt2"
+"""The scheme :func:`init_gpt_weights` uses when not told (scripts/init_ab.py compares them)."""
+
+
+def init_stds(config: Config, scheme: str) -> tuple[float, float]:
+    """(std of linears and embeddings, std of the projections that write into the residual stream).
+
+    ``gpt2``: 0.02, and 0.02 / sqrt(2 n_layer) for the residual projections (GPT-2). ``neox``: GPT-NeoX's small
+    init sqrt(2 / (5 d)), and Wang's 1 / (sqrt(d) n_layer) for the residual projections (as GPT-NeoX, Pythia and
+    TinyLlama's recipe; d the width).
+    """
+    if scheme == "gpt2":
+        return 0.02, 0.02 / math.sqrt(2 * config.n_layer)
+    if scheme == "neox":
+        return math.sqrt(2 / (5 * config.n_embd)), 1 / (math.sqrt(config.n_embd) * config.n_layer)
+    raise ValueError(f"unknown init scheme {scheme!r}: one of {', '.join(INIT_SCHEMES)}")
+
+
 @torch.no_grad()
-def init_gpt_weights(model: nn.Module, config: Config) -> None:
+def init_gpt_weights(model: nn.Module, config: Config, scheme: Optional[str] = None) -> None:
     """Initialise the parameters of a GPT, or of a pipeline stage that holds some of its modules under the same names.
 
-    Normal(0, 0.02) for linears and embeddings, scaled by 1/sqrt(2 n_layer) for the projections
-    that write into the residual stream (GPT-2); zero biases; norm weights one, or zero when the
-    norm multiplies by (1 + weight).
+    Normal(0, std) for linears and embeddings, with a smaller std for the projections that write into the
+    residual stream (:func:`init_stds` for ``scheme``, :data:`DEFAULT_INIT` when None); zero biases; norm weights
+    one, or zero when the norm multiplies by (1 + weight).
 
     NOTE: each module draws from a generator seeded by its name and one number drawn from torch's RNG,
     not from one stream in module order: a pipeline stage that holds blocks 4-7 gets exactly the weights
     those blocks have in the whole model, with no need to draw (and throw away) blocks 0-3 first.
     """
+    std, residual_std = init_stds(config, scheme or DEFAULT_INIT)
     base_seed = int(torch.randint(0, 2**31 - 1, ()))
-    std = 0.02
-    residual_std = std / math.sqrt(2 * config.n_layer)
     with torch.random.fork_rng(devices=_cuda_devices(model)):
         for name, module in model.named_modules():
             _seed_module(base_seed, name, module)
