@@ -4,7 +4,8 @@ import torch
 from llmtrain.config import Config
 from llmtrain.convert import state_dict_from_hf
 from llmtrain.flops import num_parameters
-from llmtrain.model import GPT, build_rope_cache, build_sliding_window_mask, causal_attention, kv_layout
+from llmtrain.model import (GPT, INIT_SCHEMES, build_rope_cache, build_sliding_window_mask, causal_attention,
+                            init_gpt_weights, init_stds, kv_layout)
 
 from conftest import build_model, tiny_config
 
@@ -135,6 +136,30 @@ def test_init_weights_statistics():
     assert (model.norm_f.weight == 1).all()
     assert (build_model(tiny_config("gemma-debug")).norm_f.weight == 0).all()  # multiplies by (1 + weight)
     assert (build_model(tiny_config("gpt-neox-debug")).blocks[0].attn.q_proj.bias == 0).all()
+
+
+@pytest.mark.parametrize("scheme", INIT_SCHEMES)
+def test_each_init_scheme_gives_each_layer_type_its_std(scheme):
+    """Embeddings and linears draw from one std, the projections into the residual stream from a smaller one; the
+    numbers are the scheme's (gpt2: 0.02 and 0.02 / sqrt(2L); neox: sqrt(2 / 5d) and 1 / (sqrt(d) L))."""
+    config = Config.from_name("llama-debug")
+    std, residual_std = init_stds(config, scheme)
+    expected = {"gpt2": (0.02, 0.02 / (2 * config.n_layer) ** 0.5),
+                "neox": ((2 / (5 * config.n_embd)) ** 0.5, 1 / (config.n_embd ** 0.5 * config.n_layer))}[scheme]
+    assert (std, residual_std) == pytest.approx(expected)
+    model = GPT(config)
+    torch.manual_seed(0)
+    init_gpt_weights(model, config, scheme)
+    for name, parameter in model.named_parameters():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert parameter.std().item() == pytest.approx(residual_std, rel=0.05), name
+        elif name.endswith(("_proj.weight", "wte.weight", "lm_head.weight")):
+            assert parameter.std().item() == pytest.approx(std, rel=0.05), name
+            assert abs(parameter.mean().item()) < std / 10, name
+        else:  # norms
+            assert (parameter == 1).all(), name
+    with pytest.raises(ValueError, match="unknown init scheme 'xavier'"):
+        init_stds(config, "xavier")
 
 
 def test_rope_cache_is_not_in_the_state_dict_and_can_be_reset():
