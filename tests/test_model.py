@@ -126,11 +126,13 @@ def test_meta_build_then_init_is_finite_and_deterministic(name):
 
 
 def test_init_weights_statistics():
+    """The default is GPT-NeoX's small init and Wang's init for the residual projections (BENCHMARKS.md,
+    "Initialisation": 3.9% lower validation loss than GPT-2's 0.02 after 300 debug steps)."""
     config = Config.from_name("llama-debug")
     model = build_model(config)
-    residual_std = 0.02 / (2 * config.n_layer) ** 0.5
-    assert model.wte.weight.std().item() == pytest.approx(0.02, rel=0.05)
-    assert model.blocks[0].attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    std, residual_std = (2 / (5 * config.n_embd)) ** 0.5, 1 / (config.n_embd ** 0.5 * config.n_layer)
+    assert model.wte.weight.std().item() == pytest.approx(std, rel=0.05)
+    assert model.blocks[0].attn.q_proj.weight.std().item() == pytest.approx(std, rel=0.05)
     assert model.blocks[0].attn.o_proj.weight.std().item() == pytest.approx(residual_std, rel=0.05)
     assert model.blocks[0].mlp.down_proj.weight.std().item() == pytest.approx(residual_std, rel=0.05)
     assert (model.norm_f.weight == 1).all()
