@@ -14,7 +14,7 @@ from llmtrain.lora import (
     mark_only_lora_trainable,
     merge_lora,
 )
-from llmtrain.model import GPT
+from llmtrain.model import GPT, init_gpt_weights
 from llmtrain.quantize import QUANTIZE_MODES, import_bitsandbytes, quantize_model
 
 from conftest import build_model
@@ -36,6 +36,10 @@ FLAGS = ("lora_query", "lora_key", "lora_value", "lora_projection", "lora_mlp", 
 #   llama: nf4 0.059, nf4-dq 0.059, fp4 0.071, fp4-dq 0.071, int8-training 0.0050
 #   neox:  nf4 0.085, nf4-dq 0.085, fp4 0.118, fp4-dq 0.118, int8-training 0.0084
 # Tiny layers (64-128 wide) make 4-bit error look large; it is what the formats give, not a bug.
+# The relative error of the quantized model's logits, measured on these tiny models initialised as GPT-2 does (std
+# 0.02, the residual projections 0.02 / sqrt(2L)): the test below builds its base model that way. The default init
+# draws a width-64 model's residual projections 6x wider, which lets the quantization error grow through the
+# residual stream (0.24 for nf4 on llama), a property of these toy widths and not of the quantization code.
 QUANTIZED_LOGITS_RTOL = {
     "llama": {"bnb.nf4": 0.09, "bnb.nf4-dq": 0.09, "bnb.fp4": 0.11, "bnb.fp4-dq": 0.11, "bnb.int8-training": 0.01},
     "neox": {"bnb.nf4": 0.13, "bnb.nf4-dq": 0.13, "bnb.fp4": 0.18, "bnb.fp4-dq": 0.18, "bnb.int8-training": 0.015},
@@ -232,6 +236,8 @@ def test_qlora_trains_adapters_and_merges_to_a_plain_model(mode, name):
     bnb = import_bitsandbytes()
     config = CONFIGS[name]
     base = build_model(config)
+    torch.manual_seed(0)
+    init_gpt_weights(base, config, "gpt2")  # the init the tolerances above were measured with
     idx = tokens(config)
     with torch.no_grad():
         fp32_logits = base(idx)
