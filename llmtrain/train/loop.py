@@ -66,6 +66,11 @@ from llmtrain.train.precision import Precision
 from llmtrain.train.schedule import WarmupDecaySchedule
 from llmtrain.train.signals import PREEMPTED_EXIT_CODE, Preempted, StopRequest, catch_stop_signals
 
+PHASES = {phase: f"llmtrain.{phase}" for phase in ("data", "forward", "backward", "optimizer")}
+"""The profiler's labels of a step's phases (``--profile`` traces show them; scripts/profile_step.py sums them):
+waiting for the micro-batches, the model's forward (loss included), its backward (gradient sync included) and the
+strategy's step (clipping, optimizer step and zero_grad)."""
+
 
 @dataclass
 class TrainState:
@@ -329,7 +334,8 @@ class TrainStep:
         # DDP, FSDP and DeepSpeed average gradients over ranks, hence the factor data_parallel_size.
         loss_scale = job.runtime.data_parallel_size / target_tokens.clamp(min=1).float()
         loss_sum = self.forward_backward(step, micro_batches, loss_scale)
-        grad_norm, stepped = self.strategy.step()
+        with torch.profiler.record_function(PHASES["optimizer"]):
+            grad_norm, stepped = self.strategy.step()
         return StepResult(loss_sum, target_tokens, stepped, grad_norm, host_sums)
 
     def counts(self, micro_batches: list[dict], host_numbers: list[float]) -> tuple[torch.Tensor, "HostSums"]:
@@ -430,9 +436,11 @@ class ModelPasses:
             input_ids = batch["input_ids"].to(job.runtime.device, non_blocking=True)
             labels = batch["labels"].to(job.runtime.device, non_blocking=True)
             with self.strategy.accumulating(last=index == len(micro_batches) - 1):
-                with job.precision.autocast(job.runtime.device, job.autocast_enabled):
+                with job.precision.autocast(job.runtime.device, job.autocast_enabled), \
+                        torch.profiler.record_function(PHASES["forward"]):
                     token_loss_sum = job.model(input_ids, labels=labels)  # chunked: no full fp32 logits
-                self.strategy.backward(on_loss(token_loss_sum * loss_scale))
+                with torch.profiler.record_function(PHASES["backward"]):
+                    self.strategy.backward(on_loss(token_loss_sum * loss_scale))
             loss_sum += token_loss_sum.detach()
         return loss_sum
 
@@ -636,7 +644,8 @@ class LogInterval:
     def fetch(self, batches: Iterator[dict], count: int) -> list[dict]:
         """The next ``count`` micro-batches, timing the wait for them."""
         started = time.perf_counter()
-        micro_batches = [next(batches) for _ in range(count)]
+        with torch.profiler.record_function(PHASES["data"]):
+            micro_batches = [next(batches) for _ in range(count)]
         self.data_wait += time.perf_counter() - started
         return micro_batches
 
