@@ -381,6 +381,10 @@ def configure_process(runtime: Optional[Runtime] = None, precision: Any = None) 
 
     if runtime is not None and precision is not None and precision.uses_tf32(runtime.device.type):
         torch.set_float32_matmul_precision("high")
+    if runtime is not None and runtime.device.type == "cpu":
+        from llmtrain.distributed.host_memory import keep_freed_host_memory
+
+        keep_freed_host_memory()  # tensors live in host memory: reuse its blocks (see host_memory)
 
     # Warnings read as one line for people, not as a source listing.
     warnings.formatwarning = lambda message, category, *_: f"warning: {message}\n"
