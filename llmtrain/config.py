@@ -398,9 +398,17 @@ _DEBUG = [
          sliding_window=128, **_DEBUG_COMMON),
 ]
 
+# Small models of our own (no hub checkpoint) for benchmarks and CPU experiments.
+_LOCAL = [
+    # 18.9M parameters (12.6M in the blocks), an 8k vocabulary: the performance issue's "small Llama".
+    dict(name="llama-20m", block_size=2048, vocab_size=8192, padding_multiple=64, n_layer=8, n_embd=384, n_head=6,
+         n_query_groups=2, intermediate_size=1024),
+]
+LOCAL_MODELS = tuple(entry["name"] for entry in _LOCAL)
+
 MODEL_ZOO: list[dict[str, Any]] = [
     *_TINY_LLAMA, *_LLAMA_2, *_LLAMA_3, *_LLAMA_31, *_LLAMA_32, *_MISTRAL, *_QWEN_25, *_GEMMA, *_PHI,
-    *_PYTHIA, *_SMOLLM2, *_DEBUG,
+    *_PYTHIA, *_SMOLLM2, *_DEBUG, *_LOCAL,
 ]
 """Every named architecture, as keyword arguments of `Config`. Add new models here."""
 

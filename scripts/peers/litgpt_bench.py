@@ -8,7 +8,7 @@ Run with a venv that has litgpt (torch pinned as llmtrain's):
 The step is LitGPT's `pretrain.fit` inner loop: Fabric-wrapped GPT, `chunked_cross_entropy`,
 `fabric.backward`, gradient clipping at 1.0, AdamW built as pretrain.py builds it (fused only on CUDA),
 one optimizer step per micro batch. `litgpt pretrain` always compiles the model; `--compile` does too.
-Models: llama-debug (its llmtrain shape, written as a LitGPT Config) or any LitGPT name (pythia-70m).
+Models: llama-debug and llama-20m (their llmtrain shapes, written as LitGPT Configs) or any LitGPT name (pythia-70m).
 """
 
 import argparse
@@ -26,6 +26,10 @@ LLAMA_DEBUG = dict(name="llama-debug", block_size=512, vocab_size=4096, padding_
                    n_embd=256, n_query_groups=2, rotary_percentage=1.0, parallel_residual=False, bias=False,
                    norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=640, norm_eps=1e-5,
                    rope_base=10000)
+# llmtrain's llama-20m (llmtrain/config.py): the same fields at another size, with an 8k vocabulary.
+LLAMA_20M = {**LLAMA_DEBUG, "name": "llama-20m", "block_size": 2048, "vocab_size": 8192, "n_layer": 8, "n_head": 6,
+             "n_embd": 384, "intermediate_size": 1024}
+OWN_SHAPES = {"llama-debug": LLAMA_DEBUG, "llama-20m": LLAMA_20M}
 
 
 def main():
@@ -44,7 +48,7 @@ def main():
 
     fabric = L.Fabric(accelerator="cpu", devices=1, precision=args.precision)
     fabric.seed_everything(0)
-    config = Config(**LLAMA_DEBUG) if args.model == "llama-debug" else Config.from_name(args.model)
+    config = Config(**OWN_SHAPES[args.model]) if args.model in OWN_SHAPES else Config.from_name(args.model)
     with fabric.init_module(empty_init=True):
         model = GPT(config)
     initialize_weights(fabric, model, n_layer=config.n_layer, n_embd=config.n_embd)
