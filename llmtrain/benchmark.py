@@ -1,8 +1,9 @@
 """``llmtrain benchmark``: tokens/s, step time, MFU against this machine's measured matmul peak, data wait.
 
-It runs the real pretrain recipe (``pretrain.setup`` → ``run(spec)`` → ``fit()``: the same data loader,
-parallel setup and training step as any run) for ``warmup + steps`` optimizer steps with a log row per
-step, and reads the step times back from the run's metrics.csv. The training loader is handed to the
+It runs a real recipe (``pretrain.setup``, or with ``--recipe`` ``finetune.setup_lora`` / ``setup_full`` from
+a model directory of random weights; then ``run(spec)`` → ``fit()``: the same data loader, parallel setup and
+training step as any run) for ``warmup + steps`` optimizer steps with a log row per step, and reads the step
+times back from the run's metrics.csv. The training loader is handed to the
 loop inside a thin proxy that times every ``next()``, which is the time the loop waits for data.
 
 MFU is the model's FLOPs per token (llmtrain.flops, the 6N + attention convention of the training log)
@@ -12,6 +13,7 @@ compute dtype and with the threads one training process gets: this machine's cei
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -23,12 +25,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Literal, Optional, Sequence, Union
 
 import torch
 
 from llmtrain.args import EvalArgs, FSDPArgs, TrainArgs
 from llmtrain.distributed.parallel_plan import ParallelPlan, StrategyName
+from llmtrain.lora import LoRAArgs
 from llmtrain.train.precision import PrecisionName
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,8 +40,9 @@ MATMUL_SIZES = (2048, 3072, 4096)
 # Full runs and --short: (micro batch, sequence length, timed steps, warm-up steps) unless flags say otherwise.
 FULL_DEFAULTS = (8, 256, 20, 5)
 SHORT_DEFAULTS = (4, 128, 3, 2)
+RecipeName = Literal["pretrain", "finetune_lora", "finetune_full"]
 RECORD_FIELDS = (
-    "model", "parameters", "precision", "micro_batch_size", "seq_len", "devices", "strategy", "sharding_strategy",
+    "recipe", "model", "parameters", "trainable_parameters", "lora", "precision", "micro_batch_size", "seq_len", "devices", "strategy", "sharding_strategy",
     "compile", "activation_checkpointing",
     "tp_size", "pp_size", "pp_schedule", "global_batch_size", "steps", "warmup",
     "tokens_per_sec_per_device", "tokens_per_sec", "step_time_median_s", "step_time_min_s", "step_time_max_s",
@@ -181,6 +185,8 @@ class TimedLoader:
 # ----------------------------------------------------------------------------------- command
 def benchmark(
     model: str = "llama-debug",
+    recipe: RecipeName = "pretrain",
+    lora: LoRAArgs = LoRAArgs(),
     precision: PrecisionName = "32-true",
     micro_batch_size: Optional[int] = None,
     seq_len: Optional[int] = None,
@@ -208,6 +214,12 @@ def benchmark(
     Args:
         model: A zoo name (`llmtrain pretrain list`); the presets are llama-debug (4.9M parameters) and
             pythia-70m.
+        recipe: What to time: pretrain (from random init), finetune_lora or finetune_full. Fine-tuning starts
+            from a model directory of MODEL with random weights, written first (the step does the same work
+            whatever the weights), and reads the same fixed-length token windows as pretraining (no padding).
+        lora: With --recipe finetune_lora: the adapters, as finetune_lora's flags, e.g. `--lora.lora_r 16
+            --lora.lora_dropout 0 --lora.lora_mlp true`. Default: finetune_lora's (rank 8, alpha 16, dropout
+            0.05, on the query and value projections).
         precision: auto (bf16-mixed on a GPU with bf16, 16-mixed on an older one, 32-true on a CPU), 32-true,
             bf16-true, bf16-mixed, 16-true or 16-mixed.
         micro_batch_size: Sequences per data-parallel rank and micro-batch. Default 8, or 4 with --short.
@@ -245,6 +257,7 @@ def benchmark(
     """
     from llmtrain.config import Config, resolve_name
     from llmtrain.flops import flops_per_token, num_parameters
+    from llmtrain.plan import lora_trainable_parameters
 
     defaults = SHORT_DEFAULTS if short else FULL_DEFAULTS
     micro_batch_size, seq_len, steps, warmup = (given if given is not None else default for given, default in
@@ -261,10 +274,16 @@ def benchmark(
         raise ValueError(f"--save_interval must be at least 1, got {save_interval}")
     if async_save and save_interval is None:
         raise ValueError("--async_save true needs --save_interval N: without checkpoints there is no stall to time")
+    if recipe != "finetune_lora" and lora != LoRAArgs():
+        raise ValueError(f"--lora.* flags set the adapters of --recipe finetune_lora, not of --recipe {recipe}: "
+                         "drop them or add --recipe finetune_lora")
+    adapters = lora if recipe == "finetune_lora" else None
     try:
         deepspeed = strategy.startswith("deepspeed")  # DeepSpeed writes its own sharded files
+        # NOTE: finetune_lora's checkpoints hold only the adapters and are always full.
+        sharded = save_interval and not deepspeed and adapters is None
         fsdp = FSDPArgs(sharding_strategy=sharding_strategy, async_save=async_save,
-                        state_dict_type="sharded" if save_interval and not deepspeed else "full",
+                        state_dict_type="sharded" if sharded else "full",
                         activation_checkpointing=activation_checkpointing)
         data_parallel = devices // (tp_size * pp_size) if devices % (tp_size * pp_size) == 0 else devices
         global_batch_size = global_batch_size or micro_batch_size * data_parallel * pp_size
@@ -277,6 +296,8 @@ def benchmark(
     config = Config.from_name(model)
     if seq_len > config.block_size:
         raise ValueError(f"--seq_len {seq_len} exceeds {model}'s block size {config.block_size}")
+    trainable = lora_trainable_parameters(config, adapters) if adapters is not None else num_parameters(config)
+    flops = flops_per_token(config, seq_len, adapter_parameters=trainable if adapters is not None else None)
     dtype = plan.precision.compute_dtype
     threads = threads_per_process(devices)
     peak_device = plan.device_type
@@ -296,7 +317,8 @@ def benchmark(
     out_dir.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=out_dir))
     try:
-        _train(run_dir, model=model, plan=plan, fsdp=fsdp, train=train, compile=compile, strategy=strategy)
+        _train(run_dir, model=model, plan=plan, fsdp=fsdp, train=train, compile=compile, strategy=strategy,
+               recipe=recipe, lora=adapters)
         rows = _train_rows(run_dir / "train" / "metrics.csv")
         waits = [float(line) for line in (run_dir / "data_wait.txt").read_text().split()]
     finally:
@@ -305,7 +327,8 @@ def benchmark(
     timing = _step_timing(rows, waits, warmup, save_interval)
     tokens_per_sec_per_device = global_batch_size * seq_len / timing["step_time_median_s"] / devices
     record = {
-        "model": model, "parameters": num_parameters(config), "precision": plan.precision.name,
+        "recipe": recipe, "model": model, "parameters": num_parameters(config), "trainable_parameters": trainable,
+        "lora": dataclasses.asdict(adapters) if adapters is not None else None, "precision": plan.precision.name,
         "micro_batch_size": micro_batch_size, "seq_len": seq_len, "devices": devices, "strategy": strategy,
         "sharding_strategy": sharding_strategy, "compile": compile,
         "activation_checkpointing": fsdp.activation_checkpointing, "tp_size": tp_size, "pp_size": pp_size,
@@ -313,8 +336,8 @@ def benchmark(
         "save_interval": save_interval, "async_save": async_save,
         "steps": steps, "warmup": warmup, "tokens_per_sec_per_device": tokens_per_sec_per_device,
         "tokens_per_sec": tokens_per_sec_per_device * devices, **timing,
-        "flops_per_token": flops_per_token(config, seq_len), "matmul_peak_flops": peak,
-        "matmul_peak_size": peak_size, "mfu": flops_per_token(config, seq_len) * tokens_per_sec_per_device / peak,
+        "flops_per_token": flops, "matmul_peak_flops": peak,
+        "matmul_peak_size": peak_size, "mfu": flops * tokens_per_sec_per_device / peak,
         "device": device_name(peak_device), "threads_per_process": threads, "torch": torch.__version__,
         "load_average": _load_average(), "commit": git_commit(), "command": _command_line(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -348,16 +371,41 @@ def _train_args(micro_batch_size: int, global_batch_size: int, seq_len: int, tot
 
 
 def _train(run_dir: Path, *, model: str, plan: ParallelPlan, fsdp: FSDPArgs, train: TrainArgs,
-           compile: bool, strategy: str = "auto") -> None:
-    """The pretrain recipe on the built-in corpus with the plan's layout, no validation."""
+           compile: bool, strategy: str = "auto", recipe: RecipeName = "pretrain",
+           lora: Optional[LoRAArgs] = None) -> None:
+    """The recipe on the built-in corpus with the plan's layout, no validation; fine-tuning from random weights."""
     from llmtrain.data import BuiltinStories
-    from llmtrain.recipes import pretrain
+    from llmtrain.recipes import finetune, pretrain
 
-    pretrain.setup(model_name=model, out_dir=run_dir / "train", precision=plan.precision.name,
-                   data=TimedData(BuiltinStories(), run_dir / "data_wait.txt"), train=train,
-                   eval=EvalArgs(interval=10**9, initial_validation=False, final_validation=False),
-                   devices=plan.devices, fsdp=fsdp, compile=compile, tp_size=plan.tp, pp_size=plan.pp,
-                   pp_schedule=plan.pp_schedule, strategy=strategy)
+    data = TimedData(BuiltinStories(), run_dir / "data_wait.txt")
+    flags = dict(out_dir=run_dir / "train", precision=plan.precision.name, data=data, train=train,
+                 eval=EvalArgs(interval=10**9, initial_validation=False, final_validation=False),
+                 devices=plan.devices, fsdp=fsdp, compile=compile, tp_size=plan.tp, pp_size=plan.pp,
+                 pp_schedule=plan.pp_schedule, strategy=strategy)
+    if recipe == "pretrain":
+        pretrain.setup(model_name=model, **flags)
+        return
+    base = write_random_model_dir(run_dir / "base", model, data.default_tokenizer())
+    if recipe == "finetune_full":
+        finetune.setup_full(base, **flags)
+    else:
+        finetune.setup_lora(base, **dataclasses.asdict(lora), **flags)
+
+
+def write_random_model_dir(directory: Path, model: str, tokenizer: Any, seed: int = 0) -> Path:
+    """A model directory of zoo model ``model`` with weights initialised as pretraining's are, under ``seed``,
+    and ``tokenizer``: what the fine-tuning recipes take as CHECKPOINT_DIR."""
+    from llmtrain.checkpoint.files import write_model_dir
+    from llmtrain.config import Config
+    from llmtrain.model import GPT
+
+    config = Config.from_name(model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        gpt = GPT(config)
+        gpt.init_weights()
+    return write_model_dir(directory, state_dict=gpt.state_dict(), model_config=config, hyperparameters=None,
+                           tokenizer=tokenizer)
 
 
 def _step_timing(rows: list[dict], waits: list[float], warmup: int, save_interval: Optional[int] = None) -> dict:
@@ -433,7 +481,18 @@ def baseline_key(record: dict) -> str:
         split.append(record["strategy"])
     if record.get("activation_checkpointing"):
         split.append(f"activation checkpointing {record['activation_checkpointing']}")
+    if record.get("recipe", "pretrain") != "pretrain":  # a pretraining key stays as it was before --recipe
+        split.append(record["recipe"])
+    if record.get("lora"):
+        split.append(_lora_words(record["lora"]))
     return "|".join([key, *split])
+
+
+def _lora_words(lora: dict) -> str:
+    """"r 8, alpha 16, dropout 0.05 on query, value": the adapters a finetune_lora record timed."""
+    targets = [name.removeprefix("lora_") for name in ("lora_query", "lora_key", "lora_value", "lora_projection",
+                                                       "lora_mlp", "lora_head") if lora[name]]
+    return f"r {lora['lora_r']}, alpha {lora['lora_alpha']}, dropout {lora['lora_dropout']:g} on {', '.join(targets)}"
 
 
 def _checkpointing_words(record: dict) -> str:
@@ -483,7 +542,8 @@ def _print_table(record: dict) -> None:
     ms = {key: record[key] * 1000 for key in record if key.startswith("step_time_")}
     logged = record["data_wait_fraction_logged"]
     lines = [
-        ("setting", f"{record['model']} ({record['parameters'] / 1e6:.1f}M) {record['precision']}, micro batch "
+        ("setting", f"{_recipe_words(record)}{record['model']} ({record['parameters'] / 1e6:.1f}M) "
+                    f"{record['precision']}, micro batch "
                     f"{record['micro_batch_size']} × seq {record['seq_len']}, {record['devices']} process(es)"
                     f"{' ' + record['sharding_strategy'] if record['sharding_strategy'] else ''}"
                     f"{' ' + record['strategy'] if record.get('strategy', 'auto') != 'auto' else ''}"
@@ -510,6 +570,14 @@ def _print_table(record: dict) -> None:
     ]
     width = max(len(name) for name, _ in lines)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in lines))
+
+
+def _recipe_words(record: dict) -> str:
+    """"finetune_lora (r 8, ... ; 0.1M trainable) of " before the model, nothing for pretraining."""
+    if record["recipe"] == "pretrain":
+        return ""
+    adapters = f"{_lora_words(record['lora'])}; " if record["lora"] else ""
+    return f"{record['recipe']} ({adapters}{record['trainable_parameters'] / 1e6:.2f}M trainable) of "
 
 
 def _split_words(record: dict) -> str:
