@@ -1,4 +1,11 @@
-"""Median tokens/s per tool and setting from a peers.jsonl, and llmtrain's ratio to each peer."""
+"""Median tokens/s per tool and setting from a peers.jsonl, and llmtrain's ratio to each peer.
+
+    python scripts/peers/summarize.py peers.jsonl [RECIPE]
+
+A setting is the recipe (pretrain, finetune_lora with its adapters, finetune_full; a record without one is
+pretraining, as every record was before fine-tuning was compared), the model, the precision and compilation.
+RECIPE prints only that recipe's settings.
+"""
 
 import json
 import statistics
@@ -6,20 +13,33 @@ import sys
 from collections import defaultdict
 
 
-def main(path: str) -> None:
+def setting(record: dict) -> tuple:
+    """(recipe with its LoRA settings, model, precision, compiled) of a record of any of the three tools."""
+    recipe = record.get("recipe") or "pretrain"
+    lora = record.get("lora")
+    if lora:
+        targets = ",".join(name.removeprefix("lora_") for name, on in lora.items()
+                           if on is True)  # the target switches; rank, alpha and dropout are numbers
+        recipe += f" (r {lora['lora_r']}, alpha {lora['lora_alpha']}, dropout {lora['lora_dropout']:g}, {targets})"
+    model = record.get("model") or record.get("config", "").rstrip("/").rsplit("/", 1)[-1]
+    return recipe, model, record["precision"], bool(record.get("compile"))
+
+
+def main(path: str, only_recipe: str = "") -> None:
     runs = defaultdict(list)
     for line in open(path):
         record = json.loads(line)
-        tool = record.get("tool", "llmtrain")
-        model = record.get("model") or record.get("config", "").rstrip("/").rsplit("/", 1)[-1]
+        if only_recipe and (record.get("recipe") or "pretrain") != only_recipe:
+            continue
         speed = record.get("tokens_per_sec_per_device", record.get("tokens_per_sec"))
-        runs[(model, record["precision"], bool(record.get("compile")), tool)].append(speed)
-    settings = sorted({key[:3] for key in runs})
-    for model, precision, compiled in settings:
-        print(f"{model} {precision}{' compiled' if compiled else ''}:")
-        ours = runs.get((model, precision, compiled, "llmtrain"))
-        for (m, p, c, tool), speeds in sorted(runs.items()):
-            if (m, p, c) != (model, precision, compiled):
+        runs[(*setting(record), record.get("tool", "llmtrain"))].append(speed)
+    for key in sorted({key[:4] for key in runs}):
+        recipe, model, precision, compiled = key
+        label = "" if recipe == "pretrain" else f"{recipe} of "  # pretraining's lines read as they always did
+        print(f"{label}{model} {precision}{' compiled' if compiled else ''}:")
+        ours = runs.get((*key, "llmtrain"))
+        for (*other, tool), speeds in sorted(runs.items()):
+            if tuple(other) != key:
                 continue
             median = statistics.median(speeds)
             ratio = f", llmtrain / this = {statistics.median(ours) / median:.2f}x" if ours and tool != "llmtrain" else ""
@@ -27,4 +47,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
