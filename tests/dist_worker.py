@@ -128,6 +128,26 @@ def fsdp_units(model: torch.nn.Module) -> list[list[str]]:
     return sorted(units.values())
 
 
+class CountedCalls:
+    """Counts the calls of ``owner.name`` while entered (each call goes on to the real function)."""
+
+    def __init__(self, owner, name: str) -> None:
+        self.owner, self.name, self.count = owner, name, 0
+
+    def __enter__(self) -> "CountedCalls":
+        self.original = getattr(self.owner, self.name)
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return self.original(*args, **kwargs)
+
+        setattr(self.owner, self.name, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        setattr(self.owner, self.name, self.original)
+
+
 def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] = None, precision: str = "32-true",
           num_nodes: int = 1, micro_batch_size: int = 1, out_dir: Optional[Path] = None,
           checkpoint_formats: tuple[str, ...] = ("sharded",), resume_from: Optional[Path] = None) -> dict:
@@ -158,8 +178,9 @@ def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] 
               save_final=lambda s: checkpointers[0].save_final(s) if out_dir else None,
               loggers=[recorder], state=state, autocast_enabled=not info.mixed_precision_policy,
               grad_sync_only_last=info.grad_sync_only_last)
-    fit(job)
-    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "mesh_shape": info.describe_mesh(),
+    with CountedCalls(torch.distributed, "all_gather_single") as all_gathers:  # FSDP2's all-gather of a unit
+        fit(job)
+    return {"losses": recorder.losses, "all_gathers": all_gathers.count, "grad_norms": recorder.grad_norms, "mesh_shape": info.describe_mesh(),
             "mesh_ndim": mesh_ndim(model, info), "wrapper": info.wrapper,
             "sharding_strategy": info.sharding_strategy, "autocast_enabled": not info.mixed_precision_policy,
             "weights": gather_full_model_state(model),

@@ -272,3 +272,19 @@ def test_single_process_parallelize_applies_checkpointing_only():
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
     apply_activation_checkpointing(model)  # idempotent
     assert type(model.blocks[0]).__name__ == "CheckpointedBlock"
+
+
+
+@pytest.mark.multiproc
+def test_all_gathers_per_step_follow_the_sharding_strategy(two):
+    # The tiny model has four units that hold weights: the embedding, two Blocks and [final norm, head] (the root holds
+    # none). Each rank takes GLOBAL_BATCH / 2 samples per step in micro-batches.
+    steps = worker.MAX_STEPS
+    full = two["full_shard"]  # micro-batch 1: four per step
+    # Before every micro-batch's forward, each unit; before its backward again the three resharded after forward (the
+    # head, needed first, is not).
+    assert full["all_gathers"] == steps * full["grad_accum_steps"] * (4 + 3)
+    held = two["shard_grad_op"]  # micro-batch 2: two per step
+    assert held["grad_accum_steps"] == 2
+    # SHARD_GRAD_OP keeps every unit gathered through forward and backward, and through the step's micro-batches.
+    assert held["all_gathers"] == steps * 4

@@ -172,6 +172,9 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
     if model.lm_head is not None and not tied:
         fully_shard([model.norm_f, model.lm_head], reshard_after_forward=False, **options)
     fully_shard(model, reshard_after_forward=False, **options)
+    # SHARD_GRAD_OP holds each unit's weights gathered from its forward to its backward; the loop holds them on through
+    # a step's micro-batches (llmtrain.train.loop.gradient_sync) instead of resharding and gathering them again.
+    model.holds_weights_through_accumulation = not reshard_after_forward
 
 
 def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
@@ -181,8 +184,9 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     if _has_meta_tensors(model):
         model.to_empty(device=device)
     device_ids = [device.index] if device.type == "cuda" else None
-    # The only buffers are the RoPE tables, equal on every rank: no need to broadcast them each step.
-    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+    # The only buffers are the RoPE tables, equal on every rank: no need to broadcast them each step (DDP still
+    # broadcasts them once, here; materialize() recomputes them on every rank after).
+    return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
 
 
 # ----------------------------------------------------------------------------------- materialize

@@ -148,9 +148,12 @@ def plan_horizon(train: TrainArgs, tokens_per_step: int, samples_per_epoch: Opti
 
 
 def gradient_sync(model: torch.nn.Module, enabled: bool):
-    """Skip the gradient all-reduce on micro-batches that are not the step's last, where the wrapper allows."""
+    """Skip the gradient all-reduce on micro-batches that are not the step's last, where the wrapper allows; under
+    SHARD_GRAD_OP keep the gathered weights until then too."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(enabled)
+        if getattr(model, "holds_weights_through_accumulation", False):  # SHARD_GRAD_OP (parallelize.apply_fsdp)
+            model.set_reshard_after_backward(enabled)  # gathered once per step, not once per micro-batch
         return contextlib.nullcontext()
     if not enabled and hasattr(model, "no_sync"):  # DDP
         return model.no_sync()
