@@ -31,6 +31,7 @@ this module only applies it.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable, Optional
 
 import torch
@@ -175,6 +176,25 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
     # SHARD_GRAD_OP holds each unit's weights gathered from its forward to its backward; the loop holds them on through
     # a step's micro-batches (llmtrain.train.loop.gradient_sync) instead of resharding and gathering them again.
     model.holds_weights_through_accumulation = not reshard_after_forward
+    if mesh.device_type == "cpu" and os.environ.get("LLMTRAIN_FSDP_OVERLAP", "1") == "1":
+        overlap_all_gathers(model)
+
+
+def overlap_all_gathers(model: nn.Module) -> None:
+    """On the CPU (gloo), all-gather the next Block's weights while this one computes.
+
+    FSDP2 overlaps an all-gather with compute through CUDA streams; on the CPU it has none and gathers each unit
+    when its forward (or backward) starts, waiting for it. Here every unit's all-gather is asynchronous (gloo moves
+    the bytes in its own threads) and issued one unit ahead: in forward, the embedding asks for Block 0 and each
+    Block for the next; in backward, each Block for the one before it.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [unit for unit in (model.wte, *transformer_blocks(model)) if isinstance(unit, FSDPModule)]
+    for unit, following in zip(units, units[1:]):
+        unit.set_modules_to_forward_prefetch([following])
+        following.set_modules_to_backward_prefetch([unit])
+    model._set_unshard_async_op(True)
 
 
 def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
