@@ -41,6 +41,8 @@ def main() -> None:
     parser.add_argument("out_dir", type=Path, help="the transformers folder to write")
     parser.add_argument("--schedule", choices=["litgpt", "llmtrain"], default="litgpt")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--init_seed", type=int, help="seed the initial weights with this instead of the run's seed: "
+                        "the same batches from another draw of the weights, to see how far the draw alone moves the loss")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     run = torch.load(args.data)
@@ -48,7 +50,7 @@ def main() -> None:
     steps, accum, _, window = train.shape
 
     fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true")
-    fabric.seed_everything(run["seed"])
+    fabric.seed_everything(run["seed"] if args.init_seed is None else args.init_seed)
     config = Config(**LLAMA_DEBUG)
     with fabric.init_module(empty_init=True):
         gpt = GPT(config)
