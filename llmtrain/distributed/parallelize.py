@@ -186,7 +186,8 @@ def overlap_all_gathers(model: nn.Module) -> None:
     FSDP2 overlaps an all-gather with compute through CUDA streams; on the CPU it has none and gathers each unit
     when its forward (or backward) starts, waiting for it. Here every unit's all-gather is asynchronous (gloo moves
     the bytes in its own threads) and issued one unit ahead: in forward, the embedding asks for Block 0 and each
-    Block for the next; in backward, each Block for the one before it.
+    Block for the next; in backward, each Block for the one before it. ``LLMTRAIN_FSDP_OVERLAP=0`` leaves FSDP's own
+    behaviour, for an A/B (BENCHMARKS.md, "2 processes against 1").
     """
     from torch.distributed.fsdp import FSDPModule
 
