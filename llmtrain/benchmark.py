@@ -42,7 +42,8 @@ FULL_DEFAULTS = (8, 256, 20, 5)
 SHORT_DEFAULTS = (4, 128, 3, 2)
 RecipeName = Literal["pretrain", "finetune_lora", "finetune_full"]
 RECORD_FIELDS = (
-    "recipe", "model", "parameters", "trainable_parameters", "lora", "precision", "micro_batch_size", "seq_len", "devices", "strategy", "sharding_strategy",
+    "recipe", "model", "parameters", "trainable_parameters", "lora", "precision", "micro_batch_size", "seq_len",
+    "devices", "strategy", "sharding_strategy",
     "compile", "activation_checkpointing",
     "tp_size", "pp_size", "pp_schedule", "global_batch_size", "steps", "warmup",
     "tokens_per_sec_per_device", "tokens_per_sec", "step_time_median_s", "step_time_min_s", "step_time_max_s",

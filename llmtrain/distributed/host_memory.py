@@ -5,7 +5,7 @@ after its dynamic threshold moves) with a fresh ``mmap`` and unmaps it again on 
 size starts on untouched pages, and the kernel faults in and zeroes every 4 KiB page on first write. A training
 step allocates and frees the same large tensors every step (activations, the loss chunk's logits, gradients),
 so it pays that again and again: copying a 32 MiB tensor took 11 ms with glibc's defaults and 2 ms with blocks
-reused, on the 2-core box of BENCHMARKS.md ("Host allocator").
+reused, on the 2-core box of BENCHMARKS.md ("Host memory: the lever that paid").
 
 :func:`keep_freed_host_memory` raises glibc's mmap threshold and trim threshold to their limit (2 GiB - 1), so
 that such blocks come from the heap and go back to it, the way a GPU's caching allocator keeps its blocks. The

@@ -176,8 +176,16 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
     # SHARD_GRAD_OP holds each unit's weights gathered from its forward to its backward; the loop holds them on through
     # a step's micro-batches (llmtrain.train.loop.gradient_sync) instead of resharding and gathering them again.
     model.holds_weights_through_accumulation = not reshard_after_forward
-    if mesh.device_type == "cpu" and os.environ.get("LLMTRAIN_FSDP_OVERLAP", "1") == "1":
+    if mesh.device_type == "cpu" and _fsdp_overlap_enabled():
         overlap_all_gathers(model)
+
+
+def _fsdp_overlap_enabled() -> bool:
+    value = os.environ.get("LLMTRAIN_FSDP_OVERLAP", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"LLMTRAIN_FSDP_OVERLAP={value!r}: use 1 (the default: overlap FSDP's all-gathers on the CPU) "
+                         "or 0 (FSDP's own behaviour)")
+    return value == "1"
 
 
 def overlap_all_gathers(model: nn.Module) -> None:
