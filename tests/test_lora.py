@@ -177,6 +177,39 @@ def test_merged_model_is_a_plain_gpt_with_the_same_logits(name):
         torch.testing.assert_close(plain.eval()(idx), lora_logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_output_and_gradients_follow_the_formula(dtype, bias):
+    """y = x W^T + b + (x A^T) B^T * alpha / r, with its gradients, whichever way the layer computes it
+    (one fused GEMM when the base and adapter dtypes agree, a separate update otherwise)."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(24, 40, bias=bias, dtype=dtype)
+    layer = LoRALinear(base, r=4, alpha=8)
+    torch.nn.init.normal_(layer.lora_B)
+    x = torch.randn(3, 5, 24, dtype=dtype, requires_grad=True)
+    grad = torch.randn(3, 5, 40, dtype=dtype)
+    y = layer(x)
+    y.backward(grad)
+
+    ref_x, ref_a, ref_b = (t.detach().double().requires_grad_() for t in (x, layer.lora_A, layer.lora_B))
+    ref = ref_x @ base.weight.double().T + (ref_x @ ref_a.T) @ ref_b.T * 2.0
+    if bias:
+        ref = ref + base.bias.double()
+    ref.backward(grad.double())
+    bound = 1e-6 if dtype == torch.float32 else 1e-2  # relative error of the whole tensor (bf16 rounds to 2^-8)
+    assert y.shape == (3, 5, 40) and y.dtype == dtype
+    for got, want in ((y, ref), (x.grad, ref_x.grad), (layer.lora_A.grad, ref_a.grad), (layer.lora_B.grad, ref_b.grad)):
+        assert ((got.double() - want).norm() / want.norm()).item() < bound
+
+    # An adapter in another dtype than its base (as over a quantized base) takes the separate update.
+    mixed = LoRALinear(torch.nn.Linear(24, 40, bias=bias), r=4, alpha=8)
+    mixed.lora_A.data, mixed.lora_B.data = layer.lora_A.data.double(), layer.lora_B.data.double()
+    mixed.base.load_state_dict({k: v.float() for k, v in base.state_dict().items()})
+    out = mixed(x.detach().float())
+    assert out.dtype == torch.float32
+    assert ((out.double() - ref.detach()).norm() / ref.norm()).item() < bound
+
+
 def test_adapter_weights_round_trip(tmp_path):
     config = CONFIGS["neox"]
     args = all_layers(config)
