@@ -105,7 +105,8 @@ def _bytes(dtype: torch.dtype) -> int:
 
 
 def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, checkpointing: Union[bool, str], *,
-                               tp: int = 1, sequence_parallel: bool = False) -> dict[str, float]:
+                               tp: int = 1, sequence_parallel: bool = False,
+                               attention_dtype: Optional[torch.dtype] = None) -> dict[str, float]:
     """Bytes autograd keeps per token on one tensor-parallel rank: per block, for the whole stack, for the loss.
 
     ``layer``: one block's full set; ``kept``: what a block keeps until its backward, on average over the blocks
@@ -124,6 +125,10 @@ def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, check
     sequence: then they are divided by ``tp`` too (NOTE: as Megatron-LM counts them, re-gathering the input of a
     column-parallel linear in backward; torch's DTensor keeps the gathered input, a d-wide tensor per linear more).
     The vocabulary-sharded head holds ``V / tp`` of each token's logits.
+
+    ``attention_dtype`` (``llmtrain.model.attention_dtype``; default ``compute_dtype``): where attention computes
+    in float32 although the model computes in bfloat16, the q, k, v and output it saves take 4 bytes an element;
+    ``op`` recomputes the float32 copies of q, k, v and keeps only the output.
     """
     from llmtrain.args import canonical_checkpointing, checkpointed_every
 
@@ -135,14 +140,16 @@ def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, check
     gated = config.mlp_class_name in ("LLaMAMLP", "GemmaMLP")
     sequence_split = tp if sequence_parallel else 1
     replicated = norms * norm + d * a  # the norms, and the MLP's input
-    split = (2 * q + 4 * kv) * a + (4 if gated else 2) * f * a  # attention heads and MLP width
+    upcast = _bytes(attention_dtype) - a if attention_dtype is not None else 0  # attention in float32 (above)
+    split = (2 * q + 4 * kv) * a + (2 * q + 2 * kv) * upcast + (4 if gated else 2) * f * a  # heads and MLP width
     layer = replicated / sequence_split + split / tp
     block_input = d * a / sequence_split
     mode = canonical_checkpointing(checkpointing)
     if mode == "op":
         # NOTE: attention's o and the MLP's down projection write a d-wide partial sum on every rank; under tensor
         # parallelism each then goes through a collective whose output is kept as well.
-        matmuls = ((q + 2 * kv) * a + q * a + 4 * config.n_head + (2 if gated else 1) * f * a) / tp + 2 * d * a
+        matmuls = (((q + 2 * kv) * a + q * (a + upcast) + 4 * config.n_head + (2 if gated else 1) * f * a) / tp
+                   + 2 * d * a)
         collectives = 2 * d * a / sequence_split if tp > 1 else 0
         checkpointed = block_input + matmuls + collectives
     else:
@@ -360,8 +367,12 @@ def activation_bytes(config: Config, plan: ParallelPlan, pipeline_rank: int = 0,
     chunk's logits, and (``trains_head``) the head's fp32 weight gradient, which the fused loss computes in the
     forward and keeps until the backward: one per micro-batch in flight on the last rank (all of them under GPipe).
     """
-    per_token = activation_bytes_per_token(config, plan.precision.compute_dtype, plan.activation_checkpointing,
-                                           tp=plan.tp, sequence_parallel=plan.sequence_parallel)
+    from llmtrain.model import attention_dtype
+
+    compute_dtype = plan.precision.compute_dtype
+    per_token = activation_bytes_per_token(config, compute_dtype, plan.activation_checkpointing, tp=plan.tp,
+                                           sequence_parallel=plan.sequence_parallel,
+                                           attention_dtype=attention_dtype(plan.device_type, compute_dtype, seq_len))
     tokens = plan.batch.micro_batch_size * seq_len
     layers = stage_layers(config, plan)[pipeline_rank]
     kept = tokens * layers * per_token["kept"] * microbatches_in_flight(plan, pipeline_rank)

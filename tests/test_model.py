@@ -4,8 +4,9 @@ import torch
 from llmtrain.config import Config
 from llmtrain.convert import state_dict_from_hf
 from llmtrain.flops import num_parameters
-from llmtrain.model import (GPT, INIT_SCHEMES, build_rope_cache, build_sliding_window_mask, causal_attention,
-                            init_gpt_weights, init_stds, kv_layout)
+from llmtrain import model as model_module
+from llmtrain.model import (GPT, INIT_SCHEMES, CPU_FLOAT32_ATTENTION_MAX_SEQ, attention_dtype, build_rope_cache,
+                            build_sliding_window_mask, causal_attention, init_gpt_weights, init_stds, kv_layout)
 
 from conftest import build_model, tiny_config
 
@@ -84,6 +85,65 @@ def test_every_kv_layout_computes_the_same_attention(n_query_groups, window):
     layouts = ["repeat"] if window else ["repeat", "grouped"]
     for layout in layouts:
         torch.testing.assert_close(causal_attention(q, k, v, layout, mask).double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_attention_dtype_per_device_dtype_and_length(monkeypatch, amx):
+    monkeypatch.setattr(model_module, "CPU_HAS_AMX", amx)
+    short, long = CPU_FLOAT32_ATTENTION_MAX_SEQ, CPU_FLOAT32_ATTENTION_MAX_SEQ + 1
+    assert attention_dtype("cpu", torch.bfloat16, short) == (torch.bfloat16 if amx else torch.float32)
+    assert attention_dtype("cpu", torch.bfloat16, long) == torch.bfloat16
+    for dtype in (torch.float32, torch.float16):
+        assert attention_dtype("cpu", dtype, short) == dtype
+    assert attention_dtype("cuda", torch.bfloat16, short) == torch.bfloat16
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_attention_computes_in_the_dtype_the_rule_names(monkeypatch, amx, autocast):
+    """The layer's output and input gradient are exactly those of SDPA in ``attention_dtype``'s dtype (float32 on
+    the inputs' upcast copies, cast back), in a bfloat16 model and under bfloat16 autocast alike."""
+    monkeypatch.setattr(model_module, "CPU_HAS_AMX", amx)
+    config = tiny_config("llama-debug")
+    torch.manual_seed(0)
+    attn = model_module.CausalSelfAttention(config)
+    if not autocast:
+        attn = attn.to(torch.bfloat16)
+    T = 16
+    cos, sin = build_rope_cache(T, config)
+    x = torch.randn(2, T, config.n_embd, dtype=torch.float32 if autocast else torch.bfloat16)
+
+    def run(attention):
+        model_module.causal_attention, original = attention, model_module.causal_attention
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                inputs = x.detach().requires_grad_()
+                out = attn(inputs, cos.to(x.dtype), sin.to(x.dtype))
+            out.float().sum().backward()
+            return out, inputs.grad
+        finally:
+            model_module.causal_attention = original
+
+    seen = []
+
+    def recording(q, k, v, layout, mask=None):
+        seen.append(q.dtype)
+        return causal_attention(q, k, v, layout, mask)
+
+    out, grad = run(recording)
+    assert out.dtype == torch.bfloat16
+    assert seen == [torch.bfloat16 if amx else torch.float32]
+
+    def forced(dtype):
+        def attention(q, k, v, layout, mask=None):
+            with torch.autocast("cpu", enabled=False):
+                return causal_attention(q.to(dtype), k.to(dtype), v.to(dtype), layout, mask).to(q.dtype)
+        return attention
+
+    want_out, want_grad = run(forced(seen[0]))
+    assert torch.equal(out, want_out) and torch.equal(grad, want_grad)
+    other_out, _ = run(forced(torch.bfloat16 if seen[0] == torch.float32 else torch.float32))
+    assert not torch.equal(out, other_out)  # the two dtypes do give different results here
 
 
 def test_head_size_independent_of_n_embd():
