@@ -373,8 +373,9 @@ def _train_args(micro_batch_size: int, global_batch_size: int, seq_len: int, tot
 
 def _train(run_dir: Path, *, model: str, plan: ParallelPlan, fsdp: FSDPArgs, train: TrainArgs,
            compile: bool, strategy: str = "auto", recipe: RecipeName = "pretrain",
-           lora: Optional[LoRAArgs] = None) -> None:
-    """The recipe on the built-in corpus with the plan's layout, no validation; fine-tuning from random weights."""
+           lora: Optional[LoRAArgs] = None, **extra: Any) -> None:
+    """The recipe on the built-in corpus with the plan's layout, no validation; fine-tuning from random weights.
+    ``extra`` goes to the recipe's setup as it is (``profile=ProfileArgs(...)`` for scripts/profile_step.py)."""
     from llmtrain.data import BuiltinStories
     from llmtrain.recipes import finetune, pretrain
 
@@ -382,7 +383,7 @@ def _train(run_dir: Path, *, model: str, plan: ParallelPlan, fsdp: FSDPArgs, tra
     flags = dict(out_dir=run_dir / "train", precision=plan.precision.name, data=data, train=train,
                  eval=EvalArgs(interval=10**9, initial_validation=False, final_validation=False),
                  devices=plan.devices, fsdp=fsdp, compile=compile, tp_size=plan.tp, pp_size=plan.pp,
-                 pp_schedule=plan.pp_schedule, strategy=strategy)
+                 pp_schedule=plan.pp_schedule, strategy=strategy, **extra)
     if recipe == "pretrain":
         pretrain.setup(model_name=model, **flags)
         return

@@ -1,9 +1,10 @@
 """Where a training step's time goes: per phase (data, forward, backward, optimizer) and per operator.
 
     .venv/bin/python scripts/profile_step.py --model llama-debug --precision 32-true [--compile] [--steps 3 --warmup 3]
+        [--recipe pretrain|finetune_lora|finetune_full]
 
-Runs the pretrain recipe exactly as ``llmtrain benchmark`` does (built-in corpus, micro batch 8 x 256 by default,
-no validation) with ``--profile`` over ``--steps`` steps after ``--warmup``, then reads rank 0's Chrome trace:
+Runs the recipe exactly as ``llmtrain benchmark`` does (built-in corpus, micro batch 8 x 256 by default,
+no validation; fine-tuning from a random model directory, LoRA with finetune_lora's default adapters without dropout unless --lora_dropout) with ``--profile`` over ``--steps`` steps after ``--warmup``, then reads rank 0's Chrome trace:
 
 - phases: the loop labels them (``llmtrain.train.loop.PHASES``); "other" is the rest of the step (logging, the
   schedule, the profiler's step marker). Milliseconds per step.
@@ -129,23 +130,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="profiled steps")
     parser.add_argument("--warmup", type=int, default=3, help="steps before the profiled ones")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--recipe", default="pretrain", choices=("pretrain", "finetune_lora", "finetune_full"))
+    parser.add_argument("--lora_dropout", type=float, default=0.0,
+                        help="finetune_lora's adapter dropout (0 as in scripts/peers/finetune_compare.sh)")
     parser.add_argument("--json", type=Path, help="append the record to this JSON-lines file")
     args = parser.parse_args()
 
-    from llmtrain.args import EvalArgs, ProfileArgs
-    from llmtrain.benchmark import _train_args, git_commit
-    from llmtrain.data import BuiltinStories
-    from llmtrain.recipes import pretrain
+    from llmtrain.args import FSDPArgs, ProfileArgs
+    from llmtrain.benchmark import _train, _train_args, git_commit
+    from llmtrain.distributed.parallel_plan import ParallelPlan
+    from llmtrain.lora import LoRAArgs
 
     train = _train_args(args.micro_batch_size, args.micro_batch_size, args.seq_len, args.warmup + args.steps, None)
+    plan = ParallelPlan.resolve(devices=1, num_nodes=1, train=train, precision=args.precision)
     with tempfile.TemporaryDirectory() as tmp:
-        out_dir = Path(tmp) / "train"
-        pretrain.setup(model_name=args.model, out_dir=out_dir, precision=args.precision, data=BuiltinStories(),
-                       train=train, compile=args.compile,
-                       eval=EvalArgs(interval=10**9, initial_validation=False, final_validation=False),
-                       profile=ProfileArgs(start_step=args.warmup + 1, end_step=args.warmup + args.steps, memory=False))
-        result = parse_trace(out_dir / "profile" / "rank0.json", args.steps)
-    result.update(model=args.model, precision=args.precision, micro_batch_size=args.micro_batch_size,
+        run_dir = Path(tmp)
+        _train(run_dir, model=args.model, plan=plan, fsdp=FSDPArgs(), train=train, compile=args.compile,
+               recipe=args.recipe, lora=LoRAArgs(lora_dropout=args.lora_dropout),
+               profile=ProfileArgs(start_step=args.warmup + 1, end_step=args.warmup + args.steps, memory=False))
+        result = parse_trace(run_dir / "train" / "profile" / "rank0.json", args.steps)
+    result.update(recipe=args.recipe, model=args.model, precision=args.precision, micro_batch_size=args.micro_batch_size,
                   seq_len=args.seq_len, compile=args.compile, steps=args.steps, warmup=args.warmup,
                   commit=git_commit(), command="scripts/profile_step.py " + " ".join(sys.argv[1:]))
     print_tables(result)
