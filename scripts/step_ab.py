@@ -1,0 +1,120 @@
+"""Interleaved A/B inside one process: the whole model's forward and backward with one code path against another.
+
+    .venv/bin/python scripts/step_ab.py attention_dtype --model llama-20m --seq_len 256 --micro_batch_size 8
+    .venv/bin/python scripts/step_ab.py lora_update --model llama-debug --precision 32-true
+
+Experiments (A against B):
+- ``attention_dtype``: a bfloat16 model's training attention in bfloat16 against float32, the rule of
+  ``llmtrain.model.attention_dtype`` (A turns the rule off, B applies it at --seq_len).
+- ``lora_update``: LoRA (rank 8, alpha 16, no dropout, on q and v) with the update computed as a separate matmul,
+  scaling and add (A, what ``LoRALinear`` did before) against one addmm onto the base output (B, what it does).
+
+Each of ``--pairs`` pairs times two steps of A and two of B, in alternating order, so that a drift in the machine's
+speed hits both; prints the medians and A / B. The model and its loss are the recipes' (``GPT(..., labels=...)``,
+the fused loss) with random weights and tokens. Finer-grained than ``scripts/ab.py``, which runs whole benchmarks:
+on this shared machine a run's speed drifts by up to 10%, more than the changes measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def attention_dtype_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
+    from llmtrain import model as model_module
+
+    def native() -> None:
+        model_module.CPU_FLOAT32_ATTENTION_MAX_SEQ = 0
+
+    def upcast() -> None:
+        model_module.CPU_FLOAT32_ATTENTION_MAX_SEQ = args.seq_len
+
+    return {"attention in bfloat16": native, "attention in float32": upcast}
+
+
+def lora_update_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
+    import torch.nn.functional as F
+
+    from llmtrain.lora import LoRALinear
+
+    fused = LoRALinear.forward
+
+    def separate_forward(self: LoRALinear, x):
+        out = self.base(x)
+        hidden = F.linear(self.dropout(x.to(self.lora_A.dtype)), self.lora_A)
+        update = F.linear(hidden, self.lora_B) * self.scaling
+        return out + update.to(out.dtype)
+
+    def separate() -> None:
+        LoRALinear.forward = separate_forward
+
+    def one_addmm() -> None:
+        LoRALinear.forward = fused
+
+    return {"separate update": separate, "one addmm": one_addmm}
+
+
+EXPERIMENTS = {"attention_dtype": attention_dtype_sides, "lora_update": lora_update_sides}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("experiment", choices=sorted(EXPERIMENTS))
+    parser.add_argument("--model", default="llama-debug")
+    parser.add_argument("--precision", default="bf16-true", choices=("32-true", "bf16-true"))
+    parser.add_argument("--seq_len", type=int, default=256)
+    parser.add_argument("--micro_batch_size", type=int, default=8)
+    parser.add_argument("--pairs", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    if args.experiment == "attention_dtype" and args.precision != "bf16-true":
+        parser.error("attention_dtype compares attention dtypes of a bfloat16 model: use --precision bf16-true")
+
+    import torch
+
+    from llmtrain.config import Config
+    from llmtrain.distributed.host_memory import keep_freed_host_memory
+    from llmtrain.lora import LoRAArgs, apply_lora, mark_only_lora_trainable
+    from llmtrain.model import GPT
+
+    torch.set_num_threads(args.threads)
+    keep_freed_host_memory()
+    torch.manual_seed(0)
+    model = GPT(Config.from_name(args.model))
+    model.init_weights()
+    model = model.to(torch.bfloat16 if args.precision == "bf16-true" else torch.float32)
+    if args.experiment == "lora_update":
+        apply_lora(model, LoRAArgs(lora_dropout=0.0))
+        mark_only_lora_trainable(model)
+    model.train()
+    tokens = torch.randint(0, model.config.vocab_size, (args.micro_batch_size, args.seq_len + 1))
+
+    def step() -> float:
+        start = time.perf_counter()
+        model(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    sides = EXPERIMENTS[args.experiment](args)
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    step()  # warm-up
+    for pair in range(args.pairs):
+        for side in (list(sides) if pair % 2 else list(reversed(sides))):
+            sides[side]()
+            times[side].extend(step() for _ in range(2))
+    medians = {side: statistics.median(values) * 1e3 for side, values in times.items()}
+    (a, a_ms), (b, b_ms) = medians.items()
+    print(f"{args.experiment}: {args.model} {args.precision}, micro batch {args.micro_batch_size} x {args.seq_len}, "
+          f"{args.pairs} pairs, {args.threads} threads: step medians A ({a}) {a_ms:.1f} ms, B ({b}) {b_ms:.1f} ms; "
+          f"A / B = {a_ms / b_ms:.3f}")
+
+
+if __name__ == "__main__":
+    main()
