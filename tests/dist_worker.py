@@ -178,9 +178,12 @@ def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] 
               save_final=lambda s: checkpointers[0].save_final(s) if out_dir else None,
               loggers=[recorder], state=state, autocast_enabled=not info.mixed_precision_policy,
               grad_sync_only_last=info.grad_sync_only_last)
-    with CountedCalls(torch.distributed, "all_gather_single") as all_gathers:  # FSDP2's all-gather of a unit
+    with (CountedCalls(torch.distributed, "all_gather_single") as all_gathers,  # FSDP2's all-gather of a unit
+          CountedCalls(torch.distributed, "reduce_scatter_single") as reduce_scatters,  # FSDP2's own reduce-scatter
+          CountedCalls(torch.distributed, "all_reduce") as all_reduces):
         fit(job)
-    return {"losses": recorder.losses, "all_gathers": all_gathers.count, "grad_norms": recorder.grad_norms, "mesh_shape": info.describe_mesh(),
+    return {"losses": recorder.losses, "all_gathers": all_gathers.count, "reduce_scatters": reduce_scatters.count,
+            "all_reduces": all_reduces.count, "grad_norms": recorder.grad_norms, "mesh_shape": info.describe_mesh(),
             "mesh_ndim": mesh_ndim(model, info), "wrapper": info.wrapper,
             "sharding_strategy": info.sharding_strategy, "autocast_enabled": not info.mixed_precision_policy,
             "weights": gather_full_model_state(model),

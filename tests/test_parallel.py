@@ -288,3 +288,15 @@ def test_all_gathers_per_step_follow_the_sharding_strategy(two):
     assert held["grad_accum_steps"] == 2
     # SHARD_GRAD_OP keeps every unit gathered through forward and backward, and through the step's micro-batches.
     assert held["all_gathers"] == steps * 4
+
+
+@pytest.mark.multiproc
+def test_gloo_reduce_scatters_gradients_as_all_reduces(two):
+    # parallelize.reduce_scatter_by_all_reduce: on the CPU each unit's gradients go through an all-reduce, never through
+    # gloo's reduce-scatter; the losses and weights of the same runs match one process (the tests above).
+    steps = worker.MAX_STEPS
+    for run in ("full_shard", "shard_grad_op"):
+        assert two[run]["reduce_scatters"] == 0
+        # One per unit and step (after the step's last backward), as FSDP reduce-scatters; more for the loop's own
+        # reductions (the loss, the gradient norm).
+        assert two[run]["all_reduces"] >= steps * 4
