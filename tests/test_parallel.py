@@ -292,8 +292,9 @@ def test_all_gathers_per_step_follow_the_sharding_strategy(two):
 
 @pytest.mark.multiproc
 def test_gloo_reduce_scatters_gradients_as_all_reduces(two):
-    # parallelize.reduce_scatter_by_all_reduce: on the CPU each unit's gradients go through an all-reduce, never through
-    # gloo's reduce-scatter; the losses and weights of the same runs match one process (the tests above).
+    # parallelize.reduce_scatter_by_all_reduce, with its size bound at 0 (dist_worker.suite_two): on the CPU each unit's
+    # gradients go through an all-reduce, never through gloo's reduce-scatter; the losses and weights of the same runs
+    # match one process (the tests above).
     steps = worker.MAX_STEPS
     for run in ("full_shard", "shard_grad_op"):
         assert two[run]["reduce_scatters"] == 0

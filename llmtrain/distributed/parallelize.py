@@ -209,11 +209,16 @@ def overlap_all_gathers(model: nn.Module) -> None:
     model._set_unshard_async_op(True)
 
 
-def reduce_scatter_by_all_reduce(model: nn.Module) -> None:
-    """On the CPU (gloo), every FSDP unit reduce-scatters its gradients as an all-reduce that keeps this rank's slice.
+# Gradient buffers from this size up reduce-scatter as an all-reduce on the CPU (below).
+ALL_REDUCE_SCATTER_MIN_BYTES = 16 * 2**20
 
-    gloo's reduce-scatter is slower than its all-reduce of the same buffer, although the all-reduce moves more:
-    28.4 against 19.0 ms for a pythia-160m Block's 27 MiB over 2 processes (BENCHMARKS.md, "2 processes against 1").
+
+def reduce_scatter_by_all_reduce(model: nn.Module) -> None:
+    """On the CPU (gloo), FSDP units reduce-scatter large gradient buffers as an all-reduce that keeps this rank's slice.
+
+    gloo's reduce-scatter of a large buffer is slower than its all-reduce of it, although the all-reduce moves more:
+    over 2 processes 38 against 31 ms for a pythia-160m Block's 27 MiB, 234 against 161 ms for its 147 MiB
+    embedding; the two are even at 15 MiB and the reduce-scatter wins below (``scripts/gloo_collectives.py``).
     The all-reduce runs in place on FSDP's reduce-scatter input, a buffer FSDP frees right after: no memory more.
     """
     from torch.distributed.fsdp import FSDPModule
@@ -224,12 +229,15 @@ def reduce_scatter_by_all_reduce(model: nn.Module) -> None:
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
-                     async_op: bool = False) -> None:
+                     async_op: bool = False):
             if async_op:
                 raise NotImplementedError("FSDP2 reduce-scatters synchronously; this one cannot run asynchronously")
+            if input_tensor.numel() * input_tensor.element_size() < ALL_REDUCE_SCATTER_MIN_BYTES:
+                return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group)
             dist.all_reduce(input_tensor, op=op, group=group)
             shard = input_tensor.numel() // group.size()
             output_tensor.copy_(input_tensor.narrow(0, group.rank() * shard, shard).view_as(output_tensor))
+            return None
 
     comm = AllReduceScatter()
     for unit in model.modules():
