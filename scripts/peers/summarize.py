@@ -5,6 +5,10 @@
 A setting is the recipe (pretrain, finetune_lora with its adapters, finetune_full; a record without one is
 pretraining, as every record was before fine-tuning was compared), the model, the precision and compilation.
 RECIPE prints only that recipe's settings.
+
+Each peer's line also gives llmtrain's ratio round by round (the i-th llmtrain run over the i-th run of the peer,
+which compare.sh ran in the same round) and their range: on a shared machine that spread, not the ratio of the
+medians alone, says how far a ratio is settled. Left out where a tool has a different number of runs.
 """
 
 import json
@@ -43,6 +47,10 @@ def main(path: str, only_recipe: str = "") -> None:
                 continue
             median = statistics.median(speeds)
             ratio = f", llmtrain / this = {statistics.median(ours) / median:.2f}x" if ours and tool != "llmtrain" else ""
+            if ratio and len(ours) == len(speeds):
+                rounds = [mine / theirs for mine, theirs in zip(ours, speeds)]
+                ratio += (f" (per round {', '.join(f'{r:.2f}' for r in rounds)}: "
+                          f"{min(rounds):.2f}-{max(rounds):.2f})")
             print(f"  {tool:<22} median {median:8,.0f} tokens/s over {len(speeds)} runs{ratio}")
 
 
