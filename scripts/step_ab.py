@@ -2,12 +2,14 @@
 
     .venv/bin/python scripts/step_ab.py attention_dtype --model llama-20m --seq_len 256 --micro_batch_size 8
     .venv/bin/python scripts/step_ab.py lora_update --model llama-debug --precision 32-true
+    .venv/bin/python scripts/step_ab.py compile --model llama-debug --precision bf16-true
 
 Experiments (A against B):
 - ``attention_dtype``: a bfloat16 model's training attention in bfloat16 against float32, the rule of
   ``llmtrain.model.attention_dtype`` (A turns the rule off, B applies it at --seq_len).
 - ``lora_update``: LoRA (rank 8, alpha 16, no dropout, on q and v) with the update computed as a separate matmul,
   scaling and add (A, what ``LoRALinear`` did before) against one addmm onto the base output (B, what it does).
+- ``compile``: eager (A) against ``--compile`` (B: ``parallelize.apply_compile``, each Block compiled).
 
 Each of ``--pairs`` pairs times two steps of A and two of B, in alternating order, so that a drift in the machine's
 speed hits both; prints the medians and A / B. The model and its loss are the recipes' (``GPT(..., labels=...)``,
@@ -61,7 +63,26 @@ def lora_update_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]
     return {"separate update": separate, "one addmm": one_addmm}
 
 
-EXPERIMENTS = {"attention_dtype": attention_dtype_sides, "lora_update": lora_update_sides}
+def compile_sides(args: argparse.Namespace, model) -> dict[str, Callable[[], None]]:
+    from llmtrain.distributed.parallelize import apply_compile
+    from llmtrain.model import transformer_blocks
+
+    apply_compile(model)
+    blocks = {block: block._compiled_call_impl for block in transformer_blocks(model)}
+
+    def eager() -> None:
+        for block in blocks:
+            block._compiled_call_impl = None
+
+    def compiled() -> None:
+        for block, call in blocks.items():
+            block._compiled_call_impl = call
+
+    return {"eager": eager, "each Block compiled": compiled}
+
+
+EXPERIMENTS = {"attention_dtype": attention_dtype_sides, "lora_update": lora_update_sides,
+               "compile": compile_sides}
 
 
 def main() -> None:
@@ -102,9 +123,13 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 
-    sides = EXPERIMENTS[args.experiment](args)
+    experiment = EXPERIMENTS[args.experiment]
+    sides = experiment(args, model) if args.experiment == "compile" else experiment(args)
     times: dict[str, list[float]] = {side: [] for side in sides}
-    step()  # warm-up
+    for side in sides.values():  # warm-up (and compilation)
+        side()
+        step()
+        step()
     for pair in range(args.pairs):
         for side in (list(sides) if pair % 2 else list(reversed(sides))):
             sides[side]()
