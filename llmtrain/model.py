@@ -335,7 +335,7 @@ KVLayout = Literal["plain", "grouped", "repeat"]
 
 # Training sequences up to this length attend in float32 on a CPU without AMX tiles when the model computes in
 # bfloat16: there CPU flash attention's bfloat16 path, which converts every block to float32, is slower than
-# its float32 path (forward and backward 1.7x at 128 tokens, 1.03x at 256, even at 384, 0.88x at 512; the
+# its float32 path (forward and backward 1.7x at 128 tokens, 1.00-1.08x at 256, 0.98x at 384, 0.88x at 512; the
 # "attention in float32" A/B in BENCHMARKS.md). Unmeasured on AMX, so left alone there.
 CPU_FLOAT32_ATTENTION_MAX_SEQ = 256
 
