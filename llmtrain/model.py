@@ -295,7 +295,7 @@ class CausalSelfAttention(nn.Module):
             y = grouped_attention(q, k.to(q.dtype), v.to(q.dtype), mask)
         else:
             layout = kv_layout(q.device.type, q.dtype, q.size(1), k.size(1), masked=mask is not None)
-            if attention_dtype(q.device.type, q.dtype, T) == torch.float32 != q.dtype:
+            if torch.is_grad_enabled() and attention_dtype(q.device.type, q.dtype, T) == torch.float32 != q.dtype:
                 with torch.autocast(q.device.type, enabled=False):  # autocast would cast the inputs back
                     y = causal_attention(q.float(), k.float(), v.float(), layout, mask).to(q.dtype)
             else:
@@ -336,25 +336,20 @@ KVLayout = Literal["plain", "grouped", "repeat"]
 # Training sequences up to this length attend in float32 on a CPU without AMX tiles when the model computes in
 # bfloat16: there CPU flash attention's bfloat16 path, which converts every block to float32, is slower than
 # its float32 path (forward and backward 1.7x at 128 tokens, 1.00-1.08x at 256, 0.98x at 384, 0.88x at 512; the
-# "attention in float32" A/B in BENCHMARKS.md). Unmeasured on AMX, so left alone there.
+# "attention in float32" A/B in BENCHMARKS.md). Measured on an AVX512-BF16 CPU without AMX; other CPUs keep bfloat16.
 CPU_FLOAT32_ATTENTION_MAX_SEQ = 256
 
 
-def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return any(line.startswith("flags") and " amx_bf16" in line for line in cpuinfo)
-    except OSError:
-        return False
-
-
-CPU_HAS_AMX = _cpu_has_amx()
+# The CPUs the rule was measured on: AVX512-BF16 without AMX tiles.
+CPU_MEASURED_FOR_FLOAT32_ATTENTION = (torch.cpu._is_avx512_bf16_supported()
+                                      and not torch.cpu._is_amx_tile_supported())
 
 
 def attention_dtype(device_type: str, dtype: torch.dtype, seq_len: int) -> torch.dtype:
-    """The dtype training attention computes in: ``dtype``, or float32 where that is faster (above)."""
+    """The dtype training attention (forward and backward) computes in: ``dtype``, or float32 where that is faster
+    (above). Attention without gradients (validation, generation) keeps ``dtype``: only training was measured."""
     if (device_type == "cpu" and dtype == torch.bfloat16 and seq_len <= CPU_FLOAT32_ATTENTION_MAX_SEQ
-            and not CPU_HAS_AMX):
+            and CPU_MEASURED_FOR_FLOAT32_ATTENTION):
         return torch.float32
     return dtype
 

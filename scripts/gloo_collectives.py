@@ -4,7 +4,7 @@
 
 For each buffer size (fp32 elements of a whole unit; the default is a pythia-160m Block and a smaller one), times
 ``all_gather_single`` (FSDP2's all-gather), ``reduce_scatter_single`` (FSDP2's default reduce-scatter) and an
-in-place ``all_reduce`` plus the copy of this rank's slice (``parallelize.reduce_scatter_by_all_reduce``), in
+in-place ``all_reduce`` plus the copy of this rank's slice, both averaging as FSDP2 asks (``parallelize.reduce_scatter_by_all_reduce``), in
 rotation over ``--repeats`` rounds, one thread per process; rank 0 prints the medians in milliseconds.
 """
 
@@ -34,11 +34,11 @@ def main() -> None:
         full, slice_ = torch.randn(numel), torch.empty(numel // world)
 
         def all_reduce_and_slice() -> None:
-            dist.all_reduce(full)
+            dist.all_reduce(full, op=dist.ReduceOp.AVG)
             slice_.copy_(full.narrow(0, rank * (numel // world), numel // world))
 
         ops = {"all_gather_single": lambda: dist.all_gather_single(gathered, shard),
-               "reduce_scatter_single": lambda: dist.reduce_scatter_single(slice_, full),
+               "reduce_scatter_single": lambda: dist.reduce_scatter_single(slice_, full, op=dist.ReduceOp.AVG),
                "all_reduce + slice": all_reduce_and_slice}
         times: dict[str, list[float]] = {name: [] for name in ops}
         for _ in range(args.repeats):

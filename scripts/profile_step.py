@@ -135,6 +135,8 @@ def main() -> None:
                         help="finetune_lora's adapter dropout (0 as in scripts/peers/finetune_compare.sh)")
     parser.add_argument("--json", type=Path, help="append the record to this JSON-lines file")
     args = parser.parse_args()
+    if args.lora_dropout and args.recipe != "finetune_lora":
+        parser.error("--lora_dropout sets finetune_lora's adapters: drop it or use --recipe finetune_lora")
 
     from llmtrain.args import FSDPArgs, ProfileArgs
     from llmtrain.benchmark import _train, _train_args, git_commit

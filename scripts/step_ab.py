@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def attention_dtype_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
     from llmtrain import model as model_module
 
+    model_module.CPU_MEASURED_FOR_FLOAT32_ATTENTION = True  # B applies the rule on any CPU, to measure it there
+
     def native() -> None:
         model_module.CPU_FLOAT32_ATTENTION_MAX_SEQ = 0
 

@@ -179,7 +179,7 @@ def test_merged_model_is_a_plain_gpt_with_the_same_logits(name):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_output_and_gradients_follow_the_formula(dtype, bias):
+def test_layer_output_and_gradients_follow_the_formula(monkeypatch, dtype, bias):
     """y = x W^T + b + (x A^T) B^T * alpha / r, with its gradients, whichever way the layer computes it
     (one fused GEMM when the base and adapter dtypes agree, a separate update otherwise)."""
     torch.manual_seed(0)
@@ -188,7 +188,11 @@ def test_layer_output_and_gradients_follow_the_formula(dtype, bias):
     torch.nn.init.normal_(layer.lora_B)
     x = torch.randn(3, 5, 24, dtype=dtype, requires_grad=True)
     grad = torch.randn(3, 5, 40, dtype=dtype)
+    calls = []
+    addmm = torch.addmm
+    monkeypatch.setattr(torch, "addmm", lambda *args, **kwargs: calls.append(1) or addmm(*args, **kwargs))
     y = layer(x)
+    assert calls == [1]  # base and adapter share the dtype: the update is the one addmm
     y.backward(grad)
 
     ref_x, ref_a, ref_b = (t.detach().double().requires_grad_() for t in (x, layer.lora_A, layer.lora_B))
@@ -206,7 +210,7 @@ def test_layer_output_and_gradients_follow_the_formula(dtype, bias):
     mixed.lora_A.data, mixed.lora_B.data = layer.lora_A.data.double(), layer.lora_B.data.double()
     mixed.base.load_state_dict({k: v.float() for k, v in base.state_dict().items()})
     out = mixed(x.detach().float())
-    assert out.dtype == torch.float32
+    assert calls == [1] and out.dtype == torch.float32  # no addmm: the separate update
     assert ((out.double() - ref.detach()).norm() / ref.norm()).item() < bound
 
 

@@ -87,11 +87,11 @@ def test_every_kv_layout_computes_the_same_attention(n_query_groups, window):
         torch.testing.assert_close(causal_attention(q, k, v, layout, mask).double(), expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_attention_dtype_per_device_dtype_and_length(monkeypatch, amx):
-    monkeypatch.setattr(model_module, "CPU_HAS_AMX", amx)
+@pytest.mark.parametrize("measured", [True, False])
+def test_attention_dtype_per_device_dtype_and_length(monkeypatch, measured):
+    monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_FLOAT32_ATTENTION", measured)
     short, long = CPU_FLOAT32_ATTENTION_MAX_SEQ, CPU_FLOAT32_ATTENTION_MAX_SEQ + 1
-    assert attention_dtype("cpu", torch.bfloat16, short) == (torch.bfloat16 if amx else torch.float32)
+    assert attention_dtype("cpu", torch.bfloat16, short) == (torch.float32 if measured else torch.bfloat16)
     assert attention_dtype("cpu", torch.bfloat16, long) == torch.bfloat16
     for dtype in (torch.float32, torch.float16):
         assert attention_dtype("cpu", dtype, short) == dtype
@@ -99,11 +99,12 @@ def test_attention_dtype_per_device_dtype_and_length(monkeypatch, amx):
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-@pytest.mark.parametrize("amx", [False, True])
-def test_bf16_attention_computes_in_the_dtype_the_rule_names(monkeypatch, amx, autocast):
+@pytest.mark.parametrize("measured", [True, False])
+def test_bf16_attention_computes_in_the_dtype_the_rule_names(monkeypatch, measured, autocast):
     """The layer's output and input gradient are exactly those of SDPA in ``attention_dtype``'s dtype (float32 on
-    the inputs' upcast copies, cast back), in a bfloat16 model and under bfloat16 autocast alike."""
-    monkeypatch.setattr(model_module, "CPU_HAS_AMX", amx)
+    the inputs' upcast copies, cast back), in a bfloat16 model and under bfloat16 autocast alike; without
+    gradients (validation, generation) attention keeps bfloat16."""
+    monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_FLOAT32_ATTENTION", measured)
     config = tiny_config("llama-debug")
     torch.manual_seed(0)
     attn = model_module.CausalSelfAttention(config)
@@ -132,7 +133,14 @@ def test_bf16_attention_computes_in_the_dtype_the_rule_names(monkeypatch, amx, a
 
     out, grad = run(recording)
     assert out.dtype == torch.bfloat16
-    assert seen == [torch.bfloat16 if amx else torch.float32]
+    assert seen == [torch.float32 if measured else torch.bfloat16]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model_module.causal_attention, original = recording, model_module.causal_attention
+        try:
+            attn(x, cos.to(x.dtype), sin.to(x.dtype))
+        finally:
+            model_module.causal_attention = original
+    assert seen[-1] == torch.bfloat16
 
     def forced(dtype):
         def attention(q, k, v, layout, mask=None):

@@ -71,7 +71,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device, c
     if plan.wrapper == "ddp":
         return apply_ddp(model, device)
     apply_fsdp(model, data_parallel_mesh(mesh), reshard_after_forward=plan.reshard_after_forward,
-               precision=plan.precision, cpu_offload=plan.cpu_offload)
+               precision=plan.precision, cpu_offload=plan.cpu_offload, one_host=plan.num_nodes == 1)
     return model
 
 
@@ -145,7 +145,7 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision: Precision,
-               cpu_offload: bool) -> None:
+               cpu_offload: bool, one_host: bool) -> None:
     """``fully_shard`` the embedding, each Block and [final norm, head] as units of their own, then the root.
 
     A pipeline stage lacks some of them (None): it shards those it has.
@@ -179,7 +179,7 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
     model.holds_weights_through_accumulation = not reshard_after_forward
     if mesh.device_type == "cpu" and _fsdp_overlap_enabled():
         overlap_all_gathers(model)
-    if mesh.device_type == "cpu":
+    if mesh.device_type == "cpu" and one_host:
         reduce_scatter_by_all_reduce(model)
 
 
@@ -209,31 +209,29 @@ def overlap_all_gathers(model: nn.Module) -> None:
     model._set_unshard_async_op(True)
 
 
-# Gradient buffers from this size up reduce-scatter as an all-reduce on the CPU (below).
-ALL_REDUCE_SCATTER_MIN_BYTES = 16 * 2**20
+# Gradient buffers from this size up reduce-scatter as an all-reduce between 2 processes on one CPU host (below).
+ALL_REDUCE_SCATTER_MIN_BYTES = 8 * 2**20
 
 
 def reduce_scatter_by_all_reduce(model: nn.Module) -> None:
-    """On the CPU (gloo), FSDP units reduce-scatter large gradient buffers as an all-reduce that keeps this rank's slice.
+    """On one CPU host (gloo), FSDP units of 2 processes reduce-scatter large gradient buffers as an all-reduce that
+    keeps this rank's slice.
 
-    gloo's reduce-scatter of a large buffer is slower than its all-reduce of it, although the all-reduce moves more:
-    over 2 processes 38 against 31 ms for a pythia-160m Block's 27 MiB, 234 against 161 ms for its 147 MiB
-    embedding; the two are even at 15 MiB and the reduce-scatter wins below (``scripts/gloo_collectives.py``).
-    The all-reduce runs in place on FSDP's reduce-scatter input, a buffer FSDP frees right after: no memory more.
+    gloo's reduce-scatter of a large buffer is slower there than its all-reduce of it, although the all-reduce moves
+    more (both averaging, as FSDP asks): 41 against 31 ms for a pythia-160m Block's 27 MiB, 237 against 161 ms for
+    its 147 MiB embedding, 12 against 9 ms at 7.6 MiB; the two are even at 3.8 MiB (``scripts/gloo_collectives.py``). More processes, or a
+    network between them, were not measured: those keep gloo's reduce-scatter. The all-reduce runs in place on
+    FSDP's reduce-scatter input, a buffer FSDP frees right after: no memory more.
     """
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # NOTE: not exported by torch yet
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter  # NOTE: private in torch
 
-    class AllReduceScatter(ReduceScatter):
-        def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return torch.empty(*size, dtype=dtype, device=device)
-
+    class AllReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
                      async_op: bool = False):
-            if async_op:
-                raise NotImplementedError("FSDP2 reduce-scatters synchronously; this one cannot run asynchronously")
-            if input_tensor.numel() * input_tensor.element_size() < ALL_REDUCE_SCATTER_MIN_BYTES:
-                return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group)
+            if (async_op or group.size() != 2
+                    or input_tensor.numel() * input_tensor.element_size() < ALL_REDUCE_SCATTER_MIN_BYTES):
+                return super().__call__(output_tensor, input_tensor, group, op, async_op)
             dist.all_reduce(input_tensor, op=op, group=group)
             shard = input_tensor.numel() // group.size()
             output_tensor.copy_(input_tensor.narrow(0, group.rank() * shard, shard).view_as(output_tensor))
