@@ -338,16 +338,14 @@ KVLayout = Literal["plain", "grouped", "repeat"]
 # its float32 path (forward and backward 1.7x at 128 tokens, 1.00-1.08x at 256, 0.98x at 384, 0.88x at 512; the
 # "attention in float32" A/B in BENCHMARKS.md). Measured on an AVX512-BF16 CPU without AMX; other CPUs keep bfloat16.
 CPU_FLOAT32_ATTENTION_MAX_SEQ = 256
-
-
-# The CPUs the rule was measured on: AVX512-BF16 without AMX tiles.
 CPU_MEASURED_FOR_FLOAT32_ATTENTION = (torch.cpu._is_avx512_bf16_supported()
                                       and not torch.cpu._is_amx_tile_supported())
 
 
 def attention_dtype(device_type: str, dtype: torch.dtype, seq_len: int) -> torch.dtype:
     """The dtype training attention (forward and backward) computes in: ``dtype``, or float32 where that is faster
-    (above). Attention without gradients (validation, generation) keeps ``dtype``: only training was measured."""
+    (above). ``CausalSelfAttention`` asks only when gradients are on: validation and generation, which were not
+    measured, keep ``dtype``; the memory estimate asks for the training step it plans."""
     if (device_type == "cpu" and dtype == torch.bfloat16 and seq_len <= CPU_FLOAT32_ATTENTION_MAX_SEQ
             and CPU_MEASURED_FOR_FLOAT32_ATTENTION):
         return torch.float32

@@ -4,7 +4,8 @@
 
 For each buffer size (fp32 elements of a whole unit; the default is a pythia-160m Block and a smaller one), times
 ``all_gather_single`` (FSDP2's all-gather), ``reduce_scatter_single`` (FSDP2's default reduce-scatter) and an
-in-place ``all_reduce`` plus the copy of this rank's slice, both averaging as FSDP2 asks (``parallelize.reduce_scatter_by_all_reduce``), in
+in-place ``all_reduce`` plus the copy of this rank's slice, both averaging as FSDP2 asks
+(``parallelize.reduce_scatter_by_all_reduce``), in
 rotation over ``--repeats`` rounds, one thread per process; rank 0 prints the medians in milliseconds.
 """
 

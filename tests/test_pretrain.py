@@ -298,7 +298,8 @@ def test_resuming_a_cpu_run_on_a_gpu_node_leaves_cuda_alone(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("--strategy", "fsdp", "--devices", "1", "--fsdp.activation_checkpointing", "op")])
+@pytest.mark.parametrize("extra", [(), ("--strategy", "fsdp", "--devices", "1",
+                                          "--fsdp.activation_checkpointing", "op")])
 def test_compile_trains_each_block_compiled_as_eager_does(tmp_path, tiny_model_file, monkeypatch, extra):
     """--compile compiles every Block (parallelize.apply_compile) and the losses equal eager's, also under FSDP with
     per-operator checkpointing."""
