@@ -12,6 +12,7 @@ Weights follow Hugging Face layouts where it costs nothing: separate q/k/v/o pro
 "rotate_half" RoPE convention, so Llama/Qwen/Mistral/Gemma checkpoints load without permutation.
 """
 
+import contextlib
 import math
 import zlib
 from typing import Literal, Optional
@@ -20,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llmtrain.attention import block_causal_attention
 from llmtrain.config import Config
 from llmtrain.loss import head_loss_sum
 
@@ -293,14 +295,20 @@ class CausalSelfAttention(nn.Module):
         if input_pos is not None:
             k, v = self.kv_cache(input_pos, k, v)  # (B, ng, S, hs) each
             y = grouped_attention(q, k.to(q.dtype), v.to(q.dtype), mask)
-        else:
-            layout = kv_layout(q.device.type, q.dtype, q.size(1), k.size(1), masked=mask is not None)
-            if torch.is_grad_enabled() and attention_dtype(q.device.type, q.dtype, T) == torch.float32 != q.dtype:
-                with torch.autocast(q.device.type, enabled=False):  # autocast would cast the inputs back
-                    y = causal_attention(q.float(), k.float(), v.float(), layout, mask).to(q.dtype)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        training, out_dtype = torch.is_grad_enabled(), q.dtype
+        dtype = attention_dtype(q.device.type, q.dtype, T, masked=mask is not None) if training else q.dtype
+        kernel = attention_kernel(q.device.type, dtype, T, q.size(1), k.size(1), masked=mask is not None,
+                                  training=training)
+        # NOTE: autocast would cast float32 inputs back to its dtype.
+        with torch.autocast(q.device.type, enabled=False) if dtype != q.dtype else contextlib.nullcontext():
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+            if kernel == "blocks":
+                y = block_causal_attention(q, k, v, attention_block(T)).to(out_dtype)  # (B, T, nh * hs)
             else:
-                y = causal_attention(q, k, v, layout, mask)
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hs)
+                layout = kv_layout(q.device.type, dtype, q.size(1), k.size(1), masked=mask is not None)
+                y = causal_attention(q, k, v, layout, mask).to(out_dtype)
+                y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hs)
         return self.o_proj(y)
 
 
@@ -333,23 +341,56 @@ class KVCache(nn.Module):
 
 KVLayout = Literal["plain", "grouped", "repeat"]
 
-# Training sequences up to this length attend in float32 on a CPU without AMX tiles when the model computes in
-# bfloat16: there CPU flash attention's bfloat16 path, which converts every block to float32, is slower than
-# its float32 path (forward and backward 1.7x at 128 tokens, 1.00-1.08x at 256, 0.98x at 384, 0.88x at 512; the
-# "attention in float32" A/B in BENCHMARKS.md). Measured on an AVX512-BF16 CPU without AMX; other CPUs keep bfloat16.
+# Training attention of a bfloat16 model computes in float32 on a CPU without AMX tiles:
+# - up to CPU_FLOAT32_ATTENTION_MAX_SEQ tokens, because there CPU flash attention's bfloat16 path, which converts
+#   every block to float32, is slower than its float32 path (forward and backward 1.7x at 128 tokens, 1.00-1.08x
+#   at 256, 0.98x at 384, 0.88x at 512; the "attention in float32" A/B in BENCHMARKS.md);
+# - and wherever float32 attention runs as block attention (below), which beats bfloat16 flash attention up to
+#   CPU_BLOCK_ATTENTION_MAX_SEQ tokens (the whole step 1.17x at 512 tokens, 1.04x at 1,024).
+# Measured on an AVX512-BF16 CPU without AMX; other CPUs keep bfloat16.
 CPU_FLOAT32_ATTENTION_MAX_SEQ = 256
 CPU_MEASURED_FOR_FLOAT32_ATTENTION = (torch.cpu._is_avx512_bf16_supported()
                                       and not torch.cpu._is_amx_tile_supported())
 
+# Training attention in float32 on a CPU runs as batched matmuls over blocks of query positions
+# (``llmtrain.attention``) for sequences up to CPU_BLOCK_ATTENTION_MAX_SEQ tokens, where a group's stacked query
+# rows (the sequence length times the query heads per key/value head) number at least CPU_BLOCK_ATTENTION_MIN_ROWS:
+# there it is faster than CPU flash attention (the "block attention" A/B in BENCHMARKS.md). Measured on an AVX-512
+# CPU; other CPUs keep flash attention.
+CPU_BLOCK_ATTENTION_MAX_SEQ = 1024
+CPU_BLOCK_ATTENTION_MIN_ROWS = 256
+CPU_MEASURED_FOR_BLOCK_ATTENTION = torch.cpu._is_avx512_supported()
 
-def attention_dtype(device_type: str, dtype: torch.dtype, seq_len: int) -> torch.dtype:
+AttentionKernel = Literal["sdpa", "blocks"]
+
+
+def attention_dtype(device_type: str, dtype: torch.dtype, seq_len: int, masked: bool = False) -> torch.dtype:
     """The dtype training attention (forward and backward) computes in: ``dtype``, or float32 where that is faster
-    (above). ``CausalSelfAttention`` asks only when gradients are on: validation and generation, which were not
-    measured, keep ``dtype``; the memory estimate asks for the training step it plans."""
-    if (device_type == "cpu" and dtype == torch.bfloat16 and seq_len <= CPU_FLOAT32_ATTENTION_MAX_SEQ
-            and CPU_MEASURED_FOR_FLOAT32_ATTENTION):
-        return torch.float32
-    return dtype
+    (above); ``masked``: an explicit (sliding-window) mask, which block attention does not take.
+    ``CausalSelfAttention`` asks only when gradients are on: validation and generation, which were not measured,
+    keep ``dtype``; the memory estimate asks for the training step it plans."""
+    if device_type != "cpu" or dtype != torch.bfloat16 or not CPU_MEASURED_FOR_FLOAT32_ATTENTION:
+        return dtype
+    blocks = not masked and seq_len <= CPU_BLOCK_ATTENTION_MAX_SEQ and CPU_MEASURED_FOR_BLOCK_ATTENTION
+    return torch.float32 if seq_len <= CPU_FLOAT32_ATTENTION_MAX_SEQ or blocks else dtype
+
+
+def attention_kernel(device_type: str, dtype: torch.dtype, seq_len: int, n_head: int, n_query_groups: int,
+                     masked: bool = False, training: bool = True) -> AttentionKernel:
+    """Which kernel causal attention runs on: torch's SDPA, or block-causal batched matmuls where they are faster
+    (above). ``dtype`` is the dtype attention computes in (``attention_dtype``). Only training attention was
+    measured: validation and generation keep SDPA, and so does an explicit (sliding-window) mask."""
+    rows = seq_len * (n_head // n_query_groups)
+    if (training and not masked and device_type == "cpu" and dtype == torch.float32
+            and CPU_MEASURED_FOR_BLOCK_ATTENTION and seq_len <= CPU_BLOCK_ATTENTION_MAX_SEQ
+            and rows >= CPU_BLOCK_ATTENTION_MIN_ROWS):
+        return "blocks"
+    return "sdpa"
+
+
+def attention_block(seq_len: int) -> int:
+    """Query positions per block of block-causal attention: 64, or 32 on sequences of 128 tokens and fewer."""
+    return 32 if seq_len <= 128 else 64
 
 
 def kv_layout(device_type: str, dtype: torch.dtype, n_head: int, n_query_groups: int,

@@ -9,7 +9,9 @@ tests/test_plan.py, which also checks the total against a measured peak):
 
 - RMSNorm keeps its input and the normalised tensor in fp32 (2 · d · 4 bytes); LayerNorm keeps its input.
 - Attention keeps 2 · q + 4 · kv elements (q = n_head · head_size, kv = n_query_groups · head_size):
-  projections, RoPE inputs and the SDPA inputs and output. SDPA's flash kernels keep no T × T matrix.
+  projections, RoPE inputs and the SDPA inputs and output. SDPA's flash kernels keep no T × T matrix;
+  block attention (llmtrain.attention, CPU training on short sequences) keeps its probabilities, a block-causal
+  part of it.
 - A gated MLP (SwiGLU, GeGLU) keeps 4 · f + d elements; a plain GELU MLP 2 · f + d.
 - With activation checkpointing a block keeps only its input (d elements); one block's full set comes
   back at a time during backward, after the head's are freed.
@@ -106,7 +108,8 @@ def _bytes(dtype: torch.dtype) -> int:
 
 def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, checkpointing: Union[bool, str], *,
                                tp: int = 1, sequence_parallel: bool = False,
-                               attention_dtype: Optional[torch.dtype] = None) -> dict[str, float]:
+                               attention_dtype: Optional[torch.dtype] = None,
+                               attention_scores: float = 0.0) -> dict[str, float]:
     """Bytes autograd keeps per token on one tensor-parallel rank: per block, for the whole stack, for the loss.
 
     ``layer``: one block's full set; ``kept``: what a block keeps until its backward, on average over the blocks
@@ -129,6 +132,10 @@ def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, check
     ``attention_dtype`` (``llmtrain.model.attention_dtype``; default ``compute_dtype``): where attention computes
     in float32 although the model computes in bfloat16, the q, k, v and output it saves take 4 bytes an element;
     ``op`` recomputes the float32 copies of q, k, v and keeps only the output.
+
+    ``attention_scores``: the probabilities attention keeps per query and head, in float32, where it runs as
+    block-causal matmuls (``llmtrain.attention.saved_scores_per_query``; 0 for SDPA, which keeps a log-sum-exp).
+    ``op`` keeps the scores those matmuls write, as many.
     """
     from llmtrain.args import canonical_checkpointing, checkpointed_every
 
@@ -141,14 +148,16 @@ def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, check
     sequence_split = tp if sequence_parallel else 1
     replicated = norms * norm + d * a  # the norms, and the MLP's input
     upcast = _bytes(attention_dtype) - a if attention_dtype is not None else 0  # attention in float32 (above)
-    split = (2 * q + 4 * kv) * a + (2 * q + 2 * kv) * upcast + (4 if gated else 2) * f * a  # heads and MLP width
+    scores = 4 * config.n_head * attention_scores  # block attention's probabilities (above)
+    split = (2 * q + 4 * kv) * a + (2 * q + 2 * kv) * upcast + scores + (4 if gated else 2) * f * a  # heads, MLP
     layer = replicated / sequence_split + split / tp
     block_input = d * a / sequence_split
     mode = canonical_checkpointing(checkpointing)
     if mode == "op":
         # NOTE: attention's o and the MLP's down projection write a d-wide partial sum on every rank; under tensor
         # parallelism each then goes through a collective whose output is kept as well.
-        matmuls = (((q + 2 * kv) * a + q * (a + upcast) + 4 * config.n_head + (2 if gated else 1) * f * a) / tp
+        attention_saved = scores if attention_scores else 4 * config.n_head  # or SDPA's log-sum-exp
+        matmuls = (((q + 2 * kv) * a + q * (a + upcast) + attention_saved + (2 if gated else 1) * f * a) / tp
                    + 2 * d * a)
         collectives = 2 * d * a / sequence_split if tp > 1 else 0
         checkpointed = block_input + matmuls + collectives
@@ -367,12 +376,17 @@ def activation_bytes(config: Config, plan: ParallelPlan, pipeline_rank: int = 0,
     chunk's logits, and (``trains_head``) the head's fp32 weight gradient, which the fused loss computes in the
     forward and keeps until the backward: one per micro-batch in flight on the last rank (all of them under GPipe).
     """
-    from llmtrain.model import attention_dtype
+    from llmtrain.attention import saved_scores_per_query
+    from llmtrain.model import attention_block, attention_dtype, attention_kernel
 
     compute_dtype = plan.precision.compute_dtype
+    masked = config.sliding_window is not None and config.sliding_window < seq_len
+    dtype = attention_dtype(plan.device_type, compute_dtype, seq_len, masked=masked)
+    kernel = attention_kernel(plan.device_type, dtype, seq_len, config.n_head, config.n_query_groups, masked=masked)
+    scores = saved_scores_per_query(seq_len, attention_block(seq_len)) if kernel == "blocks" else 0.0
     per_token = activation_bytes_per_token(config, compute_dtype, plan.activation_checkpointing, tp=plan.tp,
-                                           sequence_parallel=plan.sequence_parallel,
-                                           attention_dtype=attention_dtype(plan.device_type, compute_dtype, seq_len))
+                                           sequence_parallel=plan.sequence_parallel, attention_dtype=dtype,
+                                           attention_scores=scores)
     tokens = plan.batch.micro_batch_size * seq_len
     layers = stage_layers(config, plan)[pipeline_rank]
     kept = tokens * layers * per_token["kept"] * microbatches_in_flight(plan, pipeline_rank)

@@ -10,6 +10,9 @@ Experiments (A against B):
 - ``lora_update``: LoRA (rank 8, alpha 16, no dropout, on q and v) with the update computed as a separate matmul,
   scaling and add (A, what ``LoRALinear`` did before) against one addmm onto the base output (B, what it does).
 - ``compile``: eager (A) against ``--compile`` (B: ``parallelize.apply_compile``, each Block compiled).
+- ``block_attention``: training attention through SDPA (A, CPU flash attention) against block-causal batched
+  matmuls (B, ``llmtrain.attention``), at --seq_len whatever the rule of ``llmtrain.model.attention_kernel`` says
+  (B still needs float32 attention and enough stacked query rows).
 
 Each of ``--pairs`` pairs times two steps of A and two of B, in alternating order, so that a drift in the machine's
 speed hits both; prints the medians and A / B. The model and its loss are the recipes' (``GPT(..., labels=...)``,
@@ -83,8 +86,23 @@ def compile_sides(args: argparse.Namespace, model) -> dict[str, Callable[[], Non
     return {"eager": eager, "each Block compiled": compiled}
 
 
+def block_attention_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
+    from llmtrain import model as model_module
+
+    model_module.CPU_MEASURED_FOR_BLOCK_ATTENTION = True  # B applies the rule on any CPU, to measure it there
+    longest = model_module.CPU_BLOCK_ATTENTION_MAX_SEQ
+
+    def flash() -> None:
+        model_module.CPU_BLOCK_ATTENTION_MAX_SEQ = 0
+
+    def blocks() -> None:
+        model_module.CPU_BLOCK_ATTENTION_MAX_SEQ = max(longest, args.seq_len)
+
+    return {"SDPA (flash)": flash, "block attention": blocks}
+
+
 EXPERIMENTS = {"attention_dtype": attention_dtype_sides, "lora_update": lora_update_sides,
-               "compile": compile_sides}
+               "compile": compile_sides, "block_attention": block_attention_sides}
 
 
 def main() -> None:

@@ -88,11 +88,20 @@ def test_every_kv_layout_computes_the_same_attention(n_query_groups, window):
 
 
 @pytest.mark.parametrize("measured", [True, False])
-def test_attention_dtype_per_device_dtype_and_length(monkeypatch, measured):
+@pytest.mark.parametrize("blocks_measured", [True, False])
+def test_attention_dtype_per_device_dtype_and_length(monkeypatch, measured, blocks_measured):
     monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_FLOAT32_ATTENTION", measured)
+    monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_BLOCK_ATTENTION", blocks_measured)
     short, long = CPU_FLOAT32_ATTENTION_MAX_SEQ, CPU_FLOAT32_ATTENTION_MAX_SEQ + 1
-    assert attention_dtype("cpu", torch.bfloat16, short) == (torch.float32 if measured else torch.bfloat16)
-    assert attention_dtype("cpu", torch.bfloat16, long) == torch.bfloat16
+    longest = model_module.CPU_BLOCK_ATTENTION_MAX_SEQ
+    upcast = torch.float32 if measured else torch.bfloat16
+    assert attention_dtype("cpu", torch.bfloat16, short) == upcast
+    assert attention_dtype("cpu", torch.bfloat16, short, masked=True) == upcast
+    # Longer sequences compute in float32 only where block attention runs: no mask, up to its longest sequence.
+    assert attention_dtype("cpu", torch.bfloat16, long) == (upcast if blocks_measured else torch.bfloat16)
+    assert attention_dtype("cpu", torch.bfloat16, longest) == (upcast if blocks_measured else torch.bfloat16)
+    assert attention_dtype("cpu", torch.bfloat16, long, masked=True) == torch.bfloat16
+    assert attention_dtype("cpu", torch.bfloat16, longest + 1) == torch.bfloat16
     for dtype in (torch.float32, torch.float16):
         assert attention_dtype("cpu", dtype, short) == dtype
     assert attention_dtype("cuda", torch.bfloat16, short) == torch.bfloat16

@@ -1,0 +1,105 @@
+"""Causal attention as batched matmuls over blocks of query positions: the CPU's training attention at short
+sequence lengths, where it is faster than CPU flash attention (``llmtrain.model.attention_kernel`` says where).
+
+The queries are cut into blocks of ``block`` positions. Block i attends to the keys up to its own last position,
+so no score right of the diagonal block is computed: (n + 1) / 2n of the T x T square for n blocks (5/8 at 4).
+Within a block the scores, the softmax and the weighted sum are two batched GEMMs and one softmax. Query heads
+that share a key/value group are stacked along the rows of one GEMM, so grouped keys and values are not copied
+per head.
+
+Unlike flash attention, it keeps the probabilities for backward (as torch's math attention does): for a query in
+block i, (i + 1) * block floats per head. ``saved_scores_per_query`` gives the mean, which the memory estimate
+counts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:
+    """Causal attention of q (B, nh, T, hs) over k, v (B, ng, T, hs); returns (B, T, nh * hs), the heads
+    concatenated as the output projection takes them. Head h belongs to group h // (nh / ng)."""
+    return _BlockCausalAttention.apply(q, k, v, block)
+
+
+def saved_scores_per_query(seq_len: int, block: int) -> float:
+    """Probabilities kept per query and head, on average over the sequence's positions."""
+    starts = range(0, seq_len, block)
+    return sum((min(seq_len, start + block) - start) * min(seq_len, start + block) for start in starts) / seq_len
+
+
+class _BlockCausalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:
+        B, n_head, T, hs = q.shape
+        groups = k.size(1)
+        rep = n_head // groups
+        scale = 1.0 / math.sqrt(hs)
+        with torch.autocast(q.device.type, enabled=False):
+            # Rows of a group: position-major, so a block of positions is one contiguous run of rows. Row t * rep + r
+            # is head g * rep + r at position t.
+            q_rows = q.view(B, groups, rep, T, hs).transpose(2, 3).reshape(B * groups, T * rep, hs)
+            keys = k.reshape(B * groups, T, hs)
+            values = v.reshape(B * groups, T, hs)
+            mask = _causal_bias(block, rep, T, q.dtype, q.device)
+            y = q.new_empty(B, T, groups, rep, hs)
+            probs = []
+            for start in range(0, T, block):
+                end = min(T, start + block)
+                rows = slice(start * rep, end * rep)
+                # NOTE: the mask is added by the GEMM rather than filled in afterwards: selective activation
+                # checkpointing may keep the GEMM's output, which must not change after it was written.
+                bias = mask[:(end - start) * rep, T - start:T - start + end]  # (rows, end)
+                scores = torch.baddbmm(bias, q_rows[:, rows], keys[:, :end].transpose(1, 2), alpha=scale)
+                p = torch.softmax(scores, dim=-1)  # (B * ng, rows, end)
+                out = torch.bmm(p, values[:, :end])  # (B * ng, rows, hs)
+                y[:, start:end] = out.view(B, groups, end - start, rep, hs).transpose(1, 2)
+                probs.append(p)
+        y = y.view(B, T, n_head * hs)
+        ctx.save_for_backward(q_rows, keys, values, y, *probs)
+        ctx.block, ctx.scale, ctx.q_shape = block, scale, q.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        q_rows, keys, values, y, *probs = ctx.saved_tensors
+        block, scale = ctx.block, ctx.scale
+        B, n_head, T, hs = ctx.q_shape
+        groups = keys.size(0) // B
+        rep = n_head // groups
+        with torch.autocast(dy.device.type, enabled=False):
+            dy = dy.reshape(B, T, groups, rep, hs)
+            # The softmax's backward needs each row's sum of dy * y (dy * p summed against the scores' gradient).
+            delta = (dy * y.view(B, T, groups, rep, hs)).sum(-1)  # (B, T, ng, rep)
+            delta = delta.transpose(1, 2).reshape(B * groups, T * rep, 1)
+            dy_rows = dy.transpose(1, 2).reshape(B * groups, T * rep, hs)
+            dq = dy.new_empty(B, n_head, T, hs)
+            dq_heads = dq.view(B, groups, rep, T, hs)
+            dk = torch.zeros_like(keys)
+            dv = torch.zeros_like(values)
+            for p, start in zip(probs, range(0, T, block)):
+                end = min(T, start + block)
+                rows = slice(start * rep, end * rep)
+                grad_out = dy_rows[:, rows]
+                dv[:, :end] += torch.bmm(p.transpose(1, 2), grad_out)
+                grad_scores = torch.bmm(grad_out, values[:, :end].transpose(1, 2))
+                grad_scores.sub_(delta[:, rows]).mul_(p)
+                dq_block = torch.bmm(grad_scores, keys[:, :end]).view(B, groups, end - start, rep, hs)
+                dq_heads[:, :, :, start:end] = dq_block.transpose(2, 3)
+                dk[:, :end] += torch.bmm(grad_scores.transpose(1, 2), q_rows[:, rows])
+            dq.mul_(scale)  # the scores were scaled q k^T
+            dk.mul_(scale)
+        return dq, dk.view(B, groups, T, hs), dv.view(B, groups, T, hs), None
+
+
+def _causal_bias(block: int, rep: int, seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(block * rep, 2 * seq_len): 0, or -inf from column seq_len + t + 1 on in the rows of position t (row
+    t * rep + r). Columns seq_len - start to seq_len - start + end are the additive causal mask of the block of
+    positions [start, end) over keys [0, end)."""
+    column = torch.arange(2 * seq_len, device=device)
+    position = torch.arange(block, device=device).repeat_interleave(rep).unsqueeze(1)  # (block * rep, 1)
+    bias = torch.zeros(block * rep, 2 * seq_len, dtype=dtype, device=device)
+    return bias.masked_fill_(column > seq_len + position, float("-inf"))
