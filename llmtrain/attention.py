@@ -72,7 +72,8 @@ class _BlockCausalAttention(torch.autograd.Function):
         rep = n_head // groups
         with torch.autocast(dy.device.type, enabled=False):
             dy = dy.reshape(B, T, groups, rep, hs)
-            # The softmax's backward needs each row's sum of dy * y (dy * p summed against the scores' gradient).
+            # The softmax's backward subtracts from each row of dy v^T its mean under p: sum_j p_j (dy . v_j),
+            # which is dy . y for the row's output y = sum_j p_j v_j.
             delta = (dy * y.view(B, T, groups, rep, hs)).sum(-1)  # (B, T, ng, rep)
             delta = delta.transpose(1, 2).reshape(B * groups, T * rep, 1)
             dy_rows = dy.transpose(1, 2).reshape(B * groups, T * rep, hs)

@@ -1,0 +1,79 @@
+"""Training attention alone, forward and backward: CPU flash attention (SDPA) against block attention.
+
+    .venv/bin/python scripts/attention_kernels.py --heads 4 --groups 2 --seq_lens 128,256,512,1024 --blocks 32,64
+
+Each sequence length runs with 2,048 tokens per batch (batch = 2048 / T), head size 64, inputs laid out as the
+model hands them over (transposed views of (B, T, heads, hs)) and the output as the model takes it, (B, T, nh * hs).
+Prints medians in ms over rounds that alternate the kernels, and the largest difference from float32 SDPA.
+``--dtype bfloat16`` adds bfloat16 SDPA, and runs the float32 kernels on upcast copies as the model does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from llmtrain.attention import block_causal_attention  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--seq_lens", default="128,256,512,1024")
+    parser.add_argument("--blocks", default="32,64")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--rounds", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    hs = 64
+
+    def sdpa(q, k, v):
+        B, _, T, _ = q.shape
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2).reshape(B, T, -1)
+
+    def upcast(kernel):
+        return lambda q, k, v: kernel(q.float(), k.float(), v.float()).to(q.dtype)
+
+    kernels = {"sdpa": sdpa} if dtype == torch.float32 else {"sdpa bf16": sdpa, "sdpa": upcast(sdpa)}
+    for block in (int(b) for b in args.blocks.split(",")):
+        kernels[f"blocks of {block}"] = upcast(lambda q, k, v, block=block: block_causal_attention(q, k, v, block))
+    for T in (int(t) for t in args.seq_lens.split(",")):
+        B = max(1, 2048 // T)
+        generator = torch.Generator().manual_seed(0)
+        q = torch.randn(B, T, args.heads, hs, generator=generator, dtype=dtype).transpose(1, 2)
+        k, v = (torch.randn(B, T, args.groups, hs, generator=generator, dtype=dtype).transpose(1, 2) for _ in "kv")
+        grad = torch.randn(B, T, args.heads * hs, generator=generator, dtype=dtype)
+
+        def run(kernel):
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = kernel(*inputs)
+            out.backward(grad)
+            return [out] + [t.grad for t in inputs]
+
+        reference = run(upcast(sdpa))
+        error = max((a.float() - b.float()).abs().max().item() for name in kernels if name.startswith("blocks")
+                    for a, b in zip(reference, run(kernels[name])))
+        times = {name: [] for name in kernels}
+        for _ in range(args.rounds):
+            for name, kernel in kernels.items():
+                start = time.perf_counter()
+                run(kernel)
+                times[name].append(time.perf_counter() - start)
+        medians = "  ".join(f"{name} {statistics.median(t[3:]) * 1e3:.2f}" for name, t in times.items())
+        print(f"T={T} B={B} heads {args.heads}/{args.groups} {args.dtype}: {medians} ms; max |diff| {error:.1e}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
