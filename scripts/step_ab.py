@@ -10,6 +10,8 @@ Experiments (A against B):
 - ``lora_update``: LoRA (rank 8, alpha 16, no dropout, on q and v) with the update computed as a separate matmul,
   scaling and add (A, what ``LoRALinear`` did before) against one addmm onto the base output (B, what it does).
 - ``compile``: eager (A) against ``--compile`` (B: ``parallelize.apply_compile``, each Block compiled).
+- ``rms_norm``: RMSNorm differentiated by autograd through its composite of torch operators (A, what ``RMSNorm`` did
+  before) against its backward written out (B, ``llmtrain.model._RMSNormFunction``).
 - ``block_attention``: training attention through SDPA (A, CPU flash attention) against block-causal batched
   matmuls (B, ``llmtrain.attention``), at --seq_len whatever the rule of ``llmtrain.model.attention_kernel`` says
   (B still needs float32 attention and enough stacked query rows).
@@ -101,8 +103,25 @@ def block_attention_sides(args: argparse.Namespace) -> dict[str, Callable[[], No
     return {"SDPA (flash)": flash, "block attention": blocks}
 
 
+def rms_norm_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
+    from llmtrain.model import RMSNorm, rms_norm_composite
+
+    written_out = RMSNorm.forward
+
+    def composite_forward(self: RMSNorm, x):
+        return rms_norm_composite(x, self.weight, self.eps, self.unit_offset)
+
+    def composite() -> None:
+        RMSNorm.forward = composite_forward
+
+    def backward_written_out() -> None:
+        RMSNorm.forward = written_out
+
+    return {"autograd through the composite": composite, "backward written out": backward_written_out}
+
+
 EXPERIMENTS = {"attention_dtype": attention_dtype_sides, "lora_update": lora_update_sides,
-               "compile": compile_sides, "block_attention": block_attention_sides}
+               "compile": compile_sides, "block_attention": block_attention_sides, "rms_norm": rms_norm_sides}
 
 
 def main() -> None:

@@ -5,8 +5,10 @@ from llmtrain.config import Config
 from llmtrain.convert import state_dict_from_hf
 from llmtrain.flops import num_parameters
 from llmtrain import model as model_module
-from llmtrain.model import (GPT, INIT_SCHEMES, CPU_FLOAT32_ATTENTION_MAX_SEQ, attention_dtype, build_rope_cache,
-                            build_sliding_window_mask, causal_attention, init_gpt_weights, init_stds, kv_layout)
+from llmtrain.model import (GPT, INIT_SCHEMES, CPU_FLOAT32_ATTENTION_MAX_SEQ, RMSNorm, attention_dtype,
+                            build_rope_cache, build_sliding_window_mask, causal_attention, init_gpt_weights, init_stds,
+                            kv_layout, rms_norm_composite)
+from llmtrain.plan import activation_bytes_per_token
 
 from conftest import build_model, tiny_config
 
@@ -161,6 +163,63 @@ def test_bf16_attention_computes_in_the_dtype_the_rule_names(monkeypatch, measur
     assert torch.equal(out, want_out) and torch.equal(grad, want_grad)
     other_out, _ = run(forced(torch.bfloat16 if seen[0] == torch.float32 else torch.float32))
     assert not torch.equal(out, other_out)  # the two dtypes do give different results here
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rms_norm_backward_matches_autograd_of_the_formula(dtype, unit_offset):
+    """RMSNorm's written-out backward against autograd through the composite (the same forward bits, gradients to
+    float32 rounding) and against the formula in float64; the weight is random so that every term counts."""
+    norm = RMSNorm(64, unit_offset=unit_offset).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 10, 64, dtype=dtype, generator=torch.Generator().manual_seed(0)).mul_(3).requires_grad_()
+    grad = torch.randn(3, 10, 64, dtype=dtype, generator=torch.Generator().manual_seed(1))
+
+    def run(fn):
+        out = fn(x, norm.weight)
+        return (out, *torch.autograd.grad(out, (x, norm.weight), grad))
+
+    ours = run(lambda x, weight: norm(x))
+    composite = run(lambda x, weight: rms_norm_composite(x, weight, norm.eps, unit_offset))
+    assert torch.equal(ours[0], composite[0])
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for got, want in zip(ours[1:], composite[1:]):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, **tolerance)
+
+    def formula(x, weight):
+        scale = weight + 1 if unit_offset else weight
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * scale
+
+    x64, weight64 = x.detach().double().requires_grad_(), norm.weight.detach().double().requires_grad_()
+    exact = torch.autograd.grad(formula(x64, weight64), (x64, weight64), grad.double())
+    for got, want in zip(ours[1:], exact):
+        torch.testing.assert_close(got.double(), want, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_keeps_what_the_memory_estimate_counts(dtype):
+    """For backward RMSNorm keeps its input, in its dtype, and one float32 scale per token (besides its weight),
+    which is the norm term of ``plan.activation_bytes_per_token``; the composite kept two float32 tensors."""
+    config = tiny_config("llama-debug")
+    norm = RMSNorm(config.n_embd).to(dtype)
+    x = torch.randn(2, 8, config.n_embd, dtype=dtype, requires_grad=True)
+    saved = []
+
+    def pack(tensor):
+        if tensor is not norm.weight:
+            saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        norm(x)
+    assert sum(saved) == 2 * 8 * (config.n_embd * x.element_size() + 4)
+    # The estimate: two norms a layer, each 4 bytes a token more than LayerNorm's input.
+    layer_norms = tiny_config("llama-debug", norm_class_name="LayerNorm")
+    difference = (activation_bytes_per_token(config, dtype, checkpointing=False)["layer"]
+                  - activation_bytes_per_token(layer_norms, dtype, checkpointing=False)["layer"])
+    assert difference == 2 * 4
 
 
 def test_head_size_independent_of_n_embd():
