@@ -498,15 +498,33 @@ class RMSNorm(nn.Module):
             nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: a DTensor (the norms of sequence parallelism) takes the composite, whose every operator DTensor
-        # shards; checked by name, as importing DTensor costs every user of this module a second.
+        # NOTE: by name: importing DTensor costs every user of this module a second.
         if "DTensor" in (type(x).__name__, type(self.weight).__name__):
-            return rms_norm_composite(x, self.weight, self.eps, self.unit_offset)
+            return _rms_norm_on_local_tensors(x, self.weight, self.eps, self.unit_offset)
         return _RMSNormFunction.apply(x, self.weight, self.eps, self.unit_offset)
 
 
+def _rms_norm_on_local_tensors(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """RMSNorm of a tensor-parallel model: x a DTensor whose tokens are split over the mesh (sequence parallelism,
+    ``Shard(1)``) or replicated, the weight a replicated DTensor. Each token is normalised on its own, so each rank
+    runs :class:`_RMSNormFunction` on its local tokens; its weight gradient sums only those tokens, a partial sum
+    where the tokens are split and the whole one where they are replicated."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    if not isinstance(x, DTensor):  # a plain tensor, the same on every rank
+        return _RMSNormFunction.apply(x, weight.to_local(grad_placements=[Replicate()] * weight.device_mesh.ndim),
+                                      eps, unit_offset)
+    if any(isinstance(p, Shard) and p.dim == x.ndim - 1 for p in x.placements):
+        raise ValueError("RMSNorm cannot normalise a DTensor split over its last (feature) dimension")
+    grad_placements = [Partial() if isinstance(p, Shard) else Replicate() for p in x.placements]
+    local_weight = weight.to_local(grad_placements=grad_placements) if isinstance(weight, DTensor) else weight
+    out = _RMSNormFunction.apply(x.to_local(), local_weight, eps, unit_offset)
+    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False)
+
+
 def rms_norm_composite(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
-    """RMSNorm in float32 from torch operators, differentiated by autograd: the formula ``RMSNorm`` computes."""
+    """RMSNorm in float32 from torch operators, differentiated by autograd: the formula ``RMSNorm`` computes, and the
+    reference its written-out backward is held to (tests, ``scripts/step_ab.py rms_norm``)."""
     x_float = x.float()
     normed = x_float * torch.rsqrt(x_float.pow(2).mean(dim=-1, keepdim=True) + eps)
     scale = weight.float() + 1.0 if unit_offset else weight.float()

@@ -8,7 +8,6 @@ layers llmtrain's model uses (measured with saved-tensor hooks on the real block
 tests/test_plan.py, which also checks the total against a measured peak):
 
 - RMSNorm keeps its input and one fp32 scale per token (d · a + 4 bytes, ``llmtrain.model._RMSNormFunction``);
-  under tensor parallelism its composite keeps the input and the normalised tensor in fp32 (2 · d · 4 bytes).
   LayerNorm keeps its input.
 - Attention keeps 2 · q + 4 · kv elements (q = n_head · head_size, kv = n_query_groups · head_size):
   projections, RoPE inputs and the SDPA inputs and output. SDPA's flash kernels keep no T × T matrix;
@@ -144,11 +143,7 @@ def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, check
     a = _bytes(compute_dtype)
     d, f = config.n_embd, config.intermediate_size
     q, kv = config.n_head * config.head_size, config.n_query_groups * config.head_size
-    # What a norm keeps: LayerNorm its input; RMSNorm its input and an fp32 scale per token, except under tensor
-    # parallelism, where its DTensors take the composite, which keeps the input and the normalised tensor in fp32.
-    norm = d * a
-    if config.norm_class_name == "RMSNorm":
-        norm = 2 * d * 4 if tp > 1 else d * a + 4
+    norm = d * a + (4 if config.norm_class_name == "RMSNorm" else 0)  # the input, and RMSNorm's fp32 scale per token
     norms = 1 if config.shared_attention_norm else 2
     gated = config.mlp_class_name in ("LLaMAMLP", "GemmaMLP")
     sequence_split = tp if sequence_parallel else 1
