@@ -514,12 +514,15 @@ def _rms_norm_on_local_tensors(x: torch.Tensor, weight: torch.Tensor, eps: float
     if not isinstance(x, DTensor):  # a plain tensor, the same on every rank
         return _RMSNormFunction.apply(x, weight.to_local(grad_placements=[Replicate()] * weight.device_mesh.ndim),
                                       eps, unit_offset)
-    if any(isinstance(p, Shard) and p.dim == x.ndim - 1 for p in x.placements):
-        raise ValueError("RMSNorm cannot normalise a DTensor split over its last (feature) dimension")
+    if not isinstance(weight, DTensor) or weight.device_mesh != x.device_mesh:
+        raise ValueError("RMSNorm of a DTensor needs its weight replicated on the same mesh (as tensor parallelism's "
+                         "plan distributes it)")
+    for placement in x.placements:
+        if isinstance(placement, Partial) or (isinstance(placement, Shard) and placement.dim % x.ndim == x.ndim - 1):
+            raise ValueError(f"RMSNorm needs whole feature vectors on each rank; got a DTensor placed {x.placements}")
     grad_placements = [Partial() if isinstance(p, Shard) else Replicate() for p in x.placements]
-    local_weight = weight.to_local(grad_placements=grad_placements) if isinstance(weight, DTensor) else weight
-    out = _RMSNormFunction.apply(x.to_local(), local_weight, eps, unit_offset)
-    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False)
+    out = _RMSNormFunction.apply(x.to_local(), weight.to_local(grad_placements=grad_placements), eps, unit_offset)
+    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
 def rms_norm_composite(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
@@ -548,6 +551,7 @@ class _RMSNormFunction(torch.autograd.Function):
         return (x_float * rstd).mul_(scale).to(x.dtype)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the backward treats rstd as a constant of x: no double backward
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         scale = weight.float() + 1.0 if ctx.unit_offset else weight.float()

@@ -143,6 +143,8 @@ def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, check
     a = _bytes(compute_dtype)
     d, f = config.n_embd, config.intermediate_size
     q, kv = config.n_head * config.head_size, config.n_query_groups * config.head_size
+    # NOTE: the norm's input in the compute dtype, as the other residual-stream terms here; under autocast without
+    # FSDP's mixed precision (one device, DDP) the stream stays fp32, 2d bytes a token more per norm than counted.
     norm = d * a + (4 if config.norm_class_name == "RMSNorm" else 0)  # the input, and RMSNorm's fp32 scale per token
     norms = 1 if config.shared_attention_norm else 2
     gated = config.mlp_class_name in ("LLaMAMLP", "GemmaMLP")
