@@ -522,7 +522,9 @@ def _rms_norm_on_local_tensors(x: torch.Tensor, weight: torch.Tensor, eps: float
             raise ValueError(f"RMSNorm needs whole feature vectors on each rank; got a DTensor placed {x.placements}")
     grad_placements = [Partial() if isinstance(p, Shard) else Replicate() for p in x.placements]
     out = _RMSNormFunction.apply(x.to_local(), weight.to_local(grad_placements=grad_placements), eps, unit_offset)
-    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
+    # NOTE: DTensor infers the global shape from the local one, which needs the tokens split evenly (plan.check_model
+    # asks that the sequence length divide by tp).
+    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False)
 
 
 def rms_norm_composite(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
