@@ -22,6 +22,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from llmtrain.attention import block_causal_attention  # noqa: E402
+from llmtrain.distributed.host_memory import keep_freed_host_memory  # noqa: E402
 
 
 def main() -> None:
@@ -35,6 +36,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    keep_freed_host_memory()  # as a training process does: freed blocks are reused, not faulted in again
     dtype = getattr(torch, args.dtype)
     hs = 64
 
