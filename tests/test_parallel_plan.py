@@ -1,5 +1,6 @@
 """The parallel plan: every bad combination of layout flags is one message and exit 2 before any worker starts,
-with ``--devices 2``, with one process, and under two torchrun commands of two processes each."""
+with ``--devices 2`` and with one process; under two torchrun commands of two processes each, the mistakes only a
+launcher reveals and two of the others."""
 
 from __future__ import annotations
 
