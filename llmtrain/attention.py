@@ -7,9 +7,14 @@ Within a block the scores, the softmax and the weighted sum are two batched GEMM
 that share a key/value group are stacked along the rows of one GEMM, so grouped keys and values are not copied
 per head.
 
-Unlike flash attention, it keeps the probabilities for backward (as torch's math attention does): for a query in
-block i, (i + 1) * block floats per head. ``saved_scores_per_query`` gives the mean, which the memory estimate
-counts.
+Inputs are float32 or bfloat16. The scores and their softmax compute in float32 either way; the weighted sum and
+the backward's GEMMs run in the inputs' dtype (AMX tiles for bfloat16), and the gradients are summed in float32.
+So a bfloat16 model's attention is as precise as bfloat16 flash attention (tests/test_attention.py holds it to
+that, against float64).
+
+Unlike flash attention, it keeps the probabilities for backward (as torch's math attention does), in the inputs'
+dtype: for a query in block i, (i + 1) * block of them per head. ``saved_scores_per_query`` gives the mean, which
+the memory estimate counts.
 """
 
 from __future__ import annotations
@@ -44,7 +49,12 @@ class _BlockCausalAttention(torch.autograd.Function):
             q_rows = q.view(B, groups, rep, T, hs).transpose(2, 3).reshape(B * groups, T * rep, hs)
             keys = k.reshape(B * groups, T, hs)
             values = v.reshape(B * groups, T, hs)
-            mask = _causal_bias(block, rep, T, q.dtype, q.device)
+            # The scores are float32 whatever the inputs' dtype: a bfloat16 GEMM would round them to bfloat16, and
+            # the softmax turns a score's rounding error into a relative error of its probability (twice flash
+            # attention's error in the output and gradients). The copies are no-ops for float32 (and float64) inputs.
+            wide = torch.promote_types(q.dtype, torch.float32)
+            q_scores, k_scores = q_rows.to(wide), keys.to(wide)
+            mask = _causal_bias(block, rep, T, wide, q.device)
             y = q.new_empty(B, T, groups, rep, hs)
             probs = []
             for start in range(0, T, block):
@@ -53,46 +63,45 @@ class _BlockCausalAttention(torch.autograd.Function):
                 # NOTE: the mask is added by the GEMM rather than filled in afterwards: selective activation
                 # checkpointing may keep the GEMM's output, which must not change after it was written.
                 bias = mask[:(end - start) * rep, T - start:T - start + end]  # (rows, end)
-                scores = torch.baddbmm(bias, q_rows[:, rows], keys[:, :end].transpose(1, 2), alpha=scale)
-                p = torch.softmax(scores, dim=-1)  # (B * ng, rows, end)
+                scores = torch.baddbmm(bias, q_scores[:, rows], k_scores[:, :end].transpose(1, 2), alpha=scale)
+                p = torch.softmax(scores, dim=-1).to(q.dtype)  # (B * ng, rows, end)
                 out = torch.bmm(p, values[:, :end])  # (B * ng, rows, hs)
                 y[:, start:end] = out.view(B, groups, end - start, rep, hs).transpose(1, 2)
                 probs.append(p)
-        y = y.view(B, T, n_head * hs)
-        ctx.save_for_backward(q_rows, keys, values, y, *probs)
+        ctx.save_for_backward(q_rows, keys, values, *probs)
         ctx.block, ctx.scale, ctx.q_shape = block, scale, q.shape
-        return y
+        return y.view(B, T, n_head * hs)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        q_rows, keys, values, y, *probs = ctx.saved_tensors
+        q_rows, keys, values, *probs = ctx.saved_tensors
         block, scale = ctx.block, ctx.scale
         B, n_head, T, hs = ctx.q_shape
         groups = keys.size(0) // B
         rep = n_head // groups
         with torch.autocast(dy.device.type, enabled=False):
-            dy = dy.reshape(B, T, groups, rep, hs)
-            # The softmax's backward subtracts from each row of dy v^T its mean under p: sum_j p_j (dy . v_j),
-            # which is dy . y for the row's output y = sum_j p_j v_j.
-            delta = (dy * y.view(B, T, groups, rep, hs)).sum(-1)  # (B, T, ng, rep)
-            delta = delta.transpose(1, 2).reshape(B * groups, T * rep, 1)
-            dy_rows = dy.transpose(1, 2).reshape(B * groups, T * rep, hs)
-            dq = dy.new_empty(B, n_head, T, hs)
+            dy_rows = dy.reshape(B, T, groups, rep, hs).transpose(1, 2).reshape(B * groups, T * rep, hs)
+            # Gradients are summed and scaled in float32, then cast once (no-ops for float32 inputs).
+            wide = torch.promote_types(dy.dtype, torch.float32)
+            dq = dy.new_empty(B, n_head, T, hs, dtype=wide)
             dq_heads = dq.view(B, groups, rep, T, hs)
-            dk = torch.zeros_like(keys)
-            dv = torch.zeros_like(values)
+            dk = torch.zeros_like(keys, dtype=wide)
+            dv = torch.zeros_like(values, dtype=wide)
             for p, start in zip(probs, range(0, T, block)):
                 end = min(T, start + block)
                 rows = slice(start * rep, end * rep)
                 grad_out = dy_rows[:, rows]
                 dv[:, :end] += torch.bmm(p.transpose(1, 2), grad_out)
-                grad_scores = torch.bmm(grad_out, values[:, :end].transpose(1, 2))
-                grad_scores.sub_(delta[:, rows]).mul_(p)
+                grad_probs = torch.bmm(grad_out, values[:, :end].transpose(1, 2))
+                # The softmax's backward, p * (g - sum_j p_j g_j) per row, in one kernel that computes in float32.
+                # NOTE: a private operator, but the one torch's own softmax differentiates with.
+                grad_scores = torch._softmax_backward_data(grad_probs, p, -1, p.dtype)
                 dq_block = torch.bmm(grad_scores, keys[:, :end]).view(B, groups, end - start, rep, hs)
                 dq_heads[:, :, :, start:end] = dq_block.transpose(2, 3)
                 dk[:, :end] += torch.bmm(grad_scores.transpose(1, 2), q_rows[:, rows])
-            dq.mul_(scale)  # the scores were scaled q k^T
-            dk.mul_(scale)
+            dq = dq.mul_(scale).to(dy.dtype)  # the scores were scaled q k^T
+            dk = dk.mul_(scale).to(dy.dtype)
+            dv = dv.to(dy.dtype)
         return dq, dk.view(B, groups, T, hs), dv.view(B, groups, T, hs), None
 
 

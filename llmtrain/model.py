@@ -361,6 +361,13 @@ CPU_BLOCK_ATTENTION_MAX_SEQ = 1024
 CPU_BLOCK_ATTENTION_MIN_ROWS = 256
 CPU_MEASURED_FOR_BLOCK_ATTENTION = torch.cpu._is_avx512_supported()
 
+# A bfloat16 model's training attention on a CPU with AMX tiles (which keeps bfloat16, above) runs as block attention
+# too, up to CPU_BF16_BLOCK_ATTENTION_MAX_SEQ tokens, whatever the number of rows: its bfloat16 GEMMs run on the
+# tiles, while CPU flash attention's bfloat16 backward is slow there (attention alone 2.1-2.9x faster at 128 tokens,
+# 1.09-1.45x at 256, 0.89-1.37x at 512; BENCHMARKS.md, "bfloat16 block attention on AMX").
+CPU_BF16_BLOCK_ATTENTION_MAX_SEQ = 256
+CPU_MEASURED_FOR_BF16_BLOCK_ATTENTION = torch.cpu._is_amx_tile_supported()
+
 AttentionKernel = Literal["sdpa", "blocks"]
 
 
@@ -380,10 +387,13 @@ def attention_kernel(device_type: str, dtype: torch.dtype, seq_len: int, n_head:
     """Which kernel causal attention runs on: torch's SDPA, or block-causal batched matmuls where they are faster
     (above). ``dtype`` is the dtype attention computes in (``attention_dtype``). Only training attention was
     measured: validation and generation keep SDPA, and so does an explicit (sliding-window) mask."""
+    if not training or masked or device_type != "cpu":
+        return "sdpa"
     rows = seq_len * (n_head // n_query_groups)
-    if (training and not masked and device_type == "cpu" and dtype == torch.float32
-            and CPU_MEASURED_FOR_BLOCK_ATTENTION and seq_len <= CPU_BLOCK_ATTENTION_MAX_SEQ
+    if (dtype == torch.float32 and CPU_MEASURED_FOR_BLOCK_ATTENTION and seq_len <= CPU_BLOCK_ATTENTION_MAX_SEQ
             and rows >= CPU_BLOCK_ATTENTION_MIN_ROWS):
+        return "blocks"
+    if dtype == torch.bfloat16 and CPU_MEASURED_FOR_BF16_BLOCK_ATTENTION and seq_len <= CPU_BF16_BLOCK_ATTENTION_MAX_SEQ:
         return "blocks"
     return "sdpa"
 

@@ -131,12 +131,13 @@ def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, check
     The vocabulary-sharded head holds ``V / tp`` of each token's logits.
 
     ``attention_dtype`` (``llmtrain.model.attention_dtype``; default ``compute_dtype``): where attention computes
-    in float32 although the model computes in bfloat16, the q, k, v and output it saves take 4 bytes an element;
-    ``op`` recomputes the float32 copies of q, k, v and keeps only the output.
+    in float32 although the model computes in bfloat16, the q, k, v and output it saves take 4 bytes an element
+    (block attention does not keep its output); ``op`` recomputes the float32 copies of q, k, v and keeps only the
+    output.
 
-    ``attention_scores``: the probabilities attention keeps per query and head, in float32, where it runs as
-    block-causal matmuls (``llmtrain.attention.saved_scores_per_query``; 0 for SDPA, which keeps a log-sum-exp).
-    ``op`` keeps the scores those matmuls write, as many.
+    ``attention_scores``: the probabilities attention keeps per query and head, in ``attention_dtype``, where it
+    runs as block-causal matmuls (``llmtrain.attention.saved_scores_per_query``; 0 for SDPA, which keeps a
+    log-sum-exp). ``op`` keeps the float32 scores those matmuls write, as many.
     """
     from llmtrain.args import canonical_checkpointing, checkpointed_every
 
@@ -151,15 +152,16 @@ def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, check
     sequence_split = tp if sequence_parallel else 1
     replicated = norms * norm + d * a  # the norms, and the MLP's input
     upcast = _bytes(attention_dtype) - a if attention_dtype is not None else 0  # attention in float32 (above)
-    scores = 4 * config.n_head * attention_scores  # block attention's probabilities (above)
-    split = (2 * q + 4 * kv) * a + (2 * q + 2 * kv) * upcast + scores + (4 if gated else 2) * f * a  # heads, MLP
+    scores = _bytes(attention_dtype or compute_dtype) * config.n_head * attention_scores  # block attention's (above)
+    upcast_saved = (q + 2 * kv if attention_scores else 2 * q + 2 * kv) * upcast  # q, k, v (and SDPA's output)
+    split = (2 * q + 4 * kv) * a + upcast_saved + scores + (4 if gated else 2) * f * a  # heads, MLP
     layer = replicated / sequence_split + split / tp
     block_input = d * a / sequence_split
     mode = canonical_checkpointing(checkpointing)
     if mode == "op":
         # NOTE: attention's o and the MLP's down projection write a d-wide partial sum on every rank; under tensor
         # parallelism each then goes through a collective whose output is kept as well.
-        attention_saved = scores if attention_scores else 4 * config.n_head  # or SDPA's log-sum-exp
+        attention_saved = 4 * config.n_head * (attention_scores or 1)  # the float32 scores, or SDPA's log-sum-exp
         matmuls = (((q + 2 * kv) * a + q * (a + upcast) + attention_saved + (2 if gated else 1) * f * a) / tp
                    + 2 * d * a)
         collectives = 2 * d * a / sequence_split if tp > 1 else 0

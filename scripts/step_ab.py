@@ -14,7 +14,9 @@ Experiments (A against B):
   before) against its backward written out (B, ``llmtrain.model._RMSNormFunction``).
 - ``block_attention``: training attention through SDPA (A, CPU flash attention) against block-causal batched
   matmuls (B, ``llmtrain.attention``), at --seq_len whatever the rule of ``llmtrain.model.attention_kernel`` says
-  (B still needs float32 attention and enough stacked query rows).
+  (B still needs float32 attention and enough stacked query rows, or a bfloat16 model on a CPU with AMX tiles).
+- ``block_kernel``: block attention as ``llmtrain/attention.py`` was at git revision ``--rev`` (A) against the
+  working tree's (B), where the rule picks block attention.
 
 Each of ``--pairs`` pairs times two steps of A and two of B, in alternating order, so that a drift in the machine's
 speed hits both; prints the medians and A / B. The model and its loss are the recipes' (``GPT(..., labels=...)``,
@@ -91,14 +93,19 @@ def compile_sides(args: argparse.Namespace, model) -> dict[str, Callable[[], Non
 def block_attention_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
     from llmtrain import model as model_module
 
+    import torch
+
     model_module.CPU_MEASURED_FOR_BLOCK_ATTENTION = True  # B applies the rule on any CPU, to measure it there
     longest = model_module.CPU_BLOCK_ATTENTION_MAX_SEQ
+    if args.precision == "bf16-true" and torch.cpu._is_amx_tile_supported():
+        model_module.CPU_MEASURED_FOR_BF16_BLOCK_ATTENTION = True  # bfloat16 blocks, as on this CPU
 
     def flash() -> None:
-        model_module.CPU_BLOCK_ATTENTION_MAX_SEQ = 0
+        model_module.CPU_BLOCK_ATTENTION_MAX_SEQ = model_module.CPU_BF16_BLOCK_ATTENTION_MAX_SEQ = 0
 
     def blocks() -> None:
         model_module.CPU_BLOCK_ATTENTION_MAX_SEQ = max(longest, args.seq_len)
+        model_module.CPU_BF16_BLOCK_ATTENTION_MAX_SEQ = args.seq_len
 
     return {"SDPA (flash)": flash, "block attention": blocks}
 
@@ -120,8 +127,32 @@ def rms_norm_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
     return {"autograd through the composite": composite, "backward written out": backward_written_out}
 
 
+def block_kernel_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
+    import subprocess
+    import types
+
+    from llmtrain import model as model_module
+
+    root = Path(__file__).resolve().parents[1]
+    source = subprocess.run(["git", "show", f"{args.rev}:llmtrain/attention.py"], cwd=root, check=True,
+                            capture_output=True, text=True).stdout
+    before = types.ModuleType(f"attention_at_{args.rev}".replace("~", "_").replace("^", "_"))
+    sys.modules[before.__name__] = before  # where torch.compile looks its functions up
+    exec(compile(source, f"{args.rev}:llmtrain/attention.py", "exec"), before.__dict__)
+    now = model_module.block_causal_attention
+
+    def old() -> None:
+        model_module.block_causal_attention = before.block_causal_attention
+
+    def new() -> None:
+        model_module.block_causal_attention = now
+
+    return {f"block attention at {args.rev}": old, "block attention now": new}
+
+
 EXPERIMENTS = {"attention_dtype": attention_dtype_sides, "lora_update": lora_update_sides,
-               "compile": compile_sides, "block_attention": block_attention_sides, "rms_norm": rms_norm_sides}
+               "compile": compile_sides, "block_attention": block_attention_sides, "rms_norm": rms_norm_sides,
+               "block_kernel": block_kernel_sides}
 
 
 def main() -> None:
@@ -133,6 +164,9 @@ def main() -> None:
     parser.add_argument("--micro_batch_size", type=int, default=8)
     parser.add_argument("--pairs", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compile", action="store_true",
+                        help="compile each Block (as --compile does) for both sides; not with the compile experiment")
+    parser.add_argument("--rev", default="HEAD", help="block_kernel: the git revision of side A's llmtrain/attention.py")
     args = parser.parse_args()
     if args.experiment == "attention_dtype" and args.precision != "bf16-true":
         parser.error("attention_dtype compares attention dtypes of a bfloat16 model: use --precision bf16-true")
@@ -154,6 +188,10 @@ def main() -> None:
         apply_lora(model, LoRAArgs(lora_dropout=0.0))
         mark_only_lora_trainable(model)
     model.train()
+    if args.compile and args.experiment != "compile":
+        from llmtrain.distributed.parallelize import apply_compile
+
+        apply_compile(model)
     tokens = torch.randint(0, model.config.vocab_size, (args.micro_batch_size, args.seq_len + 1))
 
     def step() -> float:
@@ -175,7 +213,7 @@ def main() -> None:
             times[side].extend(step() for _ in range(2))
     medians = {side: statistics.median(values) * 1e3 for side, values in times.items()}
     (a, a_ms), (b, b_ms) = medians.items()
-    print(f"{args.experiment}: {args.model} {args.precision}, micro batch {args.micro_batch_size} x {args.seq_len}, "
+    print(f"{args.experiment}: {args.model} {args.precision}{', compiled' if args.compile else ''}, micro batch {args.micro_batch_size} x {args.seq_len}, "
           f"{args.pairs} pairs, {args.threads} threads: step medians A ({a}) {a_ms:.1f} ms, B ({b}) {b_ms:.1f} ms; "
           f"A / B = {a_ms / b_ms:.3f}")
 

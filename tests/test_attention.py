@@ -51,30 +51,59 @@ def test_block_attention_output_and_gradients_equal_the_formula(n_head, groups, 
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("n_head, groups", [(4, 2), (4, 4)])
+def test_bfloat16_block_attention_is_as_precise_as_bfloat16_flash_attention(n_head, groups):
+    """bfloat16 inputs: the output and each gradient lie as close to float64 attention as bfloat16 SDPA's do (within
+    a quarter). Scores rounded to bfloat16 before the softmax would be about 1.7 times as far."""
+    q, k, v = _inputs(2, n_head, groups, 128, 32, seed=1)
+    q, k = 2 * q, 2 * k  # scores of a few units, where rounding them would matter
+    grad_out = torch.randn(2, 128, n_head * 32, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    def run(kernel, dtype):
+        inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = kernel(*inputs)
+        return [out, *torch.autograd.grad(out, inputs, grad_out.to(dtype))]
+
+    def sdpa(q, k, v):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(q.size(0), q.size(2), -1)
+
+    want = run(_reference, torch.float64)
+    blocks = run(lambda q, k, v: block_causal_attention(q, k, v, 32), torch.bfloat16)
+    flash = run(sdpa, torch.bfloat16)
+    for name, got, peer, exact in zip(("output", "dq", "dk", "dv"), blocks, flash, want):
+        assert got.dtype == torch.bfloat16
+        error, peer_error = ((t.double() - exact).norm() / exact.norm() for t in (got, peer))
+        assert error <= 1.25 * peer_error, (name, error.item(), peer_error.item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T, block", [(256, 64), (200, 64), (128, 32), (10, 32)])
-def test_saved_scores_per_query_counts_what_backward_keeps(T, block):
-    """The memory estimate's count of kept probabilities is what autograd keeps: q, k, v, the output, and per
-    query and head ``saved_scores_per_query`` floats."""
+def test_saved_scores_per_query_counts_what_backward_keeps(T, block, dtype):
+    """The memory estimate's count of kept probabilities is what autograd keeps: q, k, v and per query and head
+    ``saved_scores_per_query`` probabilities, all in the inputs' dtype (the float32 scores are not kept)."""
     B, n_head, groups, hs = 2, 4, 2, 8
-    q, k, v = (t.requires_grad_() for t in _inputs(B, n_head, groups, T, hs, dtype=torch.float32))
+    q, k, v = (t.requires_grad_() for t in _inputs(B, n_head, groups, T, hs, dtype=dtype))
     saved = []
 
     def pack(tensor):
-        saved.append(tensor.numel())
+        saved.append(tensor.numel() * tensor.element_size())
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         block_causal_attention(q, k, v, block)
-    inputs_and_output = 2 * B * T * n_head * hs + 2 * B * T * groups * hs
-    assert sum(saved) == inputs_and_output + B * n_head * T * saved_scores_per_query(T, block)
+    inputs = B * T * n_head * hs + 2 * B * T * groups * hs
+    assert sum(saved) == (inputs + B * n_head * T * saved_scores_per_query(T, block)) * q.element_size()
     # By hand: a query in block i keeps the scores of the (i + 1) * block keys up to its block's end.
     by_hand = sum(min(T, (position // block + 1) * block) for position in range(T)) / T
     assert saved_scores_per_query(T, block) == pytest.approx(by_hand)
 
 
 @pytest.mark.parametrize("measured", [True, False])
-def test_attention_kernel_rule(monkeypatch, measured):
+@pytest.mark.parametrize("bf16_measured", [True, False])
+def test_attention_kernel_rule(monkeypatch, measured, bf16_measured):
     monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_BLOCK_ATTENTION", measured)
+    monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_BF16_BLOCK_ATTENTION", bf16_measured)
     longest, fewest = model_module.CPU_BLOCK_ATTENTION_MAX_SEQ, model_module.CPU_BLOCK_ATTENTION_MIN_ROWS
     blocks = "blocks" if measured else "sdpa"
     assert attention_kernel("cpu", torch.float32, 256, 4, 2) == blocks
@@ -84,8 +113,17 @@ def test_attention_kernel_rule(monkeypatch, measured):
     assert attention_kernel("cpu", torch.float32, longest + 1, 4, 2) == "sdpa"
     assert attention_kernel("cpu", torch.float32, 256, 4, 2, masked=True) == "sdpa"
     assert attention_kernel("cpu", torch.float32, 256, 4, 2, training=False) == "sdpa"
-    assert attention_kernel("cpu", torch.bfloat16, 256, 4, 2) == "sdpa"  # bfloat16 models upcast first
     assert attention_kernel("cuda", torch.float32, 256, 4, 2) == "sdpa"
+    # bfloat16 (on a CPU with AMX tiles; elsewhere bfloat16 models upcast first where it pays): up to its own
+    # longest sequence, however few the rows.
+    bf16_longest, bf16_blocks = model_module.CPU_BF16_BLOCK_ATTENTION_MAX_SEQ, "blocks" if bf16_measured else "sdpa"
+    assert attention_kernel("cpu", torch.bfloat16, bf16_longest, 4, 2) == bf16_blocks
+    assert attention_kernel("cpu", torch.bfloat16, 16, 4, 4) == bf16_blocks
+    assert attention_kernel("cpu", torch.bfloat16, bf16_longest + 1, 4, 2) == "sdpa"
+    assert attention_kernel("cpu", torch.bfloat16, 128, 4, 2, masked=True) == "sdpa"
+    assert attention_kernel("cpu", torch.bfloat16, 128, 4, 2, training=False) == "sdpa"
+    assert attention_kernel("cuda", torch.bfloat16, 128, 4, 2) == "sdpa"
+    assert attention_kernel("cpu", torch.float16, 128, 4, 2) == "sdpa"
     assert attention_block(128) == 32 and attention_block(256) == 64
 
 
@@ -170,6 +208,24 @@ def test_bf16_model_attends_in_float32_blocks(monkeypatch, block_attention_on_sh
     assert len(block_attention_on_short_sequences) == 1
     torch.testing.assert_close(loss, want_loss, rtol=1e-2, atol=0)
     for got, want in zip(grads, want_grads):
+        assert (got.float() - want.float()).norm() <= 2e-2 * want.float().norm()
+
+
+def test_bf16_model_attends_in_bf16_blocks_on_amx(monkeypatch, block_attention_on_short_sequences):
+    """On a CPU with AMX tiles a bfloat16 model's training attention runs as bfloat16 blocks, and trains as with
+    bfloat16 flash attention, up to bfloat16 rounding."""
+    monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_FLOAT32_ATTENTION", False)
+    monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_BF16_BLOCK_ATTENTION", True)
+    model, tokens = _model_and_tokens(n_layer=1)
+    model = model.to(torch.bfloat16)
+    loss, grads = _losses_and_gradients(model, tokens)
+    assert block_attention_on_short_sequences == [(48, 32, torch.bfloat16)]
+    monkeypatch.setattr(model_module, "CPU_BF16_BLOCK_ATTENTION_MAX_SEQ", 0)  # bfloat16 SDPA
+    want_loss, want_grads = _losses_and_gradients(model, tokens)
+    assert len(block_attention_on_short_sequences) == 1
+    torch.testing.assert_close(loss, want_loss, rtol=1e-2, atol=0)
+    for got, want in zip(grads, want_grads):
+        assert got.dtype == torch.bfloat16
         assert (got.float() - want.float()).norm() <= 2e-2 * want.float().norm()
 
 

@@ -116,6 +116,7 @@ def test_bf16_attention_computes_in_the_dtype_the_rule_names(monkeypatch, measur
     the inputs' upcast copies, cast back), in a bfloat16 model and under bfloat16 autocast alike; without
     gradients (validation, generation) attention keeps bfloat16."""
     monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_FLOAT32_ATTENTION", measured)
+    monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_BF16_BLOCK_ATTENTION", False)  # SDPA: the rule under test
     config = tiny_config("llama-debug")
     torch.manual_seed(0)
     attn = model_module.CausalSelfAttention(config)
