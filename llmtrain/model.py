@@ -363,9 +363,9 @@ CPU_MEASURED_FOR_BLOCK_ATTENTION = torch.cpu._is_avx512_supported()
 
 # A bfloat16 model's training attention on a CPU with AMX tiles (which keeps bfloat16, above) runs as block attention
 # too, up to CPU_BF16_BLOCK_ATTENTION_MAX_SEQ tokens, whatever the number of rows: its bfloat16 GEMMs run on the
-# tiles, while CPU flash attention's bfloat16 backward is slow there (attention alone 2.1-2.9x faster at 128 tokens,
-# 1.09-1.45x at 256, 0.89-1.37x at 512; BENCHMARKS.md, "bfloat16 block attention on AMX").
-CPU_BF16_BLOCK_ATTENTION_MAX_SEQ = 256
+# tiles, while CPU flash attention's bfloat16 backward is slow there (the whole step 1.30x at 128 tokens, 1.05-1.08x
+# at 256, 1.02-1.06x at 512, 0.90x at 1,024; BENCHMARKS.md, "bfloat16 block attention on AMX").
+CPU_BF16_BLOCK_ATTENTION_MAX_SEQ = 512
 CPU_MEASURED_FOR_BF16_BLOCK_ATTENTION = torch.cpu._is_amx_tile_supported()
 
 AttentionKernel = Literal["sdpa", "blocks"]
