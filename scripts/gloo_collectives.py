@@ -5,7 +5,8 @@
 For each buffer size (fp32 elements of a whole unit; the default is a pythia-160m Block and a smaller one), times
 ``all_gather_single`` (FSDP2's all-gather), ``reduce_scatter_single`` (FSDP2's default reduce-scatter) and an
 in-place ``all_reduce`` plus the copy of this rank's slice, both averaging as FSDP2 asks
-(``parallelize.reduce_scatter_by_all_reduce``), in
+(``parallelize.reduce_scatter_by_all_reduce``), and both through shared memory as one host's FSDP runs them
+(``llmtrain.distributed.shared_memory``, with the copy FSDP makes anyway into or out of the shared slot), in
 rotation over ``--repeats`` rounds, one thread per process; rank 0 prints the medians in milliseconds.
 """
 
@@ -19,6 +20,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from llmtrain.distributed.shared_memory import HostAllGather, HostReduceScatter
 
 
 def main() -> None:
@@ -38,9 +41,26 @@ def main() -> None:
             dist.all_reduce(full, op=dist.ReduceOp.AVG)
             slice_.copy_(full.narrow(0, rank * (numel // world), numel // world))
 
+        group = dist.group.WORLD
+        host_gather, host_reduce = HostAllGather(group), HostReduceScatter(group, fallback=None)
+
+        def shared_all_gather() -> None:  # as FSDP2 calls its comm: ask for the output, copy the shard in, call
+            output = host_gather.allocate((numel,), dtype=torch.float32, device=torch.device("cpu"))
+            output.view(world, -1)[rank].copy_(shard)
+            host_gather(output, output.view(world, -1)[rank], group)
+            gathered.copy_(output)  # FSDP's copy-out into the unsharded weights
+
+        def shared_reduce_scatter() -> None:
+            buffer = host_reduce.allocate((numel,), dtype=torch.float32, device=torch.device("cpu"))
+            buffer.copy_(full)  # FSDP's copy-in of the gradients
+            out = host_reduce.allocate((numel // world,), dtype=torch.float32, device=torch.device("cpu"))
+            host_reduce(out, buffer, group, dist.ReduceOp.AVG)
+
         ops = {"all_gather_single": lambda: dist.all_gather_single(gathered, shard),
                "reduce_scatter_single": lambda: dist.reduce_scatter_single(slice_, full, op=dist.ReduceOp.AVG),
-               "all_reduce + slice": all_reduce_and_slice}
+               "all_reduce + slice": all_reduce_and_slice,
+               "shared-memory all-gather (+ copy-out)": shared_all_gather,
+               "shared-memory reduce-scatter (+ copy-in)": shared_reduce_scatter}
         times: dict[str, list[float]] = {name: [] for name in ops}
         for _ in range(args.repeats):
             for name, op in ops.items():

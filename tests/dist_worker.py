@@ -25,6 +25,7 @@ from llmtrain.args import FSDPArgs
 from llmtrain.checkpoint.checkpointer import build_checkpointer
 from llmtrain.checkpoint.weights import gather_full_model_state
 from llmtrain.distributed.parallel_plan import ParallelPlan
+from llmtrain.distributed import shared_memory
 from llmtrain.distributed.parallelize import materialize, parallelize
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
@@ -178,12 +179,17 @@ def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] 
               save_final=lambda s: checkpointers[0].save_final(s) if out_dir else None,
               loggers=[recorder], state=state, autocast_enabled=not info.mixed_precision_policy,
               grad_sync_only_last=info.grad_sync_only_last)
+    host_calls = dict(shared_memory.calls)
     with (CountedCalls(torch.distributed, "all_gather_single") as all_gathers,  # FSDP2's all-gather of a unit
           CountedCalls(torch.distributed, "reduce_scatter_single") as reduce_scatters,  # FSDP2's own reduce-scatter
           CountedCalls(torch.distributed, "all_reduce") as all_reduces):
         fit(job)
+    # Through shared memory (llmtrain.distributed.shared_memory): one host's FSDP collectives, unless switched off.
+    host = {kind: shared_memory.calls[kind] - count for kind, count in host_calls.items()}
     return {"losses": recorder.losses, "all_gathers": all_gathers.count, "reduce_scatters": reduce_scatters.count,
-            "all_reduces": all_reduces.count, "grad_norms": recorder.grad_norms, "mesh_shape": info.describe_mesh(),
+            "all_reduces": all_reduces.count, "host_all_gathers": host["all_gather"],
+            "host_reduce_scatters": host["reduce_scatter"], "grad_norms": recorder.grad_norms,
+            "mesh_shape": info.describe_mesh(),
             "mesh_ndim": mesh_ndim(model, info), "wrapper": info.wrapper,
             "sharding_strategy": info.sharding_strategy, "autocast_enabled": not info.mixed_precision_policy,
             "weights": gather_full_model_state(model),
@@ -203,11 +209,25 @@ def suite_two(runtime: Runtime, workdir: Path) -> dict:
     from llmtrain.distributed import parallelize
 
     # The tiny model's gradient buffers are far below the size from which FSDP's reduce-scatter becomes an all-reduce
-    # on the CPU: take that path for all of them, so that every run below checks it against one process.
+    # on the CPU where shared memory is off: take that path for all of them in the run that switches it off.
     parallelize.ALL_REDUCE_SCATTER_MIN_BYTES = 0
+    os.environ["LLMTRAIN_HOST_COLLECTIVES"] = "0"
+    try:
+        through_gloo = train(runtime, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"))
+    finally:
+        del os.environ["LLMTRAIN_HOST_COLLECTIVES"]
+    # /dev/shm without room for the slots (rank 0's posix_fallocate fails): every rank falls back to gloo, together.
+    create = shared_memory._create
+    shared_memory._create = lambda nbytes, kind: None
+    try:
+        no_room = train(runtime, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"))
+    finally:
+        shared_memory._create = create
     return {
         "full_shard": train(runtime, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"), out_dir=workdir / "two",
                             checkpoint_formats=("sharded", "full")),
+        "full_shard_gloo": through_gloo,
+        "full_shard_no_room": no_room,
         "shard_grad_op": train(runtime, fsdp=FSDPArgs(sharding_strategy="SHARD_GRAD_OP"), micro_batch_size=2),
         "ddp": train(runtime, strategy="ddp"),
         "activation_checkpointing": train(runtime, fsdp=FSDPArgs(activation_checkpointing=True)),

@@ -20,6 +20,7 @@ from llmtrain.args import FSDPArgs, TrainArgs
 from llmtrain.checkpoint.resume import checkpoint_format
 from llmtrain.checkpoint.state import load_training_state
 from llmtrain.checkpoint.weights import load_weights
+from llmtrain.distributed import shared_memory
 from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.distributed.parallelize import apply_activation_checkpointing, materialize, parallelize
 from llmtrain.distributed.runtime import Runtime
@@ -278,26 +279,55 @@ def test_single_process_parallelize_applies_checkpointing_only():
 @pytest.mark.multiproc
 def test_all_gathers_per_step_follow_the_sharding_strategy(two):
     # The tiny model has four units that hold weights: the embedding, two Blocks and [final norm, head] (the root holds
-    # none). Each rank takes GLOBAL_BATCH / 2 samples per step in micro-batches.
+    # none). Each rank takes GLOBAL_BATCH / 2 samples per step in micro-batches. Both ranks share one host: every
+    # all-gather goes through shared memory, none through gloo.
     steps = worker.MAX_STEPS
     full = two["full_shard"]  # micro-batch 1: four per step
     # Before every micro-batch's forward, each unit; before its backward again the three resharded after forward (the
     # head, needed first, is not).
-    assert full["all_gathers"] == steps * full["grad_accum_steps"] * (4 + 3)
+    assert full["host_all_gathers"] == steps * full["grad_accum_steps"] * (4 + 3)
     held = two["shard_grad_op"]  # micro-batch 2: two per step
     assert held["grad_accum_steps"] == 2
     # SHARD_GRAD_OP keeps every unit gathered through forward and backward, and through the step's micro-batches.
-    assert held["all_gathers"] == steps * 4
+    assert held["host_all_gathers"] == steps * 4
+    assert full["all_gathers"] == held["all_gathers"] == 0
+    # LLMTRAIN_HOST_COLLECTIVES=0: the same all-gathers, through gloo.
+    through_gloo = two["full_shard_gloo"]
+    assert through_gloo["all_gathers"] == full["host_all_gathers"] and through_gloo["host_all_gathers"] == 0
 
 
 @pytest.mark.multiproc
-def test_gloo_reduce_scatters_gradients_as_all_reduces(two):
-    # parallelize.reduce_scatter_by_all_reduce, with its size bound at 0 (dist_worker.suite_two): on the CPU each unit's
-    # gradients go through an all-reduce, never through gloo's reduce-scatter; the losses and weights of the same runs
-    # match one process (the tests above).
+def test_one_hosts_gradients_reduce_through_shared_memory_or_as_all_reduces(two):
+    # On one host each unit's gradients reduce through shared memory, once per unit and step (after the step's last
+    # backward), never through gloo's reduce-scatter; the losses and weights of the same runs match one process (the
+    # tests above). The all-reduces left are the loop's own (the loss, the gradient norm).
     steps = worker.MAX_STEPS
     for run in ("full_shard", "shard_grad_op"):
+        assert two[run]["host_reduce_scatters"] == steps * 4
         assert two[run]["reduce_scatters"] == 0
-        # One per unit and step (after the step's last backward), as FSDP reduce-scatters; more for the loop's own
-        # reductions (the loss, the gradient norm).
-        assert two[run]["all_reduces"] >= steps * 4
+    # With shared memory off (and parallelize.reduce_scatter_by_all_reduce's size bound at 0, dist_worker.suite_two):
+    # an all-reduce per unit and step, never gloo's reduce-scatter, and the losses of shared memory's run.
+    through_gloo = two["full_shard_gloo"]
+    assert through_gloo["host_reduce_scatters"] == 0 and through_gloo["reduce_scatters"] == 0
+    assert through_gloo["all_reduces"] >= steps * 4
+    assert_same_training(through_gloo, two["full_shard"])
+
+
+@pytest.mark.multiproc
+def test_without_room_in_shared_memory_every_rank_falls_back_to_gloo(two):
+    # dist_worker.suite_two: rank 0 cannot reserve the slots, so no rank uses them; the run trains as the others.
+    no_room = two["full_shard_no_room"]
+    assert no_room["host_all_gathers"] == no_room["host_reduce_scatters"] == 0
+    assert no_room["all_gathers"] == two["full_shard_gloo"]["all_gathers"] > 0
+    assert_same_training(no_room, two["full_shard"])
+    torch.testing.assert_close(no_room["weights"], two["full_shard"]["weights"], rtol=1e-5, atol=1e-7)
+
+
+def test_host_collectives_switch(monkeypatch):
+    monkeypatch.setenv("LLMTRAIN_HOST_COLLECTIVES", "0")
+    assert not shared_memory.enabled()
+    monkeypatch.setenv("LLMTRAIN_HOST_COLLECTIVES", "yes")
+    with pytest.raises(ValueError, match="LLMTRAIN_HOST_COLLECTIVES='yes'"):
+        shared_memory.enabled()
+    monkeypatch.delenv("LLMTRAIN_HOST_COLLECTIVES")
+    assert shared_memory.enabled() == Path(shared_memory.SHARED_MEMORY_DIR).is_dir()

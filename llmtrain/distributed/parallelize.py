@@ -180,7 +180,12 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
     if mesh.device_type == "cpu" and _fsdp_overlap_enabled():
         overlap_all_gathers(model)
     if mesh.device_type == "cpu" and one_host:
-        reduce_scatter_by_all_reduce(model)
+        from llmtrain.distributed import shared_memory
+
+        if shared_memory.enabled():
+            share_host_memory(model, mesh.get_group(mesh.ndim - 1))
+        else:
+            reduce_scatter_by_all_reduce(model)
 
 
 def _fsdp_overlap_enabled() -> bool:
@@ -213,17 +218,8 @@ def overlap_all_gathers(model: nn.Module) -> None:
 ALL_REDUCE_SCATTER_MIN_BYTES = 8 * 2**20
 
 
-def reduce_scatter_by_all_reduce(model: nn.Module) -> None:
-    """On one CPU host (gloo), FSDP units of 2 processes reduce-scatter large gradient buffers as an all-reduce that
-    keeps this rank's slice.
-
-    gloo's reduce-scatter of a large buffer is slower there than its all-reduce of it, although the all-reduce moves
-    more (both averaging, as FSDP asks): 41 against 31 ms for a pythia-160m Block's 27 MiB, 237 against 161 ms for
-    its 147 MiB embedding, 12 against 9 ms at 7.6 MiB; the two are even at 3.8 MiB (``scripts/gloo_collectives.py``).
-    More processes, or a network between them, were not measured: those keep gloo's reduce-scatter. The all-reduce
-    runs in place on FSDP's reduce-scatter input, a buffer FSDP frees right after: no memory more.
-    """
-    from torch.distributed.fsdp import FSDPModule
+def _all_reduce_scatter():
+    """The reduce-scatter of :func:`reduce_scatter_by_all_reduce`."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter  # NOTE: private in torch
 
     class AllReduceScatter(DefaultReduceScatter):
@@ -237,10 +233,41 @@ def reduce_scatter_by_all_reduce(model: nn.Module) -> None:
             output_tensor.copy_(input_tensor.narrow(0, group.rank() * shard, shard).view_as(output_tensor))
             return None
 
-    comm = AllReduceScatter()
+    return AllReduceScatter()
+
+
+def reduce_scatter_by_all_reduce(model: nn.Module) -> None:
+    """On one CPU host (gloo), FSDP units of 2 processes reduce-scatter large gradient buffers as an all-reduce that
+    keeps this rank's slice: where shared memory is off (``LLMTRAIN_HOST_COLLECTIVES=0``), and where it cannot be
+    had (:func:`share_host_memory` falls back to it).
+
+    gloo's reduce-scatter of a large buffer is slower there than its all-reduce of it, although the all-reduce moves
+    more (both averaging, as FSDP asks): 41 against 31 ms for a pythia-160m Block's 27 MiB, 237 against 161 ms for
+    its 147 MiB embedding, 12 against 9 ms at 7.6 MiB; the two are even at 3.8 MiB (``scripts/gloo_collectives.py``).
+    More processes, or a network between them, were not measured: those keep gloo's reduce-scatter. The all-reduce
+    runs in place on FSDP's reduce-scatter input, a buffer FSDP frees right after: no memory more.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    comm = _all_reduce_scatter()
     for unit in model.modules():
         if isinstance(unit, FSDPModule):
             unit.set_custom_reduce_scatter(comm)
+
+
+def share_host_memory(model: nn.Module, group) -> None:
+    """On one CPU host, FSDP units all-gather and reduce-scatter within ``group`` (the mesh's shard dimension) through
+    shared memory instead of gloo's loopback sockets (``llmtrain.distributed.shared_memory``); where the group cannot
+    share memory, gloo's all-gather and :func:`reduce_scatter_by_all_reduce`'s reduction."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from llmtrain.distributed.shared_memory import HostAllGather, HostReduceScatter
+
+    all_gather, reduce_scatter = HostAllGather(group), HostReduceScatter(group, fallback=_all_reduce_scatter())
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_custom_all_gather(all_gather)
+            unit.set_custom_reduce_scatter(reduce_scatter)
 
 
 def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
