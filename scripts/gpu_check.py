@@ -8,7 +8,8 @@ On a machine with one NVIDIA GPU::
 runs, each as its own ``llmtrain`` command:
 
 1. pretraining in bf16-mixed, without and with ``--compile`` (pythia-160m on the built-in corpus);
-2. ``llmtrain benchmark`` of the same model, with its MFU against the measured matmul peak;
+2. ``llmtrain benchmark`` of the same model, with its MFU against the measured matmul peak, and of a 1.1B
+   model (TinyLlama's shape) compiled, in bf16-true, on 2,048-token sequences: a size that fills a GPU;
 3. a QLoRA (bnb.nf4) fine-tune of a 1.1B-shaped model (TinyLlama's shape, random weights from one
    pretraining step), with the peak GPU memory it reports;
 4. ``llmtrain generate`` from the fine-tuned model;
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -57,6 +59,11 @@ def checks(out: Path, cpu: bool) -> list[tuple[str, list[str], Optional[str]]]:
         ("benchmark", ["benchmark", "--model", small, "--precision", "bf16-mixed", "--out_dir", str(out / "bench"),
                        "--results", str(out / "bench" / "results.jsonl"), *(["--short", "true"] if cpu else [])],
          None),
+        ("benchmark 1.1B bf16-true --compile",
+         ["benchmark", "--model", base, "--precision", "bf16-true", "--compile", "true",
+          "--micro_batch_size", "1" if cpu else "4", "--seq_len", "128" if cpu else "2048", "--out_dir",
+          str(out / "bench_large"), "--results", str(out / "bench_large" / "results.jsonl"),
+          *(["--short", "true"] if cpu else [])], None),
         ("base model for QLoRA (1.1B shape, one step)",
          ["pretrain", base, *device, *STORIES, "--precision", "bf16-true", "--train.max_steps", "1",
           "--train.global_batch_size", "1", "--train.micro_batch_size", "1", "--train.max_seq_length", "64",
@@ -112,7 +119,8 @@ def benchmark_numbers(results: Path) -> dict[str, Any]:
 def commit() -> str:
     done = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty", "--abbrev=7"],
                           capture_output=True, text=True, check=False)
-    return done.stdout.strip() or "unknown"
+    # A copy of the tree without .git (a lent machine's) names its commit in GPU_CHECK_COMMIT.
+    return done.stdout.strip() or os.environ.get("GPU_CHECK_COMMIT", "unknown")
 
 
 def device_name(cpu: bool) -> str:
@@ -129,6 +137,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="tiny models on this CPU: checks the script, not a GPU")
     parser.add_argument("--out_dir", type=Path, default=ROOT / "out" / "gpu_check")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds each check may run before it is stopped and counted as failed")
     args = parser.parse_args(argv)
     import torch
 
@@ -140,11 +150,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.out_dir.mkdir(parents=True)
     for name, arguments, metrics_dir in checks(args.out_dir, args.cpu):
         started = time.perf_counter()
-        done = subprocess.run([*LLMTRAIN, *arguments], capture_output=True, text=True, cwd=args.out_dir, check=False)
+        try:
+            done = subprocess.run([*LLMTRAIN, *arguments], capture_output=True, text=True, cwd=args.out_dir,
+                                  check=False, timeout=args.timeout)
+        except subprocess.TimeoutExpired as expired:
+            output = expired.stdout or b""
+            text = output.decode(errors="replace") if isinstance(output, bytes) else output
+            done = subprocess.CompletedProcess(expired.cmd, 124, "", text + f"\nstopped after {args.timeout:g} s")
         seconds = round(time.perf_counter() - started, 1)
         numbers = last_metrics(args.out_dir / metrics_dir) if metrics_dir else {}
-        if name == "benchmark":
-            numbers = benchmark_numbers(args.out_dir / "bench" / "results.jsonl")
+        if name.startswith("benchmark"):
+            folder = "bench" if name == "benchmark" else "bench_large"
+            numbers = benchmark_numbers(args.out_dir / folder / "results.jsonl")
         if name == "sharded resume" and done.returncode == 0 and "resumed from" not in done.stdout:
             done.returncode, done.stderr = 1, "the second run did not resume from the sharded checkpoint"
         entry = {"name": name, "command": "llmtrain " + " ".join(arguments), "returncode": done.returncode,
