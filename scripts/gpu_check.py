@@ -119,8 +119,8 @@ def benchmark_numbers(results: Path) -> dict[str, Any]:
 def commit() -> str:
     done = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty", "--abbrev=7"],
                           capture_output=True, text=True, check=False)
-    # A copy of the tree without .git (a lent machine's) names its commit in GPU_CHECK_COMMIT.
-    return done.stdout.strip() or os.environ.get("GPU_CHECK_COMMIT", "unknown")
+    # A copied tree (a lent machine's) may carry a stale .git: GPU_CHECK_COMMIT names the commit instead.
+    return os.environ.get("GPU_CHECK_COMMIT") or done.stdout.strip() or "unknown"
 
 
 def device_name(cpu: bool) -> str:

@@ -95,7 +95,21 @@ def parse_trace(path: Path, steps: int) -> dict:
     groups = collections.Counter()
     for name, self_us in op_self.items():
         groups[group_of(name)] += self_us
+    # On a GPU: the device's busy time (kernels, copies, fills) against the step, the launches per step, and the
+    # runtime calls that make the host wait (synchronizations, device-to-host copies).
+    device_events = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    runtime = collections.Counter(e["name"] for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime")
+    device = {}
+    if device_events:
+        kernels = collections.Counter()
+        for event in device_events:
+            kernels[event["name"][:90]] += event["dur"]
+        device = {"device_busy_ms": ms(sum(kernels.values())), "launches_per_step": len(device_events) / steps,
+                  "host_waits_per_step": sum(count for name, count in runtime.items()
+                                             if "Synchronize" in name or name.startswith("cudaMemcpy")) / steps,
+                  "device_kernels_ms": {name: ms(us) for name, us in kernels.most_common(12)}}
     return {
+        **device,
         "step_ms": step_ms,
         "phases_ms": phases,
         "groups_ms": {group: ms(us) for group, us in groups.most_common()},
@@ -108,6 +122,12 @@ def parse_trace(path: Path, steps: int) -> dict:
 def print_tables(result: dict) -> None:
     step = result["step_ms"]
     print(f"\nstep: {step:.1f} ms (the profiled steps' median is in the benchmark; the profiler adds its own overhead)")
+    if "device_busy_ms" in result:
+        print(f"device busy {result['device_busy_ms']:.1f} ms per step ({result['device_busy_ms'] / step:.0%}), "
+              f"{result['launches_per_step']:.0f} launches and {result['host_waits_per_step']:.0f} host waits per step")
+        print("\n| device kernel | ms per step |\n| --- | --- |")
+        for name, ms in result["device_kernels_ms"].items():
+            print(f"| `{name}` | {ms:.2f} |")
     print("\n| phase | ms per step | share |\n| --- | --- | --- |")
     for phase, ms in result["phases_ms"].items():
         print(f"| {phase} | {ms:.1f} | {ms / step:.1%} |")
