@@ -547,7 +547,7 @@ def _shards(step_bytes: int, plan: ParallelPlan, state_dict_type: str, lora: boo
 
 def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_len: int, dry: DryRunArgs,
             fsdp: Any, out_dir: Path, trainable_parameters: Optional[int] = None,
-            quantize: Optional[str] = None) -> None:
+            quantize: Optional[str] = None, compile: Union[bool, str] = False) -> None:
     """Print the plan of a run with these flags, for the devices it names (not the ones this machine has).
 
     ``plan`` was resolved with ``strict_batch=False``: a batch that does not divide is printed as a problem
@@ -609,6 +609,8 @@ def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_
     if free < sizes["needed"]:
         lines.append(f"warning      --out_dir {out_dir} has {_size(free)} free here: too little for one checkpoint")
     lines.append(_describe_time(config, plan, dry, seq_len, tokens_per_step, steps))
+    lines.append(_describe_compile(compile, recipe=recipe, config=config, plan=plan, seq_len=seq_len, steps=steps,
+                                   train=train, dry=dry, quantize=quantize))
     print("\n".join(lines))
     if plan.batch_problem is not None:
         raise ValueError(f"this plan would not start: {plan.batch_problem}")
@@ -631,6 +633,34 @@ def _describe_time(config: Config, plan: ParallelPlan, dry: DryRunArgs, seq_len:
     total_s = f", {_duration(step_s * steps)} for {steps:,} steps" if steps else ""
     idle = f" with the pipeline bubble ({bubble:.1%} idle)" if bubble else ""
     return f"time         {per_device:,.0f} tokens/s per device ({source}): {step_s:.2f} s per step{idle}{total_s}"
+
+
+def _describe_compile(setting: Union[bool, str], *, recipe: str, config: Config, plan: ParallelPlan, seq_len: int,
+                      steps: Optional[int], train: Any, dry: DryRunArgs, quantize: Optional[str]) -> str:
+    """What --compile does in this run: ``auto``'s decision with the peak of the planned device (--dry_run.gpu's
+    datasheet rate, this machine's GPU, or a CPU's rate measured here), or why it is decided only at start."""
+    import torch
+
+    from llmtrain.recipes.compiling import choose
+
+    if setting != "auto":
+        return f"compile      {'each Block' if setting else 'no'} (--compile {str(setting).lower()})"
+    dtype = plan.precision.compute_dtype
+    if dry.gpu is not None:
+        rate = lookup_peak_flops(dry.gpu, dtype)
+    elif plan.device_type == "cuda":
+        rate = (lookup_peak_flops(torch.cuda.get_device_name(), dtype) if torch.cuda.is_available() else None)
+    else:
+        from llmtrain.recipes.compiling import measured_peak_flops
+
+        rate = measured_peak_flops(torch.device("cpu"), dtype)
+    if steps is None or rate is None:
+        why = "the step count" if steps is None else "the device's peak (--dry_run.gpu NAME gives it)"
+        return f"compile      --compile auto: decided at start, once it knows {why}"
+    choice = choose("auto", recipe=recipe, config=config, plan=plan, seq_len=seq_len, total_steps=steps,
+                    max_time=train.max_time, device=torch.device(plan.device_type), quantize=quantize,
+                    peak=lambda device, dtype: rate, check_compiler=False)
+    return f"compile      {choice.reason}"
 
 
 def _plural(count: float, noun: str) -> str:

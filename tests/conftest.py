@@ -95,6 +95,23 @@ def write_tiny_model(path: Path, **overrides) -> Path:
 
 
 @pytest.fixture
+def compiled_blocks(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Filled as runs in this process compile: for each Block of each compiled model, whether it is compiled."""
+    from llmtrain.distributed import parallelize
+    from llmtrain.model import transformer_blocks
+
+    compiled: list[bool] = []
+    original = parallelize.apply_compile
+
+    def recording(model):
+        original(model)
+        compiled.extend(block._compiled_call_impl is not None for block in transformer_blocks(model))
+
+    monkeypatch.setattr(parallelize, "apply_compile", recording)
+    return compiled
+
+
+@pytest.fixture
 def tiny_model_file(tmp_path: Path) -> Path:
     """TINY_MODEL as a `--model_config` file in this test's tmp_path."""
     return write_tiny_model(tmp_path / "tiny.yaml")

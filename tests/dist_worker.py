@@ -207,6 +207,7 @@ def initial_weights(runtime: Runtime, **build_args) -> dict:
 # ------------------------------------------------------------------------------------ suites
 def suite_two(runtime: Runtime, workdir: Path) -> dict:
     from llmtrain.distributed import parallelize
+    from llmtrain.recipes import compiling
 
     # The tiny model's gradient buffers are far below the size from which FSDP's reduce-scatter becomes an all-reduce
     # on the CPU where shared memory is off: take that path for all of them in the run that switches it off.
@@ -235,6 +236,9 @@ def suite_two(runtime: Runtime, workdir: Path) -> dict:
         "bf16_mixed": train(runtime, precision="bf16-mixed"),
         "cpu_offload": train(runtime, fsdp=FSDPArgs(cpu_offload=True)),
         "init": initial_weights(runtime),
+        # --compile auto: rank 0 alone would compile, then every rank would: each rank's decision after the vote.
+        "compile_votes": [compiling.agree(compiling.CompileChoice(wants, "auto"), runtime).enabled
+                          for wants in (runtime.rank == 0, True)],
     }
 
 

@@ -93,6 +93,11 @@ def test_two_ranks_match_single_process(two, single, scenario, wrapper, mesh):
 
 
 @pytest.mark.multiproc
+def test_compile_auto_is_one_decision_for_all_ranks(two):
+    """A rank compiles only if every rank chose to (rank 0 alone wanting it compiles nowhere)."""
+    assert two["compile_votes"] == [False, True]
+
+
 def test_embedding_and_head_are_fsdp_units_of_their_own_unless_tied(two):
     blocks = [["blocks.0"], ["blocks.1"]]
     assert two["full_shard"]["fsdp_units"] == [[""], *blocks, ["norm_f", "lm_head"], ["wte"]]

@@ -300,20 +300,10 @@ def test_resuming_a_cpu_run_on_a_gpu_node_leaves_cuda_alone(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [(), ("--strategy", "fsdp", "--devices", "1",
                                           "--fsdp.activation_checkpointing", "op")])
-def test_compile_trains_each_block_compiled_as_eager_does(tmp_path, tiny_model_file, monkeypatch, extra):
+def test_compile_trains_each_block_compiled_as_eager_does(tmp_path, tiny_model_file, compiled_blocks, extra):
     """--compile compiles every Block (parallelize.apply_compile) and the losses equal eager's, also under FSDP with
     per-operator checkpointing."""
-    from llmtrain.distributed import parallelize
-    from llmtrain.model import transformer_blocks
-
-    compiled = []
-    original = parallelize.apply_compile
-
-    def recording(model):
-        original(model)
-        compiled.extend(block._compiled_call_impl is not None for block in transformer_blocks(model))
-
-    monkeypatch.setattr(parallelize, "apply_compile", recording)
+    compiled = compiled_blocks
     args = ("--train.max_steps", "3", "--eval.final_validation", "false", *extra)
     main(tiny_args(tiny_model_file, tmp_path / "eager", *args))
     assert compiled == []

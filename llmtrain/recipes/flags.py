@@ -19,6 +19,7 @@ from llmtrain.data.base import DataModule
 from llmtrain.distributed.parallel_plan import StrategyName
 from llmtrain.optim import OptimizerArg
 from llmtrain.plan import DryRunArgs
+from llmtrain.recipes.compiling import CompileSetting
 from llmtrain.train.precision import PrecisionName
 
 ResumeArg = Union[bool, Literal["auto"], Path]
@@ -75,8 +76,10 @@ SHARED_FLAGS = (
     Flag("dist_timeout", float, 600.0, "Seconds a collective may wait for the other ranks before the run counts "
          "as hung and stops. Waits for work one rank does alone (tokenizing the data, reading or writing a "
          "checkpoint) go around the GPU and allow the larger of this and two hours."),
-    Flag("compile", bool, False, "Compile every transformer block with torch.compile (before FSDP wraps it): "
-         "a compilation at start, then faster steps (5 to 8 percent on llama-debug on a 2-core CPU, BENCHMARKS.md)."),
+    Flag("compile", CompileSetting, "auto", "Compile every transformer block with torch.compile (before FSDP "
+         "wraps it): 10 to 30 s of compilation at start, then faster steps (1.33x on an H200, 1.05-1.20x on 2-core "
+         "CPUs, BENCHMARKS.md). auto (the default) compiles a pretraining run whose FLOPs need at least 10 "
+         "minutes at the device's peak matmul rate, and says why at start; true or false decides outright."),
     Flag("logger_name", LoggerName, "csv", "Metrics go to out_dir/metrics.csv always; `tensorboard` adds "
          "TensorBoard logs, `wandb` a Weights & Biases run in out_dir/wandb (offline unless WANDB_MODE=online)."),
     Flag("seed", int, 42, "Seed for weight init, data order and dropout."),

@@ -38,7 +38,8 @@ from llmtrain.flops import device_peak_flops, flops_per_token
 from llmtrain.lora import LoRAArgs
 from llmtrain.optim import OptimizerArg, build_optimizer
 from llmtrain.prompts import save_prompt_style
-from llmtrain.recipes import build, checks, hparams
+from llmtrain.recipes import build, checks, compiling, hparams
+from llmtrain.recipes.compiling import CompileSetting
 from llmtrain.recipes.flags import LoggerName
 from llmtrain.tokenizer import Tokenizer
 from llmtrain.train.loggers import build_loggers
@@ -65,7 +66,7 @@ class RunSpec:
     fsdp: FSDPArgs
     """The checkpoint format settings (state_dict_type, async_save); the layout ones are in ``plan``."""
     seed: int = 42
-    compile: bool = False
+    compile: CompileSetting = False
     logger_name: LoggerName = "csv"
     resume_from: Optional[Path] = None
     initial_checkpoint_dir: Optional[Path] = None
@@ -116,7 +117,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
         hparams.optimizer_spec(flags["optimizer"])  # a bad optimizer argument fails a dry run too
         planning.dry_run(recipe=recipe, config=config, plan=plan, train=_with_batch(train, plan), seq_len=seq_len,
                          dry=dry, fsdp=fsdp, out_dir=flags["out_dir"], quantize=quantize,
-                         trainable_parameters=trainable_parameters)
+                         trainable_parameters=trainable_parameters, compile=flags["compile"])
         return
     plan_launch(devices, flags["num_nodes"])  # the launcher's environment agrees with the flags
     plan = ParallelPlan.resolve(**layout, accelerator=flags["accelerator"])
@@ -267,7 +268,11 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
         spec.profile.check_within(horizon.total_steps, horizon.set_by)
 
     started = time.perf_counter()
-    model = build.build_model(spec.config, plan=plan, runtime=runtime, seed=spec.seed, compile=spec.compile,
+    compiled = compiling.agree(compiling.choose(
+        spec.compile, recipe=spec.recipe, config=spec.config, plan=plan, seq_len=spec.seq_len,
+        total_steps=horizon.total_steps, max_time=horizon.max_time, device=runtime.device, quantize=spec.quantize),
+        runtime)
+    model = build.build_model(spec.config, plan=plan, runtime=runtime, seed=spec.seed, compile=compiled.enabled,
                               initial_checkpoint_dir=spec.initial_checkpoint_dir, lora=spec.lora,
                               quantize=spec.quantize)
     gpt = unwrap(model)
@@ -292,7 +297,9 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
         say(f"resumed from {spec.resume_from} at step {state.step} ({state.tokens:,} tokens)")
     say(f"{spec.recipe}: model {spec.config.name or 'custom'}, {n_params / 1e6:.2f}M parameters "
         f"({n_trainable / 1e6:.2f}M trainable), built in {time.perf_counter() - started:.1f}s, "
-        f"{horizon.total_steps} steps of seq {spec.seq_len}{', compiled blocks' if spec.compile else ''}")
+        f"{horizon.total_steps} steps of seq {spec.seq_len}{', compiled blocks' if compiled.enabled else ''}")
+    if spec.compile == "auto":
+        say(compiled.reason)
     say(f"layout: {plan.describe()} | device {runtime.device}")
     memory = planning.estimate_memory(spec.config, plan=plan, seq_len=spec.seq_len, trainable_parameters=n_trainable,
                                       quantize=spec.quantize)
@@ -339,7 +346,7 @@ def _connect_data(spec: RunSpec, tokenizer: Any, micro_batch_size: int) -> Any:
     else:
         style = PromptStyle.from_config(spec.config)
     spec.data.connect(tokenizer, micro_batch_size, spec.seq_len, spec.seed, prompt_style=style,
-                      pad_multiple=pad_multiple(spec.compile, spec.plan.tp if spec.plan.sequence_parallel else 1))
+                      pad_multiple=pad_multiple(spec.compile is True, spec.plan.tp if spec.plan.sequence_parallel else 1))
     return spec.data.resolved_prompt_style
 
 
