@@ -131,3 +131,12 @@ def test_a_long_enough_run_is_compiled_by_default(tmp_path, tiny_model_file, com
     main(tiny_args(tiny_model_file, tmp_path / "long", *args))
     assert compiled and all(compiled)
     assert "--compile auto: compiled blocks" in capsys.readouterr().out
+
+
+def test_a_resumed_run_counts_only_the_steps_left():
+    from pathlib import Path
+
+    from llmtrain.recipes.run import _resumed_step
+
+    assert _resumed_step(Path("out/step-00000400")) == 400
+    assert _resumed_step(Path("out/final")) == 0 and _resumed_step(None) == 0

@@ -8,8 +8,8 @@ which a run of a few minutes never repays.
 The rule needs no guess at the step time: the run's FLOPs (6 x weights + attention per token, ``llmtrain.flops``)
 over the device's peak matmul rate is a floor under its length, whatever the efficiency. ``auto`` compiles when
 that floor is at least :data:`AUTO_MIN_SECONDS`. The peak is the GPU's datasheet rate where ``llmtrain.flops``
-knows it, else measured on the spot (one 2,048 x 2,048 product, about 0.1 s on a CPU). Every rank takes the same
-decision: a rank compiles only if all would.
+knows it, else measured on the spot (one 2,048 x 2,048 product, about 0.1 s on a CPU). A resumed run counts the
+steps it has left. Every rank takes the same decision: a rank compiles only if all would.
 
 ``auto`` stays off where it has not been measured to pay, or could not work: the fine-tuning recipes (batches of
 varying width recompile; ``--compile true`` pads them to multiples of 64), tensor and pipeline parallelism,

@@ -152,6 +152,12 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
     launch(run, args=(spec,), devices=plan.devices, num_nodes=plan.num_nodes)
 
 
+def _resumed_step(resume_from: Optional[Path]) -> int:
+    """The step a ``--resume`` checkpoint directory holds, from its name (``step-00000400``); 0 without one."""
+    match = layout.STEP_DIR.match(Path(resume_from).name) if resume_from is not None else None
+    return int(match.group(1)) if match else 0
+
+
 def _devices(flags: dict[str, Any], dry: planning.DryRunArgs) -> int:
     """``--devices`` as a number: ``auto`` / ``-1`` read from the launcher or this node's GPUs (said once)."""
     if dry.requested and dry.gpu is not None and flags["devices"] in ("auto", -1) and not torch.cuda.is_available():
@@ -270,7 +276,7 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
     started = time.perf_counter()
     compiled = compiling.agree(compiling.choose(
         spec.compile, recipe=spec.recipe, config=spec.config, plan=plan, seq_len=spec.seq_len,
-        total_steps=horizon.total_steps, max_time=horizon.max_time, device=runtime.device, quantize=spec.quantize),
+        total_steps=horizon.total_steps - _resumed_step(spec.resume_from), max_time=horizon.max_time, device=runtime.device, quantize=spec.quantize),
         runtime)
     model = build.build_model(spec.config, plan=plan, runtime=runtime, seed=spec.seed, compile=compiled.enabled,
                               initial_checkpoint_dir=spec.initial_checkpoint_dir, lora=spec.lora,
