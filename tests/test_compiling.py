@@ -3,6 +3,7 @@ eager, and a run it compiles end to end."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -140,3 +141,17 @@ def test_a_resumed_run_counts_only_the_steps_left():
 
     assert _resumed_step(Path("out/step-00000400")) == 400
     assert _resumed_step(Path("out/final")) == 0 and _resumed_step(None) == 0
+
+
+def test_a_run_short_at_any_cpus_rate_measures_nothing(monkeypatch):
+    """The test suite's many tiny runs decide without a matmul at start; a long one on the CPU measures."""
+    measured = []
+    monkeypatch.setattr(compiling, "measured_peak_flops", lambda device, dtype: measured.append(dtype) or PEAK)
+    config, one = Config.from_name("llama-debug"), plan()
+    any_cpu = compiling.CPU_CORE_FLOPS_BOUND * (os.cpu_count() or 1)
+    short = choose("auto", recipe="pretrain", config=config, plan=one, seq_len=256, total_steps=10, max_time=None,
+                   device=CPU)
+    assert not short.enabled and measured == [] and "more than any" in short.reason
+    long = choose("auto", recipe="pretrain", config=config, plan=one, seq_len=256,
+                  total_steps=steps_for(2 * AUTO_MIN_SECONDS * any_cpu / PEAK, config, one), max_time=None, device=CPU)
+    assert long.enabled and measured == [torch.float32]

@@ -8,7 +8,8 @@ which a run of a few minutes never repays.
 The rule needs no guess at the step time: the run's FLOPs (6 x weights + attention per token, ``llmtrain.flops``)
 over the device's peak matmul rate is a floor under its length, whatever the efficiency. ``auto`` compiles when
 that floor is at least :data:`AUTO_MIN_SECONDS`. The peak is the GPU's datasheet rate where ``llmtrain.flops``
-knows it, else measured on the spot (one 2,048 x 2,048 product, about 0.1 s on a CPU). A resumed run counts the
+knows it, else measured on the spot (one 2,048 x 2,048 product, about 0.1 s on a CPU; not at all where the run is
+short even at :data:`CPU_CORE_FLOPS_BOUND` per core). A resumed run counts the
 steps it has left. Every rank takes the same decision: a rank compiles only if all would.
 
 ``auto`` stays off where it has not been measured to pay, or could not work: the fine-tuning recipes (batches of
@@ -34,6 +35,11 @@ AUTO_MIN_SECONDS = 600.0
 then lasts longer still (efficiency is below 1), and a 5-35% faster step repays 10-30 s of compilation several
 times over. A shorter floor would compile the README's first command (2.4 minutes at a 2-core CPU's fp32 peak),
 which compiling makes no faster on the CPUs measured."""
+
+
+CPU_CORE_FLOPS_BOUND = 8e12
+"""FLOP/s no CPU core exceeds in any dtype (AMX: 2,048 bf16 FLOP a cycle at under 4 GHz). A run whose FLOPs need
+less than AUTO_MIN_SECONDS even at this rate is decided without measuring the CPU."""
 
 
 @dataclass(frozen=True)
@@ -86,13 +92,22 @@ def choose(setting: CompileSetting, *, recipe: str, config: Any, plan: Any, seq_
     from llmtrain.flops import flops_per_token
 
     dtype = plan.precision.compute_dtype
-    rate = (peak or _default_peak)(device, dtype)
     tokens = total_steps * plan.batch.global_batch_size * seq_len / plan.data_parallel_size
-    floor = tokens * flops_per_token(config, seq_len) / rate
-    if max_time is not None:
-        floor = min(floor, max_time)
+    flops = tokens * flops_per_token(config, seq_len)
+
+    def floor_at(rate: float) -> float:
+        return flops / rate if max_time is None else min(flops / rate, max_time)
+
+    rate, what = None, ""
+    if peak is None and device.type == "cpu":  # a run too short even at any CPU's rate needs no measurement
+        cores = os.cpu_count() or 1
+        if floor_at(CPU_CORE_FLOPS_BOUND * cores) < AUTO_MIN_SECONDS:
+            rate, what = CPU_CORE_FLOPS_BOUND * cores, f", more than any {cores}-core CPU reaches"
+    if rate is None:
+        rate = (peak or _default_peak)(device, dtype)
+    floor = floor_at(rate)
     enabled = floor >= AUTO_MIN_SECONDS
-    numbers = (f"{total_steps:,} steps need at least {_minutes(floor)} at {rate / 1e12:.3g} TFLOP/s, "
+    numbers = (f"{total_steps:,} steps need at least {_minutes(floor)} at {rate / 1e12:.3g} TFLOP/s{what}, "
                f"{'at or over' if enabled else 'under'} the {_minutes(AUTO_MIN_SECONDS)} that repay compiling")
     if enabled:
         return CompileChoice(True, f"--compile auto: compiled blocks ({numbers}; --compile false to skip)")
