@@ -30,6 +30,7 @@ parallelism), :func:`microbatches_in_flight` (per pipeline schedule), :func:`pip
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -214,6 +215,36 @@ def block_parameters_per_rank(config: Config, tp: int) -> int:
     biases, replicated in fact, are counted as split: d parameters)."""
     norms = (1 if config.shared_attention_norm else 2) * _final_norm_parameters(config)
     return (_block_parameters(config) - norms) // tp + norms
+
+
+def host_collective_bytes(config: Config, plan: ParallelPlan) -> int:
+    """Bytes of /dev/shm that FSDP's collectives map on one CPU host (``llmtrain.distributed.shared_memory``), shared
+    by its processes; 0 where they go through gloo or NCCL.
+
+    Each kind of collective has two slots, grown (in whole MiB) to the largest unit: an all-gather slot holds one
+    unit's weights in the all-gather dtype, a reduce-scatter slot the unit's gradients from every process of the
+    shard group in the reduction dtype. The units are the embedding, each Block, and [final norm, head] (one root
+    unit with the embedding when they are tied).
+    """
+    if plan.device_type != "cpu" or plan.wrapper != "fsdp" or plan.num_nodes > 1 or plan.dp_shard < 2:
+        return 0
+    from llmtrain.distributed import shared_memory
+
+    if not shared_memory.enabled():
+        return 0
+    embedding = config.padded_vocab_size * config.n_embd // plan.tp  # tensor parallelism splits the vocabulary
+    head = embedding + (config.padded_vocab_size // plan.tp if config.lm_head_bias else 0) + _final_norm_parameters(config)
+    units = [block_parameters_per_rank(config, plan.tp), head] + ([] if config.tie_embeddings else [embedding])
+    largest = max(units)
+    precision = plan.precision
+    gather = _bytes(precision.compute_dtype if precision.is_mixed else precision.param_dtype)
+    reduce = 4 if precision.is_mixed else _bytes(precision.param_dtype)
+    granule = 2**20
+
+    def slot(nbytes: int) -> int:
+        return -(-nbytes // granule) * granule
+
+    return 2 * slot(largest * gather) + 2 * slot(plan.dp_shard * largest * reduce)
 
 
 # ---- tensor and pipeline parallelism: what one rank holds and sends ---------------------------------------------
@@ -598,6 +629,15 @@ def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_
         f"checkpoint   weights {_size(sizes['weights'])}; each resumable step checkpoint {_size(sizes['step'])}"
         f"{_shards(sizes['step'], plan, fsdp.state_dict_type, trainable < total)}",
     ]
+    shared = host_collective_bytes(config, plan)
+    if shared:
+        lines.append(f"shared mem   {_size(shared)} of /dev/shm for FSDP's collectives between the {plan.dp_shard} "
+                     "processes of this host (two slots each of the largest unit's weights and of its gradients "
+                     "from every process); with less room free they go through gloo, slower")
+        room = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+        if room < shared:
+            lines.append(f"warning      /dev/shm has {_size(room)} free here, under the {_size(shared)} above: FSDP's "
+                         "collectives would go through gloo (mount a larger /dev/shm, e.g. docker --shm-size)")
     lines += _describe_split_costs(config, plan, seq_len, dry)
     if plan.zero is not None:
         lines += _describe_zero_stages(config, plan, seq_len=seq_len, trainable_parameters=trainable_parameters)
@@ -646,20 +686,19 @@ def _describe_compile(setting: Union[bool, str], *, recipe: str, config: Config,
     if setting != "auto":
         return f"compile      {'each Block' if setting else 'no'} (--compile {str(setting).lower()})"
     dtype = plan.precision.compute_dtype
+    peak = None  # a CPU plan: measured here, and only where the run is not short at any CPU's rate
     if dry.gpu is not None:
         rate = lookup_peak_flops(dry.gpu, dtype)
+        peak = lambda device, dtype: rate  # noqa: E731
     elif plan.device_type == "cuda":
         rate = (lookup_peak_flops(torch.cuda.get_device_name(), dtype) if torch.cuda.is_available() else None)
-    else:
-        from llmtrain.recipes.compiling import measured_peak_flops
-
-        rate = measured_peak_flops(torch.device("cpu"), dtype)
-    if steps is None or rate is None:
+        peak = lambda device, dtype: rate  # noqa: E731
+    if steps is None or (peak is not None and rate is None):
         why = "the step count" if steps is None else "the device's peak (--dry_run.gpu NAME gives it)"
         return f"compile      --compile auto: decided at start, once it knows {why}"
     choice = choose("auto", recipe=recipe, config=config, plan=plan, seq_len=seq_len, total_steps=steps,
                     max_time=train.max_time, device=torch.device(plan.device_type), quantize=quantize,
-                    peak=lambda device, dtype: rate, check_compiler=False)
+                    peak=peak, check_compiler=False)
     return f"compile      {choice.reason}"
 
 

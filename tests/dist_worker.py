@@ -224,9 +224,15 @@ def suite_two(runtime: Runtime, workdir: Path) -> dict:
         no_room = train(runtime, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"))
     finally:
         shared_memory._create = create
+    full_shard = train(runtime, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"), out_dir=workdir / "two",
+                       checkpoint_formats=("sharded", "full"))
+    from llmtrain.plan import host_collective_bytes
+
+    shared = {"mapped": dict(shared_memory.mapped),
+              "planned": host_collective_bytes(tiny_config(), layout(runtime, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD")))}
     return {
-        "full_shard": train(runtime, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"), out_dir=workdir / "two",
-                            checkpoint_formats=("sharded", "full")),
+        "full_shard": full_shard,
+        "shared_memory_bytes": shared,
         "full_shard_gloo": through_gloo,
         "full_shard_no_room": no_room,
         "shard_grad_op": train(runtime, fsdp=FSDPArgs(sharding_strategy="SHARD_GRAD_OP"), micro_batch_size=2),

@@ -93,6 +93,13 @@ def test_two_ranks_match_single_process(two, single, scenario, wrapper, mesh):
 
 
 @pytest.mark.multiproc
+def test_the_dry_runs_shared_memory_figure_is_what_the_slots_took(two):
+    """FULL_SHARD on 2 CPU processes maps two slots per kind of collective; the dry run's figure is their total."""
+    shared = two["shared_memory_bytes"]
+    assert shared["mapped"]["all-gather"] > 0 and shared["mapped"]["reduce-scatter"] > 0
+    assert sum(shared["mapped"].values()) == shared["planned"]
+
+
 def test_compile_auto_is_one_decision_for_all_ranks(two):
     """A rank compiles only if every rank chose to (rank 0 alone wanting it compiles nowhere)."""
     assert two["compile_votes"] == [False, True]

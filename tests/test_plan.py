@@ -148,3 +148,48 @@ def test_dry_run_still_rejects_bad_input(tmp_path):
     assert done.returncode == 2 and "--train.global_batch_size 100" in done.stderr
     assert "batch        PROBLEM: global 100 is no multiple of micro 4 × 32 ranks" in done.stdout  # the plan still shows
     assert "memory       per device (estimate)" in done.stdout
+
+
+def test_shared_memory_for_fsdp_on_one_cpu_host_is_two_slots_of_the_largest_unit(monkeypatch):
+    """pythia-160m's largest unit is [final norm, head]: 50,304 x 768 + 1,536 parameters. The all-gather slots hold
+    it in the gather dtype, the reduce-scatter slots each process's copy in the reduction dtype, in whole MiB."""
+    from llmtrain.plan import host_collective_bytes
+
+    config = Config.from_name("pythia-160m")
+    unit = 50_304 * 768 + 2 * 768
+    mib = 2**20
+
+    def slots(nbytes: int) -> int:
+        return 2 * (-(-nbytes // mib) * mib)
+
+    def plan(devices=2, precision="32-true", strategy="fsdp", num_nodes=1, accelerator="cpu"):
+        train = TrainArgs(global_batch_size=8, micro_batch_size=1, max_seq_length=256)
+        return ParallelPlan.resolve(devices=devices, num_nodes=num_nodes, train=train, precision=precision,
+                                    strategy=strategy, accelerator=accelerator)
+
+    assert host_collective_bytes(config, plan()) == slots(unit * 4) + slots(2 * unit * 4)  # 0.87 GiB
+    assert host_collective_bytes(config, plan(devices=4)) == slots(unit * 4) + slots(4 * unit * 4)
+    # bf16-mixed gathers bf16 weights and reduces fp32 gradients
+    assert host_collective_bytes(config, plan(precision="bf16-mixed")) == slots(unit * 2) + slots(2 * unit * 4)
+    # none where the collectives are not FSDP's between processes of one CPU host
+    assert host_collective_bytes(config, plan(strategy="ddp")) == 0
+    assert host_collective_bytes(config, plan(devices=1, num_nodes=2)) == 0
+    monkeypatch.setenv("LLMTRAIN_HOST_COLLECTIVES", "0")
+    assert host_collective_bytes(config, plan()) == 0
+
+
+def test_dry_run_names_the_shared_memory_and_warns_when_dev_shm_is_small(monkeypatch, capsys):
+    import shutil
+    from collections import namedtuple
+
+    from llmtrain.cli import main
+
+    args = ["pretrain", "pythia-160m", "--devices", "2", "--strategy", "fsdp", "--accelerator", "cpu", "--dry_run"]
+    main(args)
+    out = capsys.readouterr().out
+    assert "shared mem   0.87 GiB of /dev/shm for FSDP's collectives between the 2 processes" in out
+    usage = namedtuple("usage", "total used free")
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**26, 0, 2**26) if path == "/dev/shm" else real(path))
+    main(args)
+    assert "warning      /dev/shm has 64.0 MiB free here, under the 0.87 GiB above" in capsys.readouterr().out

@@ -37,6 +37,10 @@ _GRANULE = 2**20  # slots grow in whole MiB
 calls = {"all_gather": 0, "reduce_scatter": 0}
 """Collectives that went through shared memory in this process, per kind (tests count them)."""
 
+mapped = {"all-gather": 0, "reduce-scatter": 0}
+"""The largest pair of slots this process mapped, in bytes, per kind (tests compare it with the dry run's figure,
+``llmtrain.plan.host_collective_bytes``)."""
+
 
 def enabled() -> bool:
     """``LLMTRAIN_HOST_COLLECTIVES=0`` keeps gloo's collectives (for an A/B); 1, the default, uses shared memory."""
@@ -92,6 +96,7 @@ class _Slots:
             self.unavailable, self.memory, self.slot_bytes = True, None, 0
             return False
         self.memory, self.slot_bytes = memory, slot_bytes
+        mapped[self.kind] = max(mapped[self.kind], 2 * slot_bytes)
         return True
 
 
