@@ -31,12 +31,12 @@ import torch
 
 from llmtrain.args import EvalArgs, FSDPArgs, TrainArgs
 from llmtrain.distributed.parallel_plan import ParallelPlan, StrategyName
+from llmtrain.flops import MATMUL_SIZES, measure_matmul_peak
 from llmtrain.lora import LoRAArgs
 from llmtrain.train.precision import PrecisionName
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BASELINE = ROOT / "scripts" / "benchmark_baseline.json"
-MATMUL_SIZES = (2048, 3072, 4096)
 # Full runs and --short: (micro batch, sequence length, timed steps, warm-up steps) unless flags say otherwise.
 FULL_DEFAULTS = (8, 256, 20, 5)
 SHORT_DEFAULTS = (4, 128, 3, 2)
@@ -55,33 +55,6 @@ RECORD_FIELDS = (
 
 
 # ------------------------------------------------------------------------------------ machine
-def measure_matmul_peak(dtype: torch.dtype, sizes: Sequence[int] = MATMUL_SIZES, repeats: int = 3,
-                        device: str = "cpu") -> tuple[float, int]:
-    """Best FLOP/s over square ``n × n`` matmuls in ``dtype`` (2·n³ FLOPs each), and the size that gave it.
-
-    Each size gets one untimed product first (allocation, kernel selection), then ``repeats`` timed ones.
-    """
-    best, best_size = 0.0, sizes[0]
-    for size in sizes:
-        a = torch.randn(size, size, device=device).to(dtype)
-        b = torch.randn(size, size, device=device).to(dtype)
-        out = torch.empty(size, size, device=device, dtype=dtype)
-        for index in range(repeats + 1):
-            _synchronize(device)
-            start = time.perf_counter()
-            torch.mm(a, b, out=out)
-            _synchronize(device)
-            rate = 2 * size**3 / (time.perf_counter() - start)
-            if index and rate > best:
-                best, best_size = rate, size
-    return best, best_size
-
-
-def _synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def device_name(device_type: str) -> str:
     """The run's device: the GPU's name, or the CPU's (asking CUDA only for a GPU run)."""
     if device_type == "cuda":

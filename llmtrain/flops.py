@@ -4,7 +4,7 @@ Counts come from the `Config` alone, so they are exact for any size without buil
 """
 
 import re
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from llmtrain.config import Config
 
@@ -200,3 +200,38 @@ def link_bytes_per_s(device_name: Optional[str]) -> tuple[float, bool]:
     than ASSUMED_LINK_BYTES_PER_S)."""
     _, value = _match(device_name or "", LINK_BYTES_PER_S)
     return (value, True) if value else (ASSUMED_LINK_BYTES_PER_S, False)
+
+
+# ---- the machine's own rate -----------------------------------------------------------------------------------------
+
+MATMUL_SIZES = (2048, 3072, 4096)
+
+
+def measure_matmul_peak(dtype: "torch.dtype", sizes: Sequence[int] = MATMUL_SIZES, repeats: int = 3,
+                        device: str = "cpu") -> tuple[float, int]:
+    """Best FLOP/s over square ``n × n`` matmuls in ``dtype`` (2·n³ FLOPs each), and the size that gave it.
+
+    Each size gets one untimed product first (allocation, kernel selection), then ``repeats`` timed ones.
+    """
+    import time
+
+    import torch
+
+    def synchronize() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    best, best_size = 0.0, sizes[0]
+    for size in sizes:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        out = torch.empty(size, size, device=device, dtype=dtype)
+        for index in range(repeats + 1):
+            synchronize()
+            start = time.perf_counter()
+            torch.mm(a, b, out=out)
+            synchronize()
+            rate = 2 * size**3 / (time.perf_counter() - start)
+            if index and rate > best:
+                best, best_size = rate, size
+    return best, best_size

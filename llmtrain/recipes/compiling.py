@@ -61,7 +61,7 @@ def compiler_missing(device_type: str) -> Optional[str]:
 
 def measured_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     """FLOP/s of one 2,048 x 2,048 matmul in ``dtype`` on ``device`` (after one untimed product)."""
-    from llmtrain.benchmark import measure_matmul_peak
+    from llmtrain.flops import measure_matmul_peak
 
     return measure_matmul_peak(dtype, sizes=(2048,), repeats=1, device=device.type)[0]
 
