@@ -276,8 +276,8 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
     started = time.perf_counter()
     compiled = compiling.agree(compiling.choose(
         spec.compile, recipe=spec.recipe, config=spec.config, plan=plan, seq_len=spec.seq_len,
-        total_steps=horizon.total_steps - _resumed_step(spec.resume_from), max_time=horizon.max_time, device=runtime.device, quantize=spec.quantize),
-        runtime)
+        total_steps=horizon.total_steps - _resumed_step(spec.resume_from), max_time=horizon.max_time,
+        device=runtime.device, quantize=spec.quantize), runtime)
     model = build.build_model(spec.config, plan=plan, runtime=runtime, seed=spec.seed, compile=compiled.enabled,
                               initial_checkpoint_dir=spec.initial_checkpoint_dir, lora=spec.lora,
                               quantize=spec.quantize)
@@ -352,7 +352,8 @@ def _connect_data(spec: RunSpec, tokenizer: Any, micro_batch_size: int) -> Any:
     else:
         style = PromptStyle.from_config(spec.config)
     spec.data.connect(tokenizer, micro_batch_size, spec.seq_len, spec.seed, prompt_style=style,
-                      pad_multiple=pad_multiple(spec.compile is True, spec.plan.tp if spec.plan.sequence_parallel else 1))
+                      pad_multiple=pad_multiple(spec.compile is True,
+                                                spec.plan.tp if spec.plan.sequence_parallel else 1))
     return spec.data.resolved_prompt_style
 
 
