@@ -243,7 +243,7 @@ def suite_two(runtime: Runtime, workdir: Path) -> dict:
         "cpu_offload": train(runtime, fsdp=FSDPArgs(cpu_offload=True)),
         "init": initial_weights(runtime),
         # --compile auto: rank 0 alone would compile, then every rank would: each rank's decision after the vote.
-        "compile_votes": [compiling.agree(compiling.CompileChoice(wants, "auto"), runtime).enabled
+        "compile_votes": [compiling.agree(compiling.CompileChoice(wants, "auto", local=True), runtime).enabled
                           for wants in (runtime.rank == 0, True)],
     }
 

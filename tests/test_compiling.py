@@ -155,3 +155,17 @@ def test_a_run_short_at_any_cpus_rate_measures_nothing(monkeypatch):
     long = choose("auto", recipe="pretrain", config=config, plan=one, seq_len=256,
                   total_steps=steps_for(2 * AUTO_MIN_SECONDS * any_cpu / PEAK, config, one), max_time=None, device=CPU)
     assert long.enabled and measured == [torch.float32]
+
+
+def test_only_a_ranks_own_finding_is_put_to_the_vote():
+    """A flag or the layout decides alike on every rank: no collective for it (the 2-rank vote itself runs in
+    tests/test_parallel.py over gloo)."""
+    from types import SimpleNamespace
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a choice every rank shares needs no all-reduce")
+
+    runtime = SimpleNamespace(is_distributed=True, all_reduce=no_collective)
+    for choice in (auto(plan(devices=2, tp=2), 10**9), choose(True, recipe="pretrain", config=None, plan=None,
+                                                              seq_len=1, total_steps=1, max_time=None, device=CPU)):
+        assert compiling.agree(choice, runtime) is choice

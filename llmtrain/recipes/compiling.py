@@ -47,6 +47,8 @@ class CompileChoice:
     enabled: bool
     reason: str
     """Why, for the start-up log: the rule's numbers, or the flag that decided."""
+    local: bool = False
+    """Decided from what this rank found (its compiler, its measured rate), which another rank may not share."""
 
 
 def compiler_missing(device_type: str) -> Optional[str]:
@@ -88,7 +90,7 @@ def choose(setting: CompileSetting, *, recipe: str, config: Any, plan: Any, seq_
                                     "--compile true compiles this run)")
     missing = compiler_missing(device.type) if check_compiler else None
     if missing:
-        return CompileChoice(False, f"{off} ({missing})")
+        return CompileChoice(False, f"{off} ({missing})", local=True)
     from llmtrain.flops import flops_per_token
 
     dtype = plan.precision.compute_dtype
@@ -110,8 +112,8 @@ def choose(setting: CompileSetting, *, recipe: str, config: Any, plan: Any, seq_
     numbers = (f"{total_steps:,} steps need at least {_minutes(floor)} at {rate / 1e12:.3g} TFLOP/s{what}, "
                f"{'at or over' if enabled else 'under'} the {_minutes(AUTO_MIN_SECONDS)} that repay compiling")
     if enabled:
-        return CompileChoice(True, f"--compile auto: compiled blocks ({numbers}; --compile false to skip)")
-    return CompileChoice(False, f"{off} ({numbers}; --compile true to compile anyway)")
+        return CompileChoice(True, f"--compile auto: compiled blocks ({numbers}; --compile false to skip)", local=True)
+    return CompileChoice(False, f"{off} ({numbers}; --compile true to compile anyway)", local=True)
 
 
 def _default_peak(device: torch.device, dtype: torch.dtype) -> float:
@@ -121,14 +123,16 @@ def _default_peak(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def agree(choice: CompileChoice, runtime: Any) -> CompileChoice:
-    """The choice every rank takes: compiled only if every rank chose to compile (one all-reduce)."""
-    if not runtime.is_distributed:
+    """The choice every rank takes: compiled only if every rank chose to compile (one all-reduce where the choice
+    was this rank's own; a flag or the layout decides alike everywhere)."""
+    if not runtime.is_distributed or not choice.local:
         return choice
     vote = torch.tensor([1.0 if choice.enabled else 0.0], device=runtime.device)
     runtime.all_reduce(vote, op="min")
     if bool(vote.item()) == choice.enabled:
         return choice
-    return CompileChoice(False, "--compile auto: not compiled (another rank measured a run too short to repay it)")
+    return CompileChoice(False, "--compile auto: not compiled (another rank found no compiler or measured a run too "
+                                "short to repay it)", local=True)
 
 
 def _minutes(seconds: float) -> str:
