@@ -233,7 +233,8 @@ def host_collective_bytes(config: Config, plan: ParallelPlan) -> int:
     if not shared_memory.enabled():
         return 0
     embedding = config.padded_vocab_size * config.n_embd // plan.tp  # tensor parallelism splits the vocabulary
-    head = embedding + (config.padded_vocab_size // plan.tp if config.lm_head_bias else 0) + _final_norm_parameters(config)
+    head_bias = config.padded_vocab_size // plan.tp if config.lm_head_bias else 0
+    head = embedding + head_bias + _final_norm_parameters(config)
     units = [block_parameters_per_rank(config, plan.tp), head] + ([] if config.tie_embeddings else [embedding])
     largest = max(units)
     precision = plan.precision

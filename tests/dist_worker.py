@@ -229,7 +229,8 @@ def suite_two(runtime: Runtime, workdir: Path) -> dict:
     from llmtrain.plan import host_collective_bytes
 
     shared = {"mapped": dict(shared_memory.mapped),
-              "planned": host_collective_bytes(tiny_config(), layout(runtime, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD")))}
+              "planned": host_collective_bytes(tiny_config(),
+                                               layout(runtime, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD")))}
     return {
         "full_shard": full_shard,
         "shared_memory_bytes": shared,

@@ -104,7 +104,8 @@ def test_the_readme_run_stays_eager_on_a_fast_cpu():
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (("--dry_run.gpu", "H100"), "--compile auto: compiled blocks (2,861,023 steps need at least 8.0 days at 989 TFLOP/s"),
+    (("--dry_run.gpu", "H100"),
+     "--compile auto: compiled blocks (2,861,023 steps need at least 8.0 days at 989 TFLOP/s"),
     (("--dry_run.gpu", "H100", "--train.max_steps", "10"), "--compile auto: not compiled (10 steps need at least"),
     (("--train.epochs", "1"), "--compile auto: decided at start, once it knows the step count"),
     (("--compile", "false"), "compile      no (--compile false)"),

@@ -33,7 +33,8 @@ def test_profile_reader_sums_phases_self_times_and_device_work(tmp_path):
                    span("llmtrain.backward", start + 500, 300, cat="user_annotation"),
                    span("aten::mul", start + 500, 100),
                    # the device: two kernels and a copy, 150 us busy; one launch call and one synchronization
-                   span("nvjet_gemm", start + 160, 100, cat="kernel"), span("elementwise", start + 520, 30, cat="kernel"),
+                   span("nvjet_gemm", start + 160, 100, cat="kernel"),
+                   span("elementwise", start + 520, 30, cat="kernel"),
                    span("Memcpy DtoH", start + 900, 20, cat="gpu_memcpy"),
                    span("cudaLaunchKernel", start + 155, 5, cat="cuda_runtime"),
                    span("cudaStreamSynchronize", start + 890, 30, cat="cuda_runtime")]

@@ -100,16 +100,16 @@ def choose(setting: CompileSetting, *, recipe: str, config: Any, plan: Any, seq_
     def floor_at(rate: float) -> float:
         return flops / rate if max_time is None else min(flops / rate, max_time)
 
-    rate, what = None, ""
+    rate, even, what = None, "", ""
     if peak is None and device.type == "cpu":  # a run too short even at any CPU's rate needs no measurement
         cores = os.cpu_count() or 1
         if floor_at(CPU_CORE_FLOPS_BOUND * cores) < AUTO_MIN_SECONDS:
-            rate, what = CPU_CORE_FLOPS_BOUND * cores, f", more than any {cores}-core CPU reaches"
+            rate, even, what = CPU_CORE_FLOPS_BOUND * cores, "even ", f", more than any {cores}-core CPU reaches"
     if rate is None:
         rate = (peak or _default_peak)(device, dtype)
     floor = floor_at(rate)
     enabled = floor >= AUTO_MIN_SECONDS
-    numbers = (f"{total_steps:,} steps need at least {_minutes(floor)} at {rate / 1e12:.3g} TFLOP/s{what}, "
+    numbers = (f"{total_steps:,} steps need at least {_minutes(floor)} {even}at {rate / 1e12:.3g} TFLOP/s{what}, "
                f"{'at or over' if enabled else 'under'} the {_minutes(AUTO_MIN_SECONDS)} that repay compiling")
     if enabled:
         return CompileChoice(True, f"--compile auto: compiled blocks ({numbers}; --compile false to skip)", local=True)
