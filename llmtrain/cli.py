@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Callable, Optional, Sequence
 
 # Subcommands whose first positional argument is sugar for a flag: `pretrain NAME` = `pretrain --model_name NAME`.
@@ -138,6 +139,9 @@ def _parser_class():
     return Parser
 
 
+QUIET_RANK_EXIT_DELAY_S = 10.0
+"""How long a rank other than 0 waits before it exits on an input error that rank 0 reports (see main())."""
+
 # Errors that mean "this input is wrong": shown as one message, without a traceback, unless --debug.
 USER_ERRORS = (ValueError, OSError)  # OSError covers missing files, permissions and disk space
 
@@ -166,6 +170,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if is_first_process():  # every rank checks the same flags: rank 0 says it once, all exit 2
             hint = getattr(error, "hint", "run with --debug for the traceback")
             print(f"error: {error}\n({hint})", file=sys.stderr)
+        else:
+            # NOTE: a launcher stops every process once one has failed. Were another rank to exit first, rank 0
+            # could be stopped before it has said why; so the others wait for it (the launcher ends them then).
+            time.sleep(QUIET_RANK_EXIT_DELAY_S)
         sys.exit(2)
 
 
