@@ -298,3 +298,21 @@ def test_debug_shows_the_traceback(tmp_path):
                            str(tmp_path / "o"), "--debug"], capture_output=True, text=True, timeout=600)
     assert done.returncode != 0 and "Traceback" in done.stderr
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("rank, speaks", [("0", True), ("1", False)])
+def test_under_a_launcher_rank_0_speaks_and_the_others_wait_for_it(rank, speaks, monkeypatch, capsys):
+    """Every rank of a torchrun job checks the same flags. Rank 0 says what is wrong; the others wait before they
+    exit, so that the launcher, which stops every process once one has failed, cannot stop rank 0 first."""
+    from llmtrain import cli
+
+    waits = []
+    monkeypatch.setattr(cli.time, "sleep", waits.append)
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(sys, "argv", ["llmtrain", "pretrain", "llama-debug", "--train.max_stepz", "1"])
+    with pytest.raises(SystemExit) as stop:
+        main()
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert ("error: unrecognized arguments: --train.max_stepz" in err) is speaks
+    assert waits == ([] if speaks else [cli.QUIET_RANK_EXIT_DELAY_S])
