@@ -7,9 +7,11 @@ On a machine with one NVIDIA GPU::
 
 runs, each as its own ``llmtrain`` command:
 
-1. pretraining in bf16-mixed, without and with ``--compile`` (pythia-160m on the built-in corpus);
+1. pretraining in bf16-mixed, with the default ``--compile auto`` (its decision recorded) and ``--compile true``
+   (pythia-160m on the built-in corpus);
 2. ``llmtrain benchmark`` of the same model, with its MFU against the measured matmul peak, and of a 1.1B
-   model (TinyLlama's shape) compiled, in bf16-true, on 2,048-token sequences: a size that fills a GPU;
+   model (TinyLlama's shape) eager and compiled, in bf16-true, on 2,048-token sequences: a size that fills a GPU,
+   where the ratio is what ``--compile auto`` counts on;
 3. a QLoRA (bnb.nf4) fine-tune of a 1.1B-shaped model (TinyLlama's shape, random weights from one
    pretraining step), with the peak GPU memory it reports;
 4. ``llmtrain generate`` from the fine-tuned model;
@@ -59,11 +61,11 @@ def checks(out: Path, cpu: bool) -> list[tuple[str, list[str], Optional[str]]]:
         ("benchmark", ["benchmark", "--model", small, "--precision", "bf16-mixed", "--out_dir", str(out / "bench"),
                        "--results", str(out / "bench" / "results.jsonl"), *(["--short", "true"] if cpu else [])],
          None),
-        ("benchmark 1.1B bf16-true --compile",
-         ["benchmark", "--model", base, "--precision", "bf16-true", "--compile", "true",
-          "--micro_batch_size", "1" if cpu else "4", "--seq_len", "128" if cpu else "2048", "--out_dir",
-          str(out / "bench_large"), "--results", str(out / "bench_large" / "results.jsonl"),
-          *(["--short", "true"] if cpu else [])], None),
+        *[(f"benchmark 1.1B bf16-true {'--compile' if compiled == 'true' else 'eager'}",
+           ["benchmark", "--model", base, "--precision", "bf16-true", "--compile", compiled,
+            "--micro_batch_size", "1" if cpu else "4", "--seq_len", "128" if cpu else "2048", "--out_dir",
+            str(out / f"bench_large_{compiled}"), "--results", str(out / f"bench_large_{compiled}" / "results.jsonl"),
+            *(["--short", "true"] if cpu else [])], None) for compiled in ("false", "true")],
         ("base model for QLoRA (1.1B shape, one step)",
          ["pretrain", base, *device, *STORIES, "--precision", "bf16-true", "--train.max_steps", "1",
           "--train.global_batch_size", "1", "--train.micro_batch_size", "1", "--train.max_seq_length", "64",
@@ -160,8 +162,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         seconds = round(time.perf_counter() - started, 1)
         numbers = last_metrics(args.out_dir / metrics_dir) if metrics_dir else {}
         if name.startswith("benchmark"):
-            folder = "bench" if name == "benchmark" else "bench_large"
-            numbers = benchmark_numbers(args.out_dir / folder / "results.jsonl")
+            numbers = benchmark_numbers(Path(arguments[arguments.index("--results") + 1]))
+        decided = [line for line in done.stdout.splitlines() if line.startswith("--compile auto:")]
+        if decided:  # what the default --compile auto chose, and why
+            numbers["compile_auto"] = decided[0]
         if name == "sharded resume" and done.returncode == 0 and "resumed from" not in done.stdout:
             done.returncode, done.stderr = 1, "the second run did not resume from the sharded checkpoint"
         entry = {"name": name, "command": "llmtrain " + " ".join(arguments), "returncode": done.returncode,
@@ -174,6 +178,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if done.returncode != 0:
             print(entry["error"], file=sys.stderr)
     record["ok"] = all(entry["returncode"] == 0 for entry in record["checks"])
+    rates = {entry["name"]: entry["numbers"].get("tokens_per_sec_per_device") for entry in record["checks"]}
+    eager, compiled = rates.get("benchmark 1.1B bf16-true eager"), rates.get("benchmark 1.1B bf16-true --compile")
+    if eager and compiled:  # what --compile auto counts on at a size that fills the device
+        record["compile_speedup_1.1b"] = round(compiled / eager, 3)
+        print(f"1.1B bf16-true: compiled {compiled / eager:.2f}x eager")
     path = args.out_dir / "gpu_check.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"{'all checks passed' if record['ok'] else 'some checks FAILED'}; record in {path}")
