@@ -240,12 +240,7 @@ def host_collective_bytes(config: Config, plan: ParallelPlan) -> int:
     precision = plan.precision
     gather = _bytes(precision.compute_dtype if precision.is_mixed else precision.param_dtype)
     reduce = 4 if precision.is_mixed else _bytes(precision.param_dtype)
-    granule = 2**20
-
-    def slot(nbytes: int) -> int:
-        return -(-nbytes // granule) * granule
-
-    return 2 * slot(largest * gather) + 2 * slot(plan.dp_shard * largest * reduce)
+    return shared_memory.pair_bytes(largest * gather) + shared_memory.pair_bytes(plan.dp_shard * largest * reduce)
 
 
 # ---- tensor and pipeline parallelism: what one rank holds and sends ---------------------------------------------

@@ -34,6 +34,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (  # NOTE: pri
 SHARED_MEMORY_DIR = "/dev/shm"
 _GRANULE = 2**20  # slots grow in whole MiB
 
+
+def pair_bytes(nbytes: int) -> int:
+    """What a collective of ``nbytes`` maps: two slots (used in turn), each grown to whole MiB."""
+    return 2 * (-(-nbytes // _GRANULE) * _GRANULE)
+
 calls = {"all_gather": 0, "reduce_scatter": 0}
 """Collectives that went through shared memory in this process, per kind (tests count them)."""
 
@@ -72,7 +77,7 @@ class _Slots:
     def _grow(self, nbytes: int) -> bool:
         """Map two slots of at least ``nbytes`` each; collective over the group. False (on every rank) where any
         rank could not: the group then keeps gloo's collectives for this kind."""
-        slot_bytes = -(-nbytes // _GRANULE) * _GRANULE
+        slot_bytes = pair_bytes(nbytes) // 2
         path = None
         if self.group.rank() == 0:
             path = _create(2 * slot_bytes, self.kind)
