@@ -3,6 +3,7 @@
 import csv
 import json
 import shutil
+import threading
 import subprocess
 import sys
 from pathlib import Path
@@ -229,6 +230,8 @@ def test_pretrain_streams_and_resumes_through_the_cli(tmp_path, tokenizer):
     """Steps 5-8 after a resume from step 4 have the losses of the uninterrupted run: the same windows."""
     full = tmp_path / "full"
     main(cli_args(tmp_path, tokenizer, full))
+    # the run stopped its loaders' reading threads itself, none is left for the interpreter's exit to cut short
+    assert not [thread for thread in threading.enumerate() if thread.name == "llmtrain-stream"]
     crashed = tmp_path / "crashed"
     crashed.mkdir()
     shutil.copytree(full / "step-00000004", crashed / "step-00000004")

@@ -331,7 +331,13 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
               after_validation=_example_generator(spec, model, tokenizer, prompt_style, val_loader),
               callbacks=[profiler] if profiler is not None else [],
               pipeline=pipeline, pp_mesh=pipeline.pp_mesh if pipeline is not None else None, strategy=strategy)
-    fit(job)
+    try:
+        fit(job)
+    finally:  # a streaming loader's reading thread stops here, not mid-chunk as the interpreter exits
+        for loader in (train_loader, val_loader):
+            close = getattr(loader, "close", None)
+            if callable(close):
+                close()
     say(f"done: {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.0f}s; "
         f"final model in {spec.out_dir / layout.FINAL_DIR}")
 
