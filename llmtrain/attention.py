@@ -42,67 +42,90 @@ class _BlockCausalAttention(torch.autograd.Function):
         B, n_head, T, hs = q.shape
         groups = k.size(1)
         rep = n_head // groups
-        scale = 1.0 / math.sqrt(hs)
-        with torch.autocast(q.device.type, enabled=False):
-            # Rows of a group: position-major, so a block of positions is one contiguous run of rows. Row t * rep + r
-            # is head g * rep + r at position t.
-            q_rows = q.view(B, groups, rep, T, hs).transpose(2, 3).reshape(B * groups, T * rep, hs)
-            keys = k.reshape(B * groups, T, hs)
-            values = v.reshape(B * groups, T, hs)
-            # The scores are float32 whatever the inputs' dtype: a bfloat16 GEMM would round them to bfloat16, and
-            # the softmax turns a score's rounding error into a relative error of its probability (twice flash
-            # attention's error in the output and gradients). The copies are no-ops for float32 (and float64) inputs.
-            wide = torch.promote_types(q.dtype, torch.float32)
-            q_scores, k_scores = q_rows.to(wide), keys.to(wide)
-            mask = _causal_bias(block, rep, T, wide, q.device)
-            y = q.new_empty(B, T, groups, rep, hs)
-            probs = []
-            for start in range(0, T, block):
-                end = min(T, start + block)
-                rows = slice(start * rep, end * rep)
-                # NOTE: the mask is added by the GEMM rather than filled in afterwards: selective activation
-                # checkpointing may keep the GEMM's output, which must not change after it was written.
-                bias = mask[:(end - start) * rep, T - start:T - start + end]  # (rows, end)
-                scores = torch.baddbmm(bias, q_scores[:, rows], k_scores[:, :end].transpose(1, 2), alpha=scale)
-                p = torch.softmax(scores, dim=-1).to(q.dtype)  # (B * ng, rows, end)
-                out = torch.bmm(p, values[:, :end])  # (B * ng, rows, hs)
-                y[:, start:end] = out.view(B, groups, end - start, rep, hs).transpose(1, 2)
-                probs.append(p)
+        # Rows of a group: position-major, so a block of positions is one contiguous run of rows. Row t * rep + r
+        # is head g * rep + r at position t.
+        q_rows = q.view(B, groups, rep, T, hs).transpose(2, 3).reshape(B * groups, T * rep, hs)
+        keys = k.reshape(B * groups, T, hs)
+        values = v.reshape(B * groups, T, hs)
+        y, probs = attend_blocks(q_rows, keys, values, B, block)
         ctx.save_for_backward(q_rows, keys, values, *probs)
-        ctx.block, ctx.scale, ctx.q_shape = block, scale, q.shape
+        ctx.block, ctx.q_shape = block, q.shape
         return y.view(B, T, n_head * hs)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         q_rows, keys, values, *probs = ctx.saved_tensors
-        block, scale = ctx.block, ctx.scale
         B, n_head, T, hs = ctx.q_shape
         groups = keys.size(0) // B
         rep = n_head // groups
-        with torch.autocast(dy.device.type, enabled=False):
-            dy_rows = dy.reshape(B, T, groups, rep, hs).transpose(1, 2).reshape(B * groups, T * rep, hs)
-            # Gradients are summed and scaled in float32, then cast once (no-ops for float32 inputs).
-            wide = torch.promote_types(dy.dtype, torch.float32)
-            dq = dy.new_empty(B, n_head, T, hs, dtype=wide)
-            dq_heads = dq.view(B, groups, rep, T, hs)
-            dk = torch.zeros_like(keys, dtype=wide)
-            dv = torch.zeros_like(values, dtype=wide)
-            for p, start in zip(probs, range(0, T, block)):
-                end = min(T, start + block)
-                rows = slice(start * rep, end * rep)
-                grad_out = dy_rows[:, rows]
-                dv[:, :end] += torch.bmm(p.transpose(1, 2), grad_out)
-                grad_probs = torch.bmm(grad_out, values[:, :end].transpose(1, 2))
-                # The softmax's backward, p * (g - sum_j p_j g_j) per row, in one kernel that computes in float32.
-                # NOTE: a private operator, but the one torch's own softmax differentiates with.
-                grad_scores = torch._softmax_backward_data(grad_probs, p, -1, p.dtype)
-                dq_block = torch.bmm(grad_scores, keys[:, :end]).view(B, groups, end - start, rep, hs)
-                dq_heads[:, :, :, start:end] = dq_block.transpose(2, 3)
-                dk[:, :end] += torch.bmm(grad_scores.transpose(1, 2), q_rows[:, rows])
-            dq = dq.mul_(scale).to(dy.dtype)  # the scores were scaled q k^T
-            dk = dk.mul_(scale).to(dy.dtype)
-            dv = dv.to(dy.dtype)
-        return dq, dk.view(B, groups, T, hs), dv.view(B, groups, T, hs), None
+        scale = 1.0 / math.sqrt(hs)
+        # Gradients are summed and scaled in float32, then cast once (no-ops for float32 inputs).
+        dq = dy.new_empty(B, n_head, T, hs, dtype=torch.promote_types(dy.dtype, torch.float32))
+        dk, dv = attend_blocks_backward(dy, q_rows, keys, values, probs, ctx.block, dq.view(B, groups, rep, T, hs))
+        dq = dq.mul_(scale).to(dy.dtype)  # the scores were scaled q k^T
+        dk = dk.mul_(scale).to(dy.dtype)
+        return dq.view(B, n_head, T, hs), dk.view(B, groups, T, hs), dv.to(dy.dtype).view(B, groups, T, hs), None
+
+
+def attend_blocks(q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: int,
+                  block: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Block attention's forward on its own layouts: q_rows (B * ng, T * rep, hs), the ``rep`` query heads of a
+    group stacked position-major (row t * rep + r is head g * rep + r at position t), keys and values
+    (B * ng, T, hs); ``batch`` is B. Returns the output (B, T, ng, rep, hs) in the inputs' dtype, the layout the
+    output projection takes, and the probabilities of each block of positions for :func:`attend_blocks_backward`."""
+    T, hs = keys.shape[1:]
+    groups = keys.size(0) // batch
+    rep = q_rows.size(1) // T
+    scale = 1.0 / math.sqrt(hs)
+    with torch.autocast(q_rows.device.type, enabled=False):
+        # The scores are float32 whatever the inputs' dtype: a bfloat16 GEMM would round them to bfloat16, and
+        # the softmax turns a score's rounding error into a relative error of its probability (twice flash
+        # attention's error in the output and gradients). The copies are no-ops for float32 (and float64) inputs.
+        wide = torch.promote_types(q_rows.dtype, torch.float32)
+        q_scores, k_scores = q_rows.to(wide), keys.to(wide)
+        mask = _causal_bias(block, rep, T, wide, q_rows.device)
+        y = q_rows.new_empty(batch, T, groups, rep, hs)
+        probs = []
+        for start in range(0, T, block):
+            end = min(T, start + block)
+            rows = slice(start * rep, end * rep)
+            # NOTE: the mask is added by the GEMM rather than filled in afterwards: selective activation
+            # checkpointing may keep the GEMM's output, which must not change after it was written.
+            bias = mask[:(end - start) * rep, T - start:T - start + end]  # (rows, end)
+            scores = torch.baddbmm(bias, q_scores[:, rows], k_scores[:, :end].transpose(1, 2), alpha=scale)
+            p = torch.softmax(scores, dim=-1).to(q_rows.dtype)  # (B * ng, rows, end)
+            out = torch.bmm(p, values[:, :end])  # (B * ng, rows, hs)
+            y[:, start:end] = out.view(batch, groups, end - start, rep, hs).transpose(1, 2)
+            probs.append(p)
+    return y, probs
+
+
+def attend_blocks_backward(dy: torch.Tensor, q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           probs: list[torch.Tensor], block: int,
+                           dq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of :func:`attend_blocks`: dy is the output's gradient (B, T, ng * rep * hs). Writes the
+    queries' gradient into ``dq``, any (B, ng, rep, T, hs) view, and returns those of the keys and the values
+    (B * ng, T, hs), all in float32 (or wider) and without the scores' scale 1/sqrt(hs), which the caller applies."""
+    BG, T, hs = keys.shape
+    B, groups, rep = dq.shape[:3]
+    with torch.autocast(dy.device.type, enabled=False):
+        dy_rows = dy.reshape(B, T, groups, rep, hs).transpose(1, 2).reshape(BG, T * rep, hs)
+        wide = torch.promote_types(dy.dtype, torch.float32)
+        dk = torch.zeros_like(keys, dtype=wide)
+        dv = torch.zeros_like(values, dtype=wide)
+        for p, start in zip(probs, range(0, T, block)):
+            end = min(T, start + block)
+            rows = slice(start * rep, end * rep)
+            grad_out = dy_rows[:, rows]
+            dv[:, :end] += torch.bmm(p.transpose(1, 2), grad_out)
+            grad_probs = torch.bmm(grad_out, values[:, :end].transpose(1, 2))
+            # The softmax's backward, p * (g - sum_j p_j g_j) per row, in one kernel that computes in float32.
+            # NOTE: a private operator, but the one torch's own softmax differentiates with.
+            grad_scores = torch._softmax_backward_data(grad_probs, p, -1, p.dtype)
+            dq_block = torch.bmm(grad_scores, keys[:, :end]).view(B, groups, end - start, rep, hs)
+            dq[:, :, :, start:end] = dq_block.transpose(2, 3)
+            dk[:, :end] += torch.bmm(grad_scores.transpose(1, 2), q_rows[:, rows])
+    return dk, dv
 
 
 def _causal_bias(block: int, rep: int, seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from llmtrain.attention import block_causal_attention
 from llmtrain.config import Config
+from llmtrain.fused import fusable, qkv_attention
 from llmtrain.loss import head_loss_sum
 
 # Output projections that write into the residual stream; their init is scaled by 1/sqrt(2 n_layer).
@@ -286,6 +287,15 @@ class CausalSelfAttention(nn.Module):
         input_pos: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
+        # Training on the CPU with block attention: one GEMM for q, k and v, RoPE written out (llmtrain.fused).
+        if (input_pos is None and mask is None and torch.is_grad_enabled() and cos.size(-1) == self.head_size
+                and fusable(x, self.q_proj, self.k_proj, self.v_proj)):
+            n_head, groups = self.q_proj.out_features // self.head_size, self.k_proj.out_features // self.head_size
+            dtype = attention_dtype(x.device.type, x.dtype, T)
+            if attention_kernel(x.device.type, dtype, T, n_head, groups) == "blocks":
+                y = qkv_attention(x, self.q_proj, self.k_proj, self.v_proj, cos, sin, self.head_size,
+                                  attention_block(T), dtype)  # (B, T, nh * hs)
+                return self.o_proj(y)
         # NOTE: head counts come from the projections' outputs, not the config: a projection split over
         # tensor-parallel ranks returns only this rank's heads.
         q = self.q_proj(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hs)

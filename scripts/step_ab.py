@@ -15,6 +15,9 @@ Experiments (A against B):
 - ``block_attention``: training attention through SDPA (A, CPU flash attention) against block-causal batched
   matmuls (B, ``llmtrain.attention``), at --seq_len whatever the rule of ``llmtrain.model.attention_kernel`` says
   (B still needs float32 attention and enough stacked query rows, or a bfloat16 model on a CPU with AMX tiles).
+- ``fused_projections``: each projection of a Block its own module and GEMM (A) against one GEMM per shared input,
+  q/k/v with RoPE and block attention and gate/up with the activation written out (B, ``llmtrain.fused``), where
+  the rule picks block attention.
 - ``block_kernel``: block attention as ``llmtrain/attention.py`` was at git revision ``--rev`` (A) against the
   working tree's (B), where the rule picks block attention.
 
@@ -150,9 +153,22 @@ def block_kernel_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]
     return {f"block attention at {args.rev}": old, "block attention now": new}
 
 
+def fused_projections_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
+    from llmtrain import fused
+    from llmtrain import model as model_module
+
+    def separate() -> None:
+        model_module.fusable = lambda *_: False
+
+    def stacked() -> None:
+        model_module.fusable = fused.fusable
+
+    return {"one GEMM per projection": separate, "one GEMM per shared input": stacked}
+
+
 EXPERIMENTS = {"attention_dtype": attention_dtype_sides, "lora_update": lora_update_sides,
                "compile": compile_sides, "block_attention": block_attention_sides, "rms_norm": rms_norm_sides,
-               "block_kernel": block_kernel_sides}
+               "block_kernel": block_kernel_sides, "fused_projections": fused_projections_sides}
 
 
 def main() -> None:

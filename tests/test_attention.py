@@ -161,6 +161,14 @@ def block_attention_on_short_sequences(monkeypatch):
         return original(q, k, v, block)
 
     monkeypatch.setattr(model_module, "block_causal_attention", recording)
+    fused = model_module.qkv_attention
+
+    def recording_fused(x, q_proj, k_proj, v_proj, cos, sin, head_size, block, dtype):
+        # The q/k/v GEMM, RoPE and block attention in one (llmtrain.fused), where a model's projections allow.
+        ran.append((x.size(1), block, dtype))
+        return fused(x, q_proj, k_proj, v_proj, cos, sin, head_size, block, dtype)
+
+    monkeypatch.setattr(model_module, "qkv_attention", recording_fused)
     return ran
 
 

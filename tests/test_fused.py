@@ -1,0 +1,156 @@
+"""One GEMM for q, k and v with RoPE and block attention written out (llmtrain.fused), against the Block's modules
+run one by one; and where the fused path must not run."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import tiny_config
+from llmtrain import fused
+from llmtrain import model as model_module
+from llmtrain.lora import LoRAArgs, apply_lora
+from llmtrain.model import GPT
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Block attention wherever the model allows it (as on a measured CPU, for the tests' short sequences); returns
+    the list of (sequence length, attention's dtype) the fused path ran on."""
+    monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_BLOCK_ATTENTION", True)
+    monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_BF16_BLOCK_ATTENTION", True)
+    monkeypatch.setattr(model_module, "CPU_BLOCK_ATTENTION_MIN_ROWS", 1)
+    calls = []
+    original = model_module.qkv_attention
+
+    def recording(x, *args):
+        calls.append((x.size(1), args[-1]))
+        return original(x, *args)
+
+    monkeypatch.setattr(model_module, "qkv_attention", recording)
+    return calls
+
+
+def _model(name, dtype=torch.float32, seed=0, **overrides):
+    torch.manual_seed(seed)
+    model = GPT(tiny_config(name, **overrides))
+    model.init_weights()
+    with torch.no_grad():  # biases away from zero, so that a dropped or misplaced one shows
+        for param in model.parameters():
+            if param.ndim == 1 and "norm" not in next(n for n, p in model.named_parameters() if p is param):
+                param.normal_(std=0.1)
+    return model.to(dtype)
+
+
+def _loss_and_grads(model, tokens, fused_on, monkeypatch):
+    monkeypatch.setattr(model_module, "fusable", fused.fusable if fused_on else lambda *_: False)
+    model.zero_grad(set_to_none=True)
+    loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("llama-debug", {}),  # grouped-query attention
+    ("llama-debug", {"bias": True}),  # biases on every projection
+    ("qwen2-debug", {}),  # biases on q, k and v only
+    ("gemma-debug", {}),  # multi-query, head size above n_embd / n_head
+    ("llama-debug", {"n_query_groups": 4}),  # multi-head
+])
+def test_fused_path_computes_what_the_modules_compute(monkeypatch, fused_calls, name, overrides):
+    """float64, with block attention forced: loss and every gradient equal the modules' to float64 rounding."""
+    monkeypatch.setattr(model_module, "attention_kernel", lambda *args, **kwargs: "blocks")
+    model = _model(name, torch.float64, **overrides)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 41))
+    want_loss, want_grads = _loss_and_grads(model, tokens, False, monkeypatch)
+    assert not fused_calls
+    loss, grads = _loss_and_grads(model, tokens, True, monkeypatch)
+    assert fused_calls == [(40, torch.float64)] * model.config.n_layer
+    torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=0)
+    for key, want in want_grads.items():
+        torch.testing.assert_close(grads[key], want, rtol=1e-10, atol=1e-12 * want.abs().max().item(), msg=key)
+
+
+def test_float32_model_takes_the_fused_path_where_the_rule_picks_blocks(monkeypatch, fused_calls):
+    model = _model("llama-debug")
+    tokens = torch.randint(0, model.config.vocab_size, (2, 49))
+    want_loss, want_grads = _loss_and_grads(model, tokens, False, monkeypatch)
+    loss, grads = _loss_and_grads(model, tokens, True, monkeypatch)
+    assert fused_calls == [(48, torch.float32)] * model.config.n_layer
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    for key, want in want_grads.items():
+        assert (grads[key] - want).norm() <= 1e-5 * want.norm(), key
+    with torch.no_grad():  # validation keeps SDPA and the modules
+        model(tokens[:, :-1])
+    monkeypatch.setattr(model_module, "CPU_BLOCK_ATTENTION_MAX_SEQ", 16)  # longer sequences: flash attention
+    _loss_and_grads(model, tokens, True, monkeypatch)
+    assert len(fused_calls) == model.config.n_layer
+
+
+@pytest.mark.parametrize("attention_dtype", [torch.float32, torch.bfloat16])
+def test_bfloat16_model_is_as_precise_fused(monkeypatch, fused_calls, attention_dtype):
+    """A bfloat16 model, with attention in float32 or in bfloat16 blocks: the fused path's loss and gradients lie
+    at least as close to the float64 model's as the modules' do (RoPE computes in float32 there)."""
+    monkeypatch.setattr(model_module, "attention_dtype", lambda device, dtype, *args, **kwargs: attention_dtype)
+    reference = _model("llama-debug", torch.float64)
+    tokens = torch.randint(0, reference.config.vocab_size, (2, 65))
+    want_loss, want_grads = _loss_and_grads(reference, tokens, False, monkeypatch)
+    model = reference.to(torch.bfloat16)
+    errors = {}
+    for fused_on in (False, True):
+        loss, grads = _loss_and_grads(model, tokens, fused_on, monkeypatch)
+        errors[fused_on] = [abs(loss.double() - want_loss).item()] + [
+            ((grads[k].double() - w).norm() / w.norm()).item() for k, w in want_grads.items()]
+    assert fused_calls == [(64, attention_dtype)] * reference.config.n_layer
+    unfused_errors, fused_errors = errors[False], errors[True]
+    assert fused_errors[0] <= 2 * unfused_errors[0] + 1e-3  # the loss
+    for got, want in zip(fused_errors[1:], unfused_errors[1:]):
+        assert got <= 1.25 * want + 1e-3
+
+
+def test_gradients_without_an_input_gradient(monkeypatch, fused_calls):
+    """Attention whose input needs no gradient still gets its weights' (the first Block behind a frozen embedding
+    and norm)."""
+    monkeypatch.setattr(model_module, "attention_kernel", lambda *args, **kwargs: "blocks")
+    model = _model("llama-debug", torch.float64)
+    model.wte.weight.requires_grad_(False)
+    model.blocks[0].attn_norm.weight.requires_grad_(False)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 33))
+    want_loss, want_grads = _loss_and_grads(model, tokens, False, monkeypatch)
+    loss, grads = _loss_and_grads(model, tokens, True, monkeypatch)
+    assert len(fused_calls) == model.config.n_layer and model.wte.weight.grad is None
+    assert want_grads.keys() == grads.keys() and "blocks.0.attn.q_proj.weight" in grads
+    for key, want in want_grads.items():
+        torch.testing.assert_close(grads[key], want, rtol=1e-10, atol=1e-14, msg=key)
+
+
+def test_where_the_fused_path_does_not_run(monkeypatch, fused_calls):
+    model = _model("llama-debug")
+    attention = model.blocks[0].attn
+    x = torch.randn(2, 8, model.config.n_embd)
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    assert fused.fusable(x, *projections)
+    assert not fused.fusable(x.double(), *projections)  # weights of another dtype
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not fused.fusable(x, *projections)
+    handle = attention.k_proj.register_forward_hook(lambda *args: None)
+    assert not fused.fusable(x, *projections)
+    handle.remove()
+    apply_lora(model, LoRAArgs())  # LoRA wraps q and v: their modules, not plain linears
+    assert not fused.fusable(x, model.blocks[0].attn.q_proj, attention.k_proj, attention.v_proj)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 49))
+    model(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+    assert not fused_calls
+    gpt_neox = _model("gpt-neox-debug")  # RoPE over a quarter of each head: the modules run
+    gpt_neox(tokens[:, :-1].clamp(max=gpt_neox.config.vocab_size - 1), labels=tokens[:, 1:].clamp(
+        max=gpt_neox.config.vocab_size - 1)).backward()
+    assert not fused_calls
+
+
+def test_fusable_refuses_a_linear_subclass():
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    x = torch.randn(2, 4, 8)
+    assert not fused.fusable(x, nn.Linear(8, 8), Scaled(8, 8))
+    assert fused.fusable(x, nn.Linear(8, 8), nn.Linear(8, 4, bias=False))
