@@ -9,17 +9,23 @@ on their own (DTensor reduces it over that mesh), the squares are summed, then s
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *, pp_mesh=None) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *, pp_mesh=None,
+                    optimizer: Optional[torch.optim.Optimizer] = None) -> torch.Tensor:
     """Scale the gradients so that their global L2 norm is at most ``max_norm``; return the norm before.
 
     The norm is a plain 0-dim float32 tensor on the gradients' device, the same on every rank. No host
     synchronisation: a NaN or inf norm makes NaN gradients, which the loop's skip policy handles.
+
+    ``optimizer``: one whose kernel divides the gradients by its ``grad_scale`` as it reads them (fused Adam, AdamW
+    and SGD: ``_step_supports_amp_scaling``, as GradScaler uses them). The scaling is then handed to its next step
+    as ``grad_scale`` = 1 / the clipping coefficient instead of a pass over every gradient here (1% of a small
+    model's CPU step, BENCHMARKS.md), so the gradients are left as they are until that step.
     """
     from torch.distributed.tensor import DTensor
 
@@ -42,6 +48,11 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *, pp_m
         dist.all_reduce(total_square, group=pp_mesh.get_group())
     total = total_square.sqrt()
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    if optimizer is not None:
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            raise ValueError(f"{type(optimizer).__name__} does not unscale gradients in its step: clip them here")
+        optimizer.grad_scale = coefficient.reciprocal()
+        return total
     for (mesh, dtype), grads in groups.items():
         factor = coefficient.to(dtype) if mesh is None else _replicate(coefficient.to(dtype), mesh)
         torch._foreach_mul_(grads, factor)

@@ -414,7 +414,9 @@ class TorchStrategy(Strategy):
         job = self.job
         if job.scaler:
             job.scaler.unscale_(job.optimizer)
-        grad_norm = clip_grad_norm_(self.params, self.max_norm, pp_mesh=job.pp_mesh)
+        # An optimizer that skips non-finite steps itself also scales the gradients as it reads them.
+        in_optimizer = job.optimizer if isinstance(self.skips, SkipOnDevice) else None
+        grad_norm = clip_grad_norm_(self.params, self.max_norm, pp_mesh=job.pp_mesh, optimizer=in_optimizer)
         stepped = self.skips.step(grad_norm)
         job.optimizer.zero_grad(set_to_none=True)
         return grad_norm.detach(), stepped
