@@ -231,8 +231,23 @@ def suite_two(runtime: Runtime, workdir: Path) -> dict:
     shared = {"mapped": dict(shared_memory.mapped),
               "planned": host_collective_bytes(tiny_config(),
                                                layout(runtime, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD")))}
+    # Block attention with the fused q/k/v path (llmtrain.fused) on FSDP's gathered weights: the tiny model's
+    # sequences are below the rule's bound on rows, so lower it (as on a measured CPU).
+    from llmtrain import fused, model as model_module
+
+    thresholds = (model_module.CPU_MEASURED_FOR_BLOCK_ATTENTION, model_module.CPU_BLOCK_ATTENTION_MIN_ROWS)
+    model_module.CPU_MEASURED_FOR_BLOCK_ATTENTION, model_module.CPU_BLOCK_ATTENTION_MIN_ROWS = True, 1
+    fused_calls = []
+    model_module.qkv_attention = lambda *args: fused_calls.append(args[0].size(1)) or fused.qkv_attention(*args)
+    try:
+        fused_attention = train(runtime, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"))
+    finally:
+        model_module.CPU_MEASURED_FOR_BLOCK_ATTENTION, model_module.CPU_BLOCK_ATTENTION_MIN_ROWS = thresholds
+        model_module.qkv_attention = fused.qkv_attention
+    fused_attention["fused_calls"] = len(fused_calls)
     return {
         "full_shard": full_shard,
+        "fused_attention": fused_attention,
         "shared_memory_bytes": shared,
         "full_shard_gloo": through_gloo,
         "full_shard_no_room": no_room,

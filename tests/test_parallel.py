@@ -126,6 +126,15 @@ def test_activation_checkpointing_gives_the_same_losses(two):
     assert_same_training(two["activation_checkpointing"], two["full_shard"])
 
 
+def test_fused_attention_under_fsdp_gives_the_same_losses(two):
+    """One GEMM for q, k and v with RoPE and block attention written out (llmtrain.fused), on the weights FSDP
+    gathers: the losses and gradient norms of SDPA and the modules."""
+    result = two["fused_attention"]
+    micro_batches = worker.MAX_STEPS * result["grad_accum_steps"]
+    assert result["fused_calls"] == micro_batches * worker.tiny_config().n_layer
+    assert_same_training(result, two["full_shard"])
+
+
 def test_per_op_checkpointing_under_fsdp_gives_the_same_losses(two):
     assert_same_training(two["op_checkpointing"], two["full_shard"])
 
