@@ -34,6 +34,10 @@ def fusable(x: torch.Tensor, *projections: nn.Module) -> bool:
     """Whether ``projections`` of ``x`` may run as one GEMM here (module docstring)."""
     if x.device.type != "cpu" or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
         return False
+    # NOTE: private registries, but a hook on every module's forward (a profiler's, a debugger's) must still see the
+    # projections run.
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return False
     for module in projections:
         if type(module) is not nn.Linear or module._forward_hooks or module._forward_pre_hooks:
             return False

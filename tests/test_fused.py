@@ -135,6 +135,10 @@ def test_where_the_fused_path_does_not_run(monkeypatch, fused_calls):
     handle = attention.k_proj.register_forward_hook(lambda *args: None)
     assert not fused.fusable(x, *projections)
     handle.remove()
+    handle = nn.modules.module.register_module_forward_hook(lambda *args: None)  # a hook on every module
+    assert not fused.fusable(x, *projections)
+    handle.remove()
+    assert fused.fusable(x, *projections)
     apply_lora(model, LoRAArgs())  # LoRA wraps q and v: their modules, not plain linears
     assert not fused.fusable(x, model.blocks[0].attn.q_proj, attention.k_proj, attention.v_proj)
     tokens = torch.randint(0, model.config.vocab_size, (2, 49))
