@@ -119,6 +119,15 @@ def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor)
     return F.cross_entropy(head(hidden).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def _accumulate_product(total: Optional[torch.Tensor], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``total + a @ b`` summed in float32 or wider: the first product as it is (no zero-filled buffer, no add),
+    later ones added by the GEMM itself; a bfloat16 product is widened to float32 first."""
+    if torch.promote_types(a.dtype, torch.float32) != a.dtype:
+        product = a.mm(b).float()
+        return product if total is None else total.add_(product)
+    return a.mm(b) if total is None else total.addmm_(a, b)
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``hidden @ weight.T + bias`` whose forward also computes the gradients.
 
@@ -140,7 +149,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         want_bias = bias is not None and bias.requires_grad
         total = hidden.new_zeros((), dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
+        grad_weight = None  # the first chunk's product, then the others' added by the GEMM (addmm_)
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias else None
         for start in range(0, hidden.size(0), chunk_tokens):
             hidden_chunk = hidden[start:start + chunk_tokens]  # (n, C)
@@ -167,12 +176,18 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_logits = grad_logits.to(hidden.dtype if not torch.is_autocast_enabled(hidden.device.type)
                                          else torch.get_autocast_dtype(hidden.device.type))
             if want_hidden:
-                grad_hidden[start:start + chunk_tokens] = grad_logits.mm(weight.to(grad_logits.dtype))
+                rows = grad_hidden[start:start + chunk_tokens]  # contiguous: whole rows
+                if grad_logits.dtype == rows.dtype:
+                    torch.mm(grad_logits, weight.to(grad_logits.dtype), out=rows)
+                else:  # autocast: bfloat16 products of float32 hidden states
+                    rows.copy_(grad_logits.mm(weight.to(grad_logits.dtype)))
             if want_weight:
-                grad_weight += grad_logits.t().mm(hidden_chunk.to(grad_logits.dtype)).float()
+                grad_weight = _accumulate_product(grad_weight, grad_logits.t(), hidden_chunk.to(grad_logits.dtype))
             if want_bias:
                 grad_bias += grad_logits.float().sum(0)
             del logits, grad_logits
+        if want_weight and grad_weight is None:  # no tokens at all
+            grad_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
