@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from llmtrain.attention import attend_blocks, attend_blocks_backward
 
@@ -132,3 +133,51 @@ def _stacked(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, bq: Optional[
         return weight, None
     pairs = ((wq, bq), (wk, bk), (wv, bv))
     return weight, torch.cat([b if b is not None else w.new_zeros(w.size(0)) for w, b in pairs])
+
+
+def gated_product(gate: torch.Tensor, up: torch.Tensor, approximate: Optional[str] = None) -> torch.Tensor:
+    """act(gate) * up, the gated MLP's hidden state: SiLU (SwiGLU) with ``approximate`` None, else GELU with that
+    approximation (GeGLU). Where :func:`may_overwrite_gating` allows it, its backward writes the two gradients over
+    buffers it saved (the activation's output, then ``up``), as the composite's three passes would write fresh ones."""
+    return _GatedProduct.apply(gate, up, approximate)
+
+
+def may_overwrite_gating(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *projections: nn.Module) -> bool:
+    """Whether :func:`gated_product` may run on these projections' outputs: training on the CPU (where it was
+    measured) outside ``torch.compile`` (which fuses the composite itself), on plain tensors, with no forward hook
+    on the projections or on every module that could hold an output whose buffer the backward overwrites."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling() or not (gate.requires_grad or up.requires_grad):
+        return False
+    if type(gate) is not torch.Tensor or type(up) is not torch.Tensor or gate.shape != up.shape:
+        return False
+    if gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr():  # overwriting one would change both
+        return False
+    if nn.modules.module._global_forward_hooks:  # NOTE: private registry, as in fusable()
+        return False
+    return not any(module._forward_hooks for module in projections)
+
+
+class _GatedProduct(torch.autograd.Function):
+    # NOTE: the backward overwrites its saved tensors, so a second backward through the same graph
+    # (retain_graph=True) fails loudly on their version counters instead of computing from them.
+    @staticmethod
+    def forward(ctx, gate, up, approximate):
+        act = F.silu(gate) if approximate is None else F.gelu(gate, approximate=approximate)
+        ctx.approximate = approximate
+        ctx.save_for_backward(gate, up, act)
+        return act * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up, act = ctx.saved_tensors
+        need_gate, need_up = ctx.needs_input_grad[:2]
+        grad_up = act.mul_(grad) if need_up else None  # act(gate) is not needed again
+        grad_gate = None
+        if need_gate:
+            grad_act = up.mul_(grad)
+            if ctx.approximate is None:
+                grad_gate = torch.ops.aten.silu_backward.grad_input(grad_act, gate, grad_input=grad_act)
+            else:
+                grad_gate = torch.ops.aten.gelu_backward.grad_input(grad_act, gate, approximate=ctx.approximate,
+                                                                    grad_input=grad_act)
+        return grad_gate, grad_up, None

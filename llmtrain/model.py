@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from llmtrain.attention import block_causal_attention
 from llmtrain.config import Config
-from llmtrain.fused import fusable, qkv_attention
+from llmtrain.fused import fusable, gated_product, may_overwrite_gating, qkv_attention
 from llmtrain.loss import head_loss_sum
 
 # Output projections that write into the residual stream; their init is scaled by 1/sqrt(2 n_layer).
@@ -483,11 +483,16 @@ class LLaMAMLP(nn.Module):
         self.up_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.bias)
 
+    approximate: Optional[str] = None  # the activation for llmtrain.fused.gated_product: SiLU
+
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         return F.silu(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if may_overwrite_gating(x, gate, up, self.gate_proj, self.up_proj):
+            return self.down_proj(gated_product(gate, up, self.approximate))
+        return self.down_proj(self.activation(gate) * up)
 
 
 class GemmaMLP(LLaMAMLP):
@@ -495,7 +500,7 @@ class GemmaMLP(LLaMAMLP):
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        self.gelu_approximate = config.gelu_approximate
+        self.gelu_approximate = self.approximate = config.gelu_approximate
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(x, approximate=self.gelu_approximate)

@@ -158,3 +158,72 @@ def test_fusable_refuses_a_linear_subclass():
     x = torch.randn(2, 4, 8)
     assert not fused.fusable(x, nn.Linear(8, 8), Scaled(8, 8))
     assert fused.fusable(x, nn.Linear(8, 8), nn.Linear(8, 4, bias=False))
+
+
+@pytest.mark.parametrize("approximate", [None, "none", "tanh"])  # SwiGLU, GeGLU exact and tanh
+@pytest.mark.parametrize("needs", ["both", "gate", "up"])
+def test_gated_product_computes_what_the_composite_computes(approximate, needs):
+    torch.manual_seed(0)
+    gate, up, grad = (torch.randn(3, 5, 16, dtype=torch.float64) * 3 for _ in range(3))
+    gate.requires_grad_(needs != "up")
+    up.requires_grad_(needs != "gate")
+    act = torch.nn.functional.silu if approximate is None else (
+        lambda x: torch.nn.functional.gelu(x, approximate=approximate))
+    inputs = [t for t in (gate, up) if t.requires_grad]
+    want = act(gate) * up
+    want_grads = torch.autograd.grad(want, inputs, grad)
+    # the projections' outputs are fresh tensors the backward may overwrite: clones here
+    got = fused.gated_product(gate * 1, up * 1, approximate)
+    got_grads = torch.autograd.grad(got, inputs, grad)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-14, atol=1e-14)
+
+
+def test_gated_product_refuses_a_second_backward_loudly():
+    gate, up = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    out = fused.gated_product(gate * 1, up * 1).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
+def test_gated_mlp_in_the_model_computes_what_the_composite_computes(monkeypatch):
+    calls = []
+    real = model_module.gated_product
+    monkeypatch.setattr(model_module, "gated_product", lambda *args: calls.append(args[2]) or real(*args))
+    for name in ("llama-debug", "gemma-debug"):
+        model = _model(name, torch.float64)
+        tokens = torch.randint(0, model.config.vocab_size, (2, 33))
+        monkeypatch.setattr(model_module, "may_overwrite_gating", lambda *args: False)
+        want_loss, want_grads = _loss_and_grads(model, tokens, True, monkeypatch)
+        assert not calls
+        monkeypatch.setattr(model_module, "may_overwrite_gating", fused.may_overwrite_gating)
+        loss, grads = _loss_and_grads(model, tokens, True, monkeypatch)
+        assert calls == [model.blocks[0].mlp.approximate] * model.config.n_layer
+        calls.clear()
+        torch.testing.assert_close(loss, want_loss, rtol=1e-13, atol=0)
+        assert want_grads.keys() == grads.keys()
+        for key, want in want_grads.items():
+            torch.testing.assert_close(grads[key], want, rtol=1e-12, atol=1e-14, msg=key)
+    assert model.blocks[0].mlp.approximate == "tanh"  # gemma: GeGLU
+
+
+def test_where_the_gated_product_does_not_run():
+    mlp = _model("llama-debug").blocks[0].mlp
+    x = torch.randn(2, 8, mlp.gate_proj.in_features, requires_grad=True)
+    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    projections = (mlp.gate_proj, mlp.up_proj)
+    assert fused.may_overwrite_gating(x, gate, up, *projections)
+    assert not fused.may_overwrite_gating(x, gate, gate, *projections)  # one buffer
+    both = torch.cat([gate, up], dim=-1)
+    assert not fused.may_overwrite_gating(x, *both.chunk(2, dim=-1), *projections)
+    with torch.no_grad():
+        assert not fused.may_overwrite_gating(x, mlp.gate_proj(x), mlp.up_proj(x), *projections)
+    handle = mlp.up_proj.register_forward_hook(lambda *args: None)  # a hook may keep the output
+    assert not fused.may_overwrite_gating(x, gate, up, *projections)
+    handle.remove()
+    handle = nn.modules.module.register_module_forward_hook(lambda *args: None)
+    assert not fused.may_overwrite_gating(x, gate, up, *projections)
+    handle.remove()
+    assert fused.may_overwrite_gating(x, gate, up, *projections)
