@@ -45,3 +45,24 @@ def test_clipping_cannot_be_handed_to_an_optimizer_that_does_not_unscale():
         param.grad = grad
     with pytest.raises(ValueError, match="does not unscale"):
         clip_grad_norm_(params, 1.0, optimizer=torch.optim.AdamW(params, foreach=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_norm_is_every_gradients_norm_and_non_finite_stays_non_finite(dtype):
+    """The CPU's dot products (float32 and wider, contiguous) and torch's norms (the rest, here a transposed
+    gradient and bfloat16) give the norm of all gradients together."""
+    params, grads = _params_and_grads()
+    for param, grad in zip(params, grads[0]):
+        param.data, param.grad = param.data.to(dtype), grad.to(dtype)
+    params[0].grad = params[0].grad.t().contiguous().t()  # the same values, not contiguous
+    want = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in grads[0]]))
+    norm = clip_grad_norm_(params, float("inf"))
+    assert norm.dtype == torch.float32
+    torch.testing.assert_close(norm.double(), want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
+    params[0].grad = params[0].grad.contiguous()
+    torch.testing.assert_close(clip_grad_norm_(params, float("inf")).double(), want,
+                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
+    params[1].grad[3] = float("inf")
+    assert clip_grad_norm_(params, 1.0).isinf()
+    params[1].grad[3] = float("nan")
+    assert clip_grad_norm_(params, 1.0).isnan()
