@@ -19,6 +19,7 @@ the memory estimate counts.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -83,7 +84,9 @@ def attend_blocks(q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         # attention's error in the output and gradients). The copies are no-ops for float32 (and float64) inputs.
         wide = torch.promote_types(q_rows.dtype, torch.float32)
         q_scores, k_scores = q_rows.to(wide), keys.to(wide)
-        mask = _causal_bias(block, rep, T, wide, q_rows.device)
+        # the same table for every layer and step (read-only: the GEMMs' input); traced afresh under torch.compile
+        mask = (_causal_bias if torch.compiler.is_compiling() else _cached_causal_bias)(block, rep, T, wide,
+                                                                                         q_rows.device)
         y = q_rows.new_empty(batch, T, groups, rep, hs)
         probs = []
         for start in range(0, T, block):
@@ -136,3 +139,6 @@ def _causal_bias(block: int, rep: int, seq_len: int, dtype: torch.dtype, device:
     position = torch.arange(block, device=device).repeat_interleave(rep).unsqueeze(1)  # (block * rep, 1)
     bias = torch.zeros(block * rep, 2 * seq_len, dtype=dtype, device=device)
     return bias.masked_fill_(column > seq_len + position, float("-inf"))
+
+
+_cached_causal_bias = functools.lru_cache(maxsize=8)(_causal_bias)
