@@ -14,7 +14,8 @@ measured and left out: no faster, as the GEMM was no faster and stacking the wei
 cost what the saved pass gained (BENCHMARKS.md, "One GEMM for q, k and v"). What the gated MLP does take is
 :func:`gated_product`: act(gate) * up with a backward that writes its two gradients over the buffers it saved
 (the activation's output, then ``up``), where autograd's three passes write three fresh tensors; the same passes,
-and a llama-20m step 1.6% faster in float32 on the CPU (BENCHMARKS.md, "The gated MLP's backward in place").
+and a llama-20m step 1.6% faster in float32 on the CPU (bfloat16 keeps the composite: 2% slower in place there;
+BENCHMARKS.md, "The gated MLP's backward in place").
 
 :func:`fusable` says where the path applies: plain ``nn.Linear`` projections whose weights are plain tensors of
 the input's dtype (not LoRA, quantized, tensor-parallel DTensors or DeepSpeed's partitioned parameters), on the
@@ -146,10 +147,13 @@ def gated_product(gate: torch.Tensor, up: torch.Tensor, approximate: Optional[st
 
 
 def may_overwrite_gating(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *projections: nn.Module) -> bool:
-    """Whether :func:`gated_product` may run on these projections' outputs: training on the CPU (where it was
-    measured) outside ``torch.compile`` (which fuses the composite itself), on plain tensors, with no forward hook
-    on the projections or on every module that could hold an output whose buffer the backward overwrites."""
+    """Whether :func:`gated_product` may run on these projections' outputs: training on the CPU in float32 or wider
+    (where it was measured faster; bfloat16's in-place products are slower than its out-of-place ones there) outside
+    ``torch.compile`` (which fuses the composite itself), on plain tensors, with no forward hook on the projections
+    or on every module that could hold an output whose buffer the backward overwrites."""
     if x.device.type != "cpu" or torch.compiler.is_compiling() or not (gate.requires_grad or up.requires_grad):
+        return False
+    if gate.dtype not in (torch.float32, torch.float64):
         return False
     if type(gate) is not torch.Tensor or type(up) is not torch.Tensor or gate.shape != up.shape:
         return False
