@@ -41,8 +41,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *, pp_m
     for (mesh, dtype), grads in groups.items():
         if mesh is None and dtype in (torch.float32, torch.float64) and all(
                 g.device.type == "cpu" and g.is_contiguous() for g in grads):
-            # NOTE: on the CPU, BLAS dot products read each gradient once on every core, where torch's norms (it
-            # has no CPU kernel for the foreach norm) took 1.7x as long over llama-20m's gradients (BENCHMARKS.md).
+            # NOTE: on the CPU, BLAS dot products read each gradient once on every core, where torch's foreach
+            # norm, one norm per tensor there, took 1.7x as long over llama-20m's gradients (BENCHMARKS.md).
             squares.append(torch.stack([torch.dot(g.view(-1), g.view(-1)) for g in grads]).sum().float())
             continue
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
