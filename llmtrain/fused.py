@@ -141,8 +141,9 @@ def _stacked(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, bq: Optional[
 
 def gated_product(gate: torch.Tensor, up: torch.Tensor, approximate: Optional[str] = None) -> torch.Tensor:
     """act(gate) * up, the gated MLP's hidden state: SiLU (SwiGLU) with ``approximate`` None, else GELU with that
-    approximation (GeGLU). Where :func:`may_overwrite_gating` allows it, its backward writes the two gradients over
-    buffers it saved (the activation's output, then ``up``), as the composite's three passes would write fresh ones."""
+    approximation (GeGLU). Its backward writes the two gradients over buffers it saved (the activation's output,
+    then ``up``), where the composite's three passes write fresh ones: call it only where
+    :func:`may_overwrite_gating` allows."""
     return _GatedProduct.apply(gate, up, approximate)
 
 

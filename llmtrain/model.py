@@ -483,10 +483,10 @@ class LLaMAMLP(nn.Module):
         self.up_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.bias)
 
-    approximate: Optional[str] = None  # the activation for llmtrain.fused.gated_product: SiLU
+    approximate: Optional[str] = None  # the activation: None for SiLU, else GELU with this approximation
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
-        return F.silu(x)
+        return F.silu(x) if self.approximate is None else F.gelu(x, approximate=self.approximate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
@@ -500,10 +500,7 @@ class GemmaMLP(LLaMAMLP):
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        self.gelu_approximate = self.approximate = config.gelu_approximate
-
-    def activation(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(x, approximate=self.gelu_approximate)
+        self.approximate = config.gelu_approximate
 
 
 class RMSNorm(nn.Module):
