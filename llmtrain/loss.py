@@ -128,12 +128,53 @@ def _accumulate_product(total: Optional[torch.Tensor], a: torch.Tensor, b: torch
     return a.mm(b) if total is None else total.addmm_(a, b)
 
 
+def _logits_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor,
+                          valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy of one chunk's float32 logits (n, V) over the whole vocabulary, and its gradient,
+    softmax minus the one-hot targets, written over the logits: one log-softmax pass (the CPU kernel finds each
+    row's max and sum while the row is in cache) and one exp, where max, subtract, exp, sum and divide made five
+    passes. Ignored rows (``valid`` False) add no loss; their gradient rows are left as their softmax, so the
+    products that read the gradient must mask them out: masking their (n, C) operands costs a pass over C, not
+    over the vocabulary.
+
+    Out-of-range labels fail in ``gather`` (an index error) rather than counting as a zero logit."""
+    targets = torch.where(valid, labels, 0).unsqueeze(1)  # (n, 1)
+    # NOTE: in place: the kernel reads a row for its max and sum before writing that row (its result is the same).
+    log_probs = torch.log_softmax(logits, dim=1, out=logits)
+    loss = -torch.where(valid, log_probs.gather(1, targets).squeeze(1), 0.0).sum()
+    grad_logits = log_probs.exp_()
+    grad_logits.scatter_add_(1, targets, -valid.unsqueeze(1).to(grad_logits.dtype))
+    return loss, grad_logits
+
+
+def _sliced_logits_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, first_row: int,
+                                 group) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_logits_loss_and_grad` for logits of vocabulary rows first_row..first_row + V_local of a vocabulary
+    split over ``group``: the max, the target logit and the sum of exponentials are all-reduced over it. The
+    gradient's ignored rows are zero."""
+    local_labels = labels - first_row
+    in_slice = valid & (local_labels >= 0) & (local_labels < logits.size(1))
+    targets = torch.where(in_slice, local_labels, 0).unsqueeze(1)  # (n, 1)
+    target_logit = torch.where(in_slice, logits.gather(1, targets).squeeze(1), 0.0)
+    row_max = logits.amax(dim=1, keepdim=True)
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    exp_sum = logits.sub_(row_max).exp_().sum(dim=1, keepdim=True)  # logits now hold exp(x - max)
+    sums = torch.cat([exp_sum, target_logit.unsqueeze(1)], dim=1)  # (n, 2): one all-reduce for both sums
+    dist.all_reduce(sums, group=group)
+    exp_sum, target_logit = sums[:, :1], sums[:, 1]
+    token_loss = exp_sum.log().squeeze(1) + row_max.squeeze(1) - target_logit
+    # softmax - one-hot; an ignored row divides by inf and gets no -1: all zeros.
+    grad_logits = logits.div_(torch.where(valid.unsqueeze(1), exp_sum, float("inf")))
+    grad_logits.scatter_add_(1, targets, -in_slice.unsqueeze(1).float())
+    return torch.where(valid, token_loss, 0.0).sum(), grad_logits
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``hidden @ weight.T + bias`` whose forward also computes the gradients.
 
-    Per chunk of tokens: fp32 logits; their max, target logit and sum of exponentials (the loss); then,
-    in place, softmax minus the one-hot target (the logits' gradient, zero for IGNORE_INDEX rows),
-    multiplied into the gradients of hidden and of weight and bias. The backward scales those by the
+    Per chunk of tokens: fp32 logits; their log-softmax in place (the loss is minus the targets' entries);
+    then, in place, softmax minus the one-hot target (the logits' gradient; IGNORE_INDEX rows are masked out
+    of the products), multiplied into the gradients of hidden and of weight and bias. The backward scales those by the
     incoming gradient. The matmuls run in the compute dtype (autocast's, under mixed precision).
 
     ``vocab_slice``: (first row, process group) when ``weight`` holds only rows first..first + V_local of a
@@ -156,23 +197,14 @@ class LinearCrossEntropy(torch.autograd.Function):
             label_chunk = labels[start:start + chunk_tokens]  # (n,)
             logits = F.linear(hidden_chunk, weight, bias).float()  # (n, V) fp32, a fresh tensor
             valid = label_chunk != IGNORE_INDEX
-            local_labels = label_chunk - first_row
-            in_slice = valid & (local_labels >= 0) & (local_labels < logits.size(1))  # valid, when not split
-            targets = torch.where(in_slice, local_labels, 0).unsqueeze(1)  # (n, 1)
-            target_logit = torch.where(in_slice, logits.gather(1, targets).squeeze(1), 0.0)
-            row_max = logits.amax(dim=1, keepdim=True)
-            if group is not None:
-                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-            exp_sum = logits.sub_(row_max).exp_().sum(dim=1, keepdim=True)  # logits now hold exp(x - max)
-            if group is not None:  # one all-reduce for both sums
-                sums = torch.cat([exp_sum, target_logit.unsqueeze(1)], dim=1)  # (n, 2)
-                dist.all_reduce(sums, group=group)
-                exp_sum, target_logit = sums[:, :1], sums[:, 1]
-            token_loss = exp_sum.log().squeeze(1) + row_max.squeeze(1) - target_logit
-            total = total + torch.where(valid, token_loss, 0.0).sum()
-            # softmax - one-hot; an ignored row divides by inf and gets no -1: all zeros.
-            grad_logits = logits.div_(torch.where(valid.unsqueeze(1), exp_sum, float("inf")))
-            grad_logits.scatter_add_(1, targets, -in_slice.unsqueeze(1).float())
+            # NOTE: whether any row is ignored is not asked: on a GPU the answer would wait for the device.
+            if group is None:
+                chunk_loss, grad_logits = _logits_loss_and_grad(logits, label_chunk, valid)
+                row_mask = valid.unsqueeze(1)  # (n, 1)
+            else:
+                chunk_loss, grad_logits = _sliced_logits_loss_and_grad(logits, label_chunk, valid, first_row, group)
+                row_mask = None  # ignored rows are zero already
+            total = total + chunk_loss
             grad_logits = grad_logits.to(hidden.dtype if not torch.is_autocast_enabled(hidden.device.type)
                                          else torch.get_autocast_dtype(hidden.device.type))
             if want_hidden:
@@ -181,10 +213,14 @@ class LinearCrossEntropy(torch.autograd.Function):
                     torch.mm(grad_logits, weight.to(grad_logits.dtype), out=rows)
                 else:  # autocast: bfloat16 products of float32 hidden states
                     rows.copy_(grad_logits.mm(weight.to(grad_logits.dtype)))
+                if row_mask is not None:
+                    rows.mul_(row_mask.to(rows.dtype))
             if want_weight:
-                grad_weight = _accumulate_product(grad_weight, grad_logits.t(), hidden_chunk.to(grad_logits.dtype))
+                masked_hidden = hidden_chunk if row_mask is None else hidden_chunk * row_mask.to(hidden_chunk.dtype)
+                grad_weight = _accumulate_product(grad_weight, grad_logits.t(), masked_hidden.to(grad_logits.dtype))
             if want_bias:
-                grad_bias += grad_logits.float().sum(0)
+                grad_bias += (grad_logits.float().sum(0) if row_mask is None
+                              else torch.mv(grad_logits.float().t(), row_mask.view(-1).float()))
             del logits, grad_logits
         if want_weight and grad_weight is None:  # no tokens at all
             grad_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))

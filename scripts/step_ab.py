@@ -20,6 +20,8 @@ Experiments (A against B):
   the rule picks block attention.
 - ``block_kernel``: block attention as ``llmtrain/attention.py`` was at git revision ``--rev`` (A) against the
   working tree's (B), where the rule picks block attention.
+- ``loss_kernel``: the loss (``head_loss_sum``) as ``llmtrain/loss.py`` was at ``--rev`` (A) against the working
+  tree's (B).
 
 Each of ``--pairs`` pairs times two steps of A and two of B, in alternating order, so that a drift in the machine's
 speed hits both; prints the medians and A / B. The model and its loss are the recipes' (``GPT(..., labels=...)``,
@@ -130,27 +132,38 @@ def rms_norm_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
     return {"autograd through the composite": composite, "backward written out": backward_written_out}
 
 
-def block_kernel_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
+def module_at_revision(rev: str, path: str):
+    """The module in file ``path`` as it was at git revision ``rev``, loaded beside the working tree's."""
     import subprocess
     import types
 
+    root = Path(__file__).resolve().parents[1]
+    source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True, capture_output=True,
+                            text=True).stdout
+    name = f"{Path(path).stem}_at_{rev}".replace("~", "_").replace("^", "_")
+    before = types.ModuleType(name)
+    sys.modules[name] = before  # where torch.compile looks its functions up
+    exec(compile(source, f"{rev}:{path}", "exec"), before.__dict__)
+    return before
+
+
+def revision_sides(rev: str, path: str, name: str, label: str) -> dict[str, Callable[[], None]]:
+    """Sides that set ``llmtrain.model``'s ``name`` to the function of that name in ``path`` at ``rev`` (A) and to
+    the working tree's (B)."""
     from llmtrain import model as model_module
 
-    root = Path(__file__).resolve().parents[1]
-    source = subprocess.run(["git", "show", f"{args.rev}:llmtrain/attention.py"], cwd=root, check=True,
-                            capture_output=True, text=True).stdout
-    before = types.ModuleType(f"attention_at_{args.rev}".replace("~", "_").replace("^", "_"))
-    sys.modules[before.__name__] = before  # where torch.compile looks its functions up
-    exec(compile(source, f"{args.rev}:llmtrain/attention.py", "exec"), before.__dict__)
-    now = model_module.block_causal_attention
+    before = getattr(module_at_revision(rev, path), name)
+    now = getattr(model_module, name)
+    return {f"{label} at {rev}": lambda: setattr(model_module, name, before),
+            f"{label} now": lambda: setattr(model_module, name, now)}
 
-    def old() -> None:
-        model_module.block_causal_attention = before.block_causal_attention
 
-    def new() -> None:
-        model_module.block_causal_attention = now
+def block_kernel_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
+    return revision_sides(args.rev, "llmtrain/attention.py", "block_causal_attention", "block attention")
 
-    return {f"block attention at {args.rev}": old, "block attention now": new}
+
+def loss_kernel_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
+    return revision_sides(args.rev, "llmtrain/loss.py", "head_loss_sum", "the loss")
 
 
 def fused_projections_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
@@ -168,7 +181,8 @@ def fused_projections_sides(args: argparse.Namespace) -> dict[str, Callable[[], 
 
 EXPERIMENTS = {"attention_dtype": attention_dtype_sides, "lora_update": lora_update_sides,
                "compile": compile_sides, "block_attention": block_attention_sides, "rms_norm": rms_norm_sides,
-               "block_kernel": block_kernel_sides, "fused_projections": fused_projections_sides}
+               "block_kernel": block_kernel_sides, "loss_kernel": loss_kernel_sides,
+               "fused_projections": fused_projections_sides}
 
 
 def main() -> None:
@@ -182,7 +196,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compile", action="store_true",
                         help="compile each Block (as --compile does) for both sides; not with the compile experiment")
-    parser.add_argument("--rev", default="HEAD", help="block_kernel: the git revision of side A's llmtrain/attention.py")
+    parser.add_argument("--rev", default="HEAD",
+                        help="block_kernel, loss_kernel: the git revision of side A's llmtrain/attention.py or loss.py")
     args = parser.parse_args()
     if args.experiment == "attention_dtype" and args.precision != "bf16-true":
         parser.error("attention_dtype compares attention dtypes of a bfloat16 model: use --precision bf16-true")

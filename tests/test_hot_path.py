@@ -85,6 +85,15 @@ def test_fused_head_loss_matches_autograd_through_full_logits(case):
         assert got == 0 and all(not g.any() for g in got_grads)
 
 
+def test_fused_head_loss_fails_loudly_on_a_label_outside_the_vocabulary():
+    """A label past the head's rows is an index error, not a token that silently counts its target logit as 0."""
+    head = torch.nn.Linear(16, 32)
+    hidden, labels = torch.randn(1, 8, 16, requires_grad=True), torch.randint(0, 32, (1, 8))
+    labels[0, 3] = 32
+    with pytest.raises((IndexError, RuntimeError), match="out of bounds|index"):
+        head_loss_sum(head, hidden, labels)
+
+
 def test_fused_head_loss_is_taken_only_for_a_plain_linear_head_with_gradients(monkeypatch):
     import llmtrain.loss as loss_module
 
