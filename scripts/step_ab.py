@@ -147,23 +147,34 @@ def module_at_revision(rev: str, path: str):
     return before
 
 
-def revision_sides(rev: str, path: str, name: str, label: str) -> dict[str, Callable[[], None]]:
-    """Sides that set ``llmtrain.model``'s ``name`` to the function of that name in ``path`` at ``rev`` (A) and to
-    the working tree's (B)."""
-    from llmtrain import model as model_module
+def revision_sides(rev: str, path: str, names: dict[str, list[str]], label: str) -> dict[str, Callable[[], None]]:
+    """Sides that point each module's (key of ``names``) names at the functions of those names in ``path`` at
+    ``rev`` (A) and back at the working tree's (B)."""
+    import importlib
 
-    before = getattr(module_at_revision(rev, path), name)
-    now = getattr(model_module, name)
-    return {f"{label} at {rev}": lambda: setattr(model_module, name, before),
-            f"{label} now": lambda: setattr(model_module, name, now)}
+    before = module_at_revision(rev, path)
+    modules = {importlib.import_module(module): attrs for module, attrs in names.items()}
+    now = {(module, name): getattr(module, name) for module, attrs in modules.items() for name in attrs}
+
+    def old() -> None:
+        for module, name in now:
+            setattr(module, name, getattr(before, name))
+
+    def new() -> None:
+        for (module, name), function in now.items():
+            setattr(module, name, function)
+
+    return {f"{label} at {rev}": old, f"{label} now": new}
 
 
 def block_kernel_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
-    return revision_sides(args.rev, "llmtrain/attention.py", "block_causal_attention", "block attention")
+    # The modules' path calls block_causal_attention, the fused q/k/v path attend_blocks and its backward.
+    names = {"llmtrain.model": ["block_causal_attention"], "llmtrain.fused": ["attend_blocks", "attend_blocks_backward"]}
+    return revision_sides(args.rev, "llmtrain/attention.py", names, "block attention")
 
 
 def loss_kernel_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
-    return revision_sides(args.rev, "llmtrain/loss.py", "head_loss_sum", "the loss")
+    return revision_sides(args.rev, "llmtrain/loss.py", {"llmtrain.model": ["head_loss_sum"]}, "the loss")
 
 
 def fused_projections_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
