@@ -128,8 +128,8 @@ def _accumulate_product(total: Optional[torch.Tensor], a: torch.Tensor, b: torch
     return a.mm(b) if total is None else total.addmm_(a, b)
 
 
-def _logits_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor,
-                          valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _loss_and_grad_by_log_softmax(logits: torch.Tensor, labels: torch.Tensor,
+                                  valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of one chunk's float32 logits (n, V) over the whole vocabulary, and its gradient,
     softmax minus the one-hot targets, written over the logits: one log-softmax pass (the CPU kernel finds each
     row's max and sum while the row is in cache) and one exp, where max, subtract, exp, sum and divide made five
@@ -137,7 +137,8 @@ def _logits_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor,
     products that read the gradient must mask them out: masking their (n, C) operands costs a pass over C, not
     over the vocabulary.
 
-    Out-of-range labels fail in ``gather`` (an index error) rather than counting as a zero logit."""
+    The CPU's path, where it was measured (BENCHMARKS.md, "The loss in two passes"); other devices take
+    :func:`_loss_and_grad_by_max_and_sum`. Out-of-range labels fail in ``gather`` (an index error)."""
     targets = torch.where(valid, labels, 0).unsqueeze(1)  # (n, 1)
     # NOTE: in place: the kernel reads a row for its max and sum before writing that row (its result is the same).
     log_probs = torch.log_softmax(logits, dim=1, out=logits)
@@ -147,34 +148,38 @@ def _logits_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor,
     return loss, grad_logits
 
 
-def _sliced_logits_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, first_row: int,
-                                 group) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_logits_loss_and_grad` for logits of vocabulary rows first_row..first_row + V_local of a vocabulary
-    split over ``group``: the max, the target logit and the sum of exponentials are all-reduced over it. The
-    gradient's ignored rows are zero."""
+def _loss_and_grad_by_max_and_sum(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, first_row: int = 0,
+                                  group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_loss_and_grad_by_log_softmax`'s result in five passes, all in place: each row's max is subtracted,
+    exponentiated, summed and divided by. With ``group``, the logits are vocabulary rows first_row..first_row +
+    V_local of a vocabulary split over it, and the max, the target logit and the sum of exponentials are
+    all-reduced over it. The gradient's ignored rows are zero."""
     local_labels = labels - first_row
-    in_slice = valid & (local_labels >= 0) & (local_labels < logits.size(1))
+    # NOTE: without a split every valid label must be a row here, so one outside the vocabulary fails in gather.
+    in_slice = valid & (local_labels >= 0) & (local_labels < logits.size(1)) if group is not None else valid
     targets = torch.where(in_slice, local_labels, 0).unsqueeze(1)  # (n, 1)
     target_logit = torch.where(in_slice, logits.gather(1, targets).squeeze(1), 0.0)
     row_max = logits.amax(dim=1, keepdim=True)
-    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    if group is not None:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
     exp_sum = logits.sub_(row_max).exp_().sum(dim=1, keepdim=True)  # logits now hold exp(x - max)
-    sums = torch.cat([exp_sum, target_logit.unsqueeze(1)], dim=1)  # (n, 2): one all-reduce for both sums
-    dist.all_reduce(sums, group=group)
-    exp_sum, target_logit = sums[:, :1], sums[:, 1]
+    if group is not None:
+        sums = torch.cat([exp_sum, target_logit.unsqueeze(1)], dim=1)  # (n, 2): one all-reduce for both sums
+        dist.all_reduce(sums, group=group)
+        exp_sum, target_logit = sums[:, :1], sums[:, 1]
     token_loss = exp_sum.log().squeeze(1) + row_max.squeeze(1) - target_logit
     # softmax - one-hot; an ignored row divides by inf and gets no -1: all zeros.
     grad_logits = logits.div_(torch.where(valid.unsqueeze(1), exp_sum, float("inf")))
-    grad_logits.scatter_add_(1, targets, -in_slice.unsqueeze(1).float())
+    grad_logits.scatter_add_(1, targets, -in_slice.unsqueeze(1).to(grad_logits.dtype))
     return torch.where(valid, token_loss, 0.0).sum(), grad_logits
 
 
 class LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``hidden @ weight.T + bias`` whose forward also computes the gradients.
 
-    Per chunk of tokens: fp32 logits; their log-softmax in place (the loss is minus the targets' entries);
-    then, in place, softmax minus the one-hot target (the logits' gradient; IGNORE_INDEX rows are masked out
-    of the products), multiplied into the gradients of hidden and of weight and bias. The backward scales those by the
+    Per chunk of tokens: fp32 logits; their loss and, in place, their gradient, softmax minus the one-hot target
+    (zero for IGNORE_INDEX rows, or masked out of the products), multiplied into the gradients of hidden and of
+    weight and bias. The backward scales those by the
     incoming gradient. The matmuls run in the compute dtype (autocast's, under mixed precision).
 
     ``vocab_slice``: (first row, process group) when ``weight`` holds only rows first..first + V_local of a
@@ -198,11 +203,11 @@ class LinearCrossEntropy(torch.autograd.Function):
             logits = F.linear(hidden_chunk, weight, bias).float()  # (n, V) fp32, a fresh tensor
             valid = label_chunk != IGNORE_INDEX
             # NOTE: whether any row is ignored is not asked: on a GPU the answer would wait for the device.
-            if group is None:
-                chunk_loss, grad_logits = _logits_loss_and_grad(logits, label_chunk, valid)
+            if group is None and logits.device.type == "cpu":
+                chunk_loss, grad_logits = _loss_and_grad_by_log_softmax(logits, label_chunk, valid)
                 row_mask = valid.unsqueeze(1)  # (n, 1)
             else:
-                chunk_loss, grad_logits = _sliced_logits_loss_and_grad(logits, label_chunk, valid, first_row, group)
+                chunk_loss, grad_logits = _loss_and_grad_by_max_and_sum(logits, label_chunk, valid, first_row, group)
                 row_mask = None  # ignored rows are zero already
             total = total + chunk_loss
             grad_logits = grad_logits.to(hidden.dtype if not torch.is_autocast_enabled(hidden.device.type)

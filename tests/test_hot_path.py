@@ -85,6 +85,31 @@ def test_fused_head_loss_matches_autograd_through_full_logits(case):
         assert got == 0 and all(not g.any() for g in got_grads)
 
 
+def test_both_ways_to_the_chunk_loss_give_cross_entropy_and_its_gradient():
+    """The CPU's log-softmax path and the other devices' max-and-sum path (tested here on the CPU): the summed loss
+    and softmax minus one-hot of F.cross_entropy, in float64; ignored rows add no loss, and their gradient rows are
+    zero (max and sum) or masked out by the caller (log-softmax, whose row mask is the valid rows)."""
+    from llmtrain.loss import _loss_and_grad_by_log_softmax, _loss_and_grad_by_max_and_sum
+
+    generator = torch.Generator().manual_seed(0)
+    logits = 4 * torch.randn(12, 50, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 50, (12,), generator=generator)
+    labels[[2, 7]] = IGNORE_INDEX
+    valid = labels != IGNORE_INDEX
+    x = logits.clone().requires_grad_()
+    want = F.cross_entropy(x, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    (want_grad,) = torch.autograd.grad(want, x)
+    for way in (_loss_and_grad_by_log_softmax, _loss_and_grad_by_max_and_sum):
+        loss, grad = way(logits.clone(), labels, valid)
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grad[valid], want_grad[valid], rtol=1e-12, atol=1e-12)
+    _, grad = _loss_and_grad_by_max_and_sum(logits.clone(), labels, valid)
+    assert not grad[~valid].any()
+    for way in (_loss_and_grad_by_log_softmax, _loss_and_grad_by_max_and_sum):
+        with pytest.raises((IndexError, RuntimeError), match="out of bounds|index"):
+            way(logits.clone(), torch.where(valid, labels, 0).index_fill(0, torch.tensor([4]), 50), valid)
+
+
 def test_fused_head_loss_fails_loudly_on_a_label_outside_the_vocabulary():
     """A label past the head's rows is an index error, not a token that silently counts its target logit as 0."""
     head = torch.nn.Linear(16, 32)
