@@ -179,8 +179,8 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     Per chunk of tokens: fp32 logits; their loss and, in place, their gradient, softmax minus the one-hot target
     (zero for IGNORE_INDEX rows, or masked out of the products), multiplied into the gradients of hidden and of
-    weight and bias. The backward scales those by the
-    incoming gradient. The matmuls run in the compute dtype (autocast's, under mixed precision).
+    weight and bias. The backward scales those by the incoming gradient. The matmuls run in the compute dtype
+    (autocast's, under mixed precision).
 
     ``vocab_slice``: (first row, process group) when ``weight`` holds only rows first..first + V_local of a
     vocabulary split over the group: max, target logit and sum of exponentials are all-reduced over it, and
