@@ -139,6 +139,11 @@ def _stacked(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, bq: Optional[
     return weight, torch.cat([b if b is not None else w.new_zeros(w.size(0)) for w, b in pairs])
 
 
+def gating_activation(x: torch.Tensor, approximate: Optional[str] = None) -> torch.Tensor:
+    """The gated MLP's activation: SiLU with ``approximate`` None, else GELU with that approximation."""
+    return F.silu(x) if approximate is None else F.gelu(x, approximate=approximate)
+
+
 def gated_product(gate: torch.Tensor, up: torch.Tensor, approximate: Optional[str] = None) -> torch.Tensor:
     """act(gate) * up, the gated MLP's hidden state: SiLU (SwiGLU) with ``approximate`` None, else GELU with that
     approximation (GeGLU). Its backward writes the two gradients over buffers it saved (the activation's output,
@@ -170,7 +175,7 @@ class _GatedProduct(torch.autograd.Function):
     # (retain_graph=True) fails loudly on their version counters instead of computing from them.
     @staticmethod
     def forward(ctx, gate, up, approximate):
-        act = F.silu(gate) if approximate is None else F.gelu(gate, approximate=approximate)
+        act = gating_activation(gate, approximate)
         ctx.approximate = approximate
         ctx.save_for_backward(gate, up, act)
         return act * up

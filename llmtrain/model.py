@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from llmtrain.attention import block_causal_attention
 from llmtrain.config import Config
-from llmtrain.fused import fusable, gated_product, may_overwrite_gating, qkv_attention
+from llmtrain.fused import fusable, gated_product, gating_activation, may_overwrite_gating, qkv_attention
 from llmtrain.loss import head_loss_sum
 
 # Output projections that write into the residual stream; their init is scaled by 1/sqrt(2 n_layer).
@@ -486,7 +486,7 @@ class LLaMAMLP(nn.Module):
     approximate: Optional[str] = None  # the activation: None for SiLU, else GELU with this approximation
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
-        return F.silu(x) if self.approximate is None else F.gelu(x, approximate=self.approximate)
+        return gating_activation(x, self.approximate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
