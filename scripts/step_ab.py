@@ -10,6 +10,8 @@ Experiments (A against B):
 - ``lora_update``: LoRA (rank 8, alpha 16, no dropout, on q and v) with the update computed as a separate matmul,
   scaling and add (A, what ``LoRALinear`` did before) against one addmm onto the base output (B, what it does).
 - ``compile``: eager (A) against ``--compile`` (B: ``parallelize.apply_compile``, each Block compiled).
+- ``compile_whole``: each Block compiled (A, what ``--compile`` does) against the whole GPT compiled as one graph,
+  its loss included (B, what LitGPT does).
 - ``rms_norm``: RMSNorm differentiated by autograd through its composite of torch operators (A, what ``RMSNorm`` did
   before) against its backward written out (B, ``llmtrain.model._RMSNormFunction``).
 - ``block_attention``: training attention through SDPA (A, CPU flash attention) against block-causal batched
@@ -93,6 +95,29 @@ def compile_sides(args: argparse.Namespace, model) -> dict[str, Callable[[], Non
             block._compiled_call_impl = call
 
     return {"eager": eager, "each Block compiled": compiled}
+
+
+def compile_whole_sides(args: argparse.Namespace, model, call: dict) -> dict[str, Callable[[], None]]:
+    import torch
+
+    from llmtrain.distributed.parallelize import apply_compile
+    from llmtrain.model import transformer_blocks
+
+    apply_compile(model)
+    blocks = {block: block._compiled_call_impl for block in transformer_blocks(model)}
+    whole = torch.compile(model)
+
+    def each_block() -> None:
+        for block, compiled in blocks.items():
+            block._compiled_call_impl = compiled
+        call["model"] = model
+
+    def one_graph() -> None:
+        for block in blocks:  # traced inside the whole model's graph instead
+            block._compiled_call_impl = None
+        call["model"] = whole
+
+    return {"each Block compiled": each_block, "the whole model compiled": one_graph}
 
 
 def block_attention_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
@@ -191,8 +216,8 @@ def fused_projections_sides(args: argparse.Namespace) -> dict[str, Callable[[], 
 
 
 EXPERIMENTS = {"attention_dtype": attention_dtype_sides, "lora_update": lora_update_sides,
-               "compile": compile_sides, "block_attention": block_attention_sides, "rms_norm": rms_norm_sides,
-               "block_kernel": block_kernel_sides, "loss_kernel": loss_kernel_sides,
+               "compile": compile_sides, "compile_whole": compile_whole_sides,
+               "block_attention": block_attention_sides, "rms_norm": rms_norm_sides, "block_kernel": block_kernel_sides, "loss_kernel": loss_kernel_sides,
                "fused_projections": fused_projections_sides}
 
 
@@ -206,7 +231,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compile", action="store_true",
-                        help="compile each Block (as --compile does) for both sides; not with the compile experiment")
+                        help="compile each Block (as --compile does) for both sides; not with the compile experiments")
     parser.add_argument("--rev", default="HEAD",
                         help="block_kernel, loss_kernel: the git revision of side A's llmtrain/attention.py or loss.py")
     args = parser.parse_args()
@@ -230,20 +255,25 @@ def main() -> None:
         apply_lora(model, LoRAArgs(lora_dropout=0.0))
         mark_only_lora_trainable(model)
     model.train()
-    if args.compile and args.experiment != "compile":
+    if args.compile and not args.experiment.startswith("compile"):
         from llmtrain.distributed.parallelize import apply_compile
 
         apply_compile(model)
     tokens = torch.randint(0, model.config.vocab_size, (args.micro_batch_size, args.seq_len + 1))
 
+    call = {"model": model}  # what a step calls: the model, or (compile_whole) its compiled whole
+
     def step() -> float:
         start = time.perf_counter()
-        model(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+        call["model"](tokens[:, :-1], labels=tokens[:, 1:]).backward()
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 
     experiment = EXPERIMENTS[args.experiment]
-    sides = experiment(args, model) if args.experiment == "compile" else experiment(args)
+    if args.experiment == "compile_whole":
+        sides = experiment(args, model, call)
+    else:
+        sides = experiment(args, model) if args.experiment == "compile" else experiment(args)
     times: dict[str, list[float]] = {side: [] for side in sides}
     for side in sides.values():  # warm-up (and compilation)
         side()
