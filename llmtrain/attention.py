@@ -24,6 +24,8 @@ import math
 
 import torch
 
+from llmtrain.autograd import first_order_only
+
 
 def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:
     """Causal attention of q (B, nh, T, hs) over k, v (B, ng, T, hs); returns (B, T, nh * hs), the heads
@@ -54,6 +56,7 @@ class _BlockCausalAttention(torch.autograd.Function):
         return y.view(B, T, n_head * hs)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, dy: torch.Tensor):
         q_rows, keys, values, *probs = ctx.saved_tensors
         B, n_head, T, hs = ctx.q_shape

@@ -19,8 +19,8 @@ BENCHMARKS.md, "The gated MLP's backward in place").
 
 :func:`fusable` says where the path applies: plain ``nn.Linear`` projections whose weights are plain tensors of
 the input's dtype (not LoRA, quantized, tensor-parallel DTensors or DeepSpeed's partitioned parameters), on the
-CPU, outside autocast and outside ``torch.compile`` (which fuses the modules' path itself). Both paths compute the
-same function (tests/test_fused.py).
+CPU, outside autocast and outside ``torch.compile`` (which fuses the modules' path itself), and where no hook
+expects to see the projections run (:func:`runs_hooks`). Both paths compute the same function (tests/test_fused.py).
 """
 
 from __future__ import annotations
@@ -33,18 +33,40 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmtrain.attention import attend_blocks, attend_blocks_backward
+from llmtrain.autograd import first_order_only
+
+
+# The parallel engines' modules: their hooks on a module gather or free its parameters, which the fused paths read
+# directly (and refuse where they are partitioned), rather than watch or change what the module computes.
+_ENGINE_MODULES = ("torch.distributed.", "deepspeed.")
+
+
+def _is_engine_hook(hook) -> bool:
+    function = getattr(hook, "__wrapped__", hook)  # FSDP2 wraps its group hooks with functools.wraps
+    return getattr(getattr(function, "__func__", function), "__module__", "").startswith(_ENGINE_MODULES)
+
+
+def runs_hooks(*modules: nn.Module) -> bool:
+    """Whether a hook expects to see one of ``modules`` run: a forward or backward hook (or pre-hook) of the module,
+    or one on every module (a profiler's, a debugger's), other than a parallel engine's bookkeeping. A fused path
+    that computes what ``modules`` compute without calling them must then leave them to run."""
+    # NOTE: private registries, read as nn.Module._call_impl reads them.
+    registries = [nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks,
+                  nn.modules.module._global_backward_hooks, nn.modules.module._global_backward_pre_hooks]
+    for module in modules:
+        registries += [module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                       module._backward_pre_hooks]
+    return any(not _is_engine_hook(hook) for hooks in registries for hook in hooks.values())
 
 
 def fusable(x: torch.Tensor, *projections: nn.Module) -> bool:
     """Whether ``projections`` of ``x`` may run as one GEMM here (module docstring)."""
     if x.device.type != "cpu" or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
         return False
-    # NOTE: private registries, but a hook on every module's forward (a profiler's, a debugger's) must still see the
-    # projections run.
-    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+    if runs_hooks(*projections):
         return False
     for module in projections:
-        if type(module) is not nn.Linear or module._forward_hooks or module._forward_pre_hooks:
+        if type(module) is not nn.Linear:
             return False
         for param in (module.weight, module.bias):
             # NOTE: DTensor by name (importing it costs a second); DeepSpeed marks its partitioned parameters ds_id.
@@ -98,7 +120,7 @@ class _QKVAttention(torch.autograd.Function):
         return y.view(B, T, n_head * hs).to(x.dtype)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(ctx, dy):
         x, cos, sin, wq, wk, wv, bq, bk, bv, q_rows, keys, values, *probs = ctx.saved_tensors
         B, T, n_head, groups, hs = ctx.shape
@@ -165,14 +187,16 @@ def may_overwrite_gating(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, 
         return False
     if gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr():  # overwriting one would change both
         return False
-    if nn.modules.module._global_forward_hooks:  # NOTE: private registry, as in fusable()
+    if nn.modules.module._global_forward_hooks:  # NOTE: private registry, as in runs_hooks()
         return False
     return not any(module._forward_hooks for module in projections)
 
 
 class _GatedProduct(torch.autograd.Function):
     # NOTE: the backward overwrites its saved tensors, so a second backward through the same graph
-    # (retain_graph=True) fails loudly on their version counters instead of computing from them.
+    # (retain_graph=True) must fail loudly instead of computing from them. Their version counters catch it, except
+    # where saved-tensor hooks (activation checkpointing, save_on_cpu) hand the backward other tensors: so the
+    # backward also refuses to run twice.
     @staticmethod
     def forward(ctx, gate, up, approximate):
         act = gating_activation(gate, approximate)
@@ -181,7 +205,13 @@ class _GatedProduct(torch.autograd.Function):
         return act * up
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad):
+        if getattr(ctx, "overwritten", False):
+            raise RuntimeError("a second backward through the gated MLP's in-place product (llmtrain.fused."
+                               "gated_product): its first backward overwrote the tensors this one needs. Run the "
+                               "forward again for each backward, or compile the model (its gated MLP is not in place)")
+        ctx.overwritten = True
         gate, up, act = ctx.saved_tensors
         need_gate, need_up = ctx.needs_input_grad[:2]
         grad_up = act.mul_(grad) if need_up else None  # act(gate) is not needed again

@@ -12,6 +12,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llmtrain.autograd import first_order_only
+from llmtrain.fused import runs_hooks
+
 IGNORE_INDEX = -100
 HEAD_CHUNK_BYTES = 2**30  # fp32 logits of one loss chunk: the logits of more tokens never exist at once
 
@@ -35,8 +38,9 @@ def head_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
     A plain ``nn.Linear`` head (also under FSDP) takes the fused path (``LinearCrossEntropy``): the forward
     also computes the gradients of hidden, weight and bias, chunk by chunk, and the backward only scales
     them. That is the same three matmuls as autograd's, no recomputation, and about half the elementwise
-    passes over the logits of log_softmax + nll_loss and their backward. Any other head (LoRA, quantized)
-    takes the generic path: each chunk under activation checkpointing, recomputed in backward. A head
+    passes over the logits of log_softmax + nll_loss and their backward. Any other head (LoRA, quantized), and
+    a plain one with a hook that must see it run (``llmtrain.fused.runs_hooks``), takes the generic path: each
+    chunk through the head under activation checkpointing, recomputed in backward. A head
     split over the vocabulary by tensor parallelism takes :func:`vocab_parallel_loss_sum`.
     """
     if _is_vocab_sharded(head):
@@ -45,7 +49,7 @@ def head_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
     vocab = head.out_features if hasattr(head, "out_features") else head.weight.size(0)
     chunk_tokens = chunk_tokens or head_chunk_tokens(vocab)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
-    if is_plain_linear(head) and needs_grad:
+    if is_plain_linear(head) and needs_grad and not runs_hooks(head):
         return LinearCrossEntropy.apply(hidden, head.weight, head.bias, labels, chunk_tokens)
     from torch.utils.checkpoint import checkpoint
 
@@ -235,6 +239,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
+    @first_order_only  # the saved gradients are constants here
     def backward(ctx, grad_total: torch.Tensor):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         scale = grad_total.float()

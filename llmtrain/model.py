@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmtrain.attention import block_causal_attention
+from llmtrain.autograd import first_order_only
 from llmtrain.config import Config
 from llmtrain.fused import fusable, gated_product, gating_activation, may_overwrite_gating, qkv_attention
 from llmtrain.loss import head_loss_sum
@@ -580,7 +581,7 @@ class _RMSNormFunction(torch.autograd.Function):
         return (x_float * rstd).mul_(scale).to(x.dtype)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # the backward treats rstd as a constant of x: no double backward
+    @first_order_only  # the backward treats rstd as a constant of x
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         x_float = x.to(rstd.dtype)

@@ -51,6 +51,16 @@ def test_block_attention_output_and_gradients_equal_the_formula(n_head, groups, 
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
 
 
+def test_block_attention_refuses_a_double_backward_loudly():
+    """Its backward is written out and not differentiable: a gradient of its gradient fails rather than miss terms."""
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    y = block_causal_attention(q, k, v, 4)
+    with pytest.raises(RuntimeError, match="_BlockCausalAttention computes first-order gradients only"):
+        torch.autograd.grad(y.square().sum(), q, create_graph=True)
+    (dq,) = torch.autograd.grad(y.square().sum(), q)  # a first-order gradient as ever
+    assert dq.abs().sum() > 0
+
+
 @pytest.mark.parametrize("n_head, groups", [(4, 2), (4, 4)])
 def test_bfloat16_block_attention_is_as_precise_as_bfloat16_flash_attention(n_head, groups):
     """bfloat16 inputs: the output and each gradient lie as close to float64 attention as bfloat16 SDPA's do (within

@@ -1,6 +1,8 @@
 """One GEMM for q, k and v with RoPE and block attention written out (llmtrain.fused), against the Block's modules
 run one by one; and where the fused path must not run."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -138,6 +140,11 @@ def test_where_the_fused_path_does_not_run(monkeypatch, fused_calls):
     handle = nn.modules.module.register_module_forward_hook(lambda *args: None)  # a hook on every module
     assert not fused.fusable(x, *projections)
     handle.remove()
+    for register in (attention.v_proj.register_full_backward_hook, attention.v_proj.register_full_backward_pre_hook,
+                     nn.modules.module.register_module_full_backward_hook):
+        handle = register(lambda *args: None)
+        assert not fused.fusable(x, *projections), register
+        handle.remove()
     assert fused.fusable(x, *projections)
     apply_lora(model, LoRAArgs())  # LoRA wraps q and v: their modules, not plain linears
     assert not fused.fusable(x, model.blocks[0].attn.q_proj, attention.k_proj, attention.v_proj)
@@ -148,6 +155,31 @@ def test_where_the_fused_path_does_not_run(monkeypatch, fused_calls):
     gpt_neox(tokens[:, :-1].clamp(max=gpt_neox.config.vocab_size - 1), labels=tokens[:, 1:].clamp(
         max=gpt_neox.config.vocab_size - 1)).backward()
     assert not fused_calls
+
+
+def test_a_backward_hook_on_a_projection_sees_it_run(monkeypatch, fused_calls):
+    """A hook that changes the input's gradient: the modules run, the hook acts, and the gradients are its."""
+    model = _model("llama-debug")
+    tokens = torch.randint(0, model.config.vocab_size, (2, 33))
+    seen = []
+
+    def halve(module, grad_input, grad_output):
+        seen.append(module)
+        return tuple(None if g is None else g / 2 for g in grad_input)
+
+    handles = [block.attn.q_proj.register_full_backward_hook(halve) for block in model.blocks]
+    want_loss, want_grads = _loss_and_grads(model, tokens, False, monkeypatch)
+    assert len(seen) == model.config.n_layer
+    loss, grads = _loss_and_grads(model, tokens, True, monkeypatch)
+    assert not fused_calls and len(seen) == 2 * model.config.n_layer
+    for handle in handles:
+        handle.remove()
+    _, unhooked = _loss_and_grads(model, tokens, True, monkeypatch)
+    assert len(fused_calls) == model.config.n_layer
+    torch.testing.assert_close(loss, want_loss, rtol=0, atol=0)  # the same modules ran
+    for key, want in want_grads.items():
+        torch.testing.assert_close(grads[key], want, rtol=0, atol=0, msg=key)
+    assert not torch.allclose(unhooked["wte.weight"], want_grads["wte.weight"], rtol=1e-2)  # the hook changed the gradients
 
 
 def test_fusable_refuses_a_linear_subclass():
@@ -180,11 +212,17 @@ def test_gated_product_computes_what_the_composite_computes(approximate, needs):
         torch.testing.assert_close(g, w, rtol=1e-14, atol=1e-14)
 
 
-def test_gated_product_refuses_a_second_backward_loudly():
+@pytest.mark.parametrize("hooks", [None, "save_on_cpu", "identity"])
+def test_gated_product_refuses_a_second_backward_loudly(hooks):
+    """Also under saved-tensor hooks (activation checkpointing's, save_on_cpu), which hide the version counters from
+    autograd: the second backward fails rather than read the buffers the first one overwrote."""
     gate, up = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
-    out = fused.gated_product(gate * 1, up * 1).sum()
+    context = {None: contextlib.nullcontext, "save_on_cpu": torch.autograd.graph.save_on_cpu,
+               "identity": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)}[hooks]
+    with context():
+        out = fused.gated_product(gate * 1, up * 1).sum()
     out.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    with pytest.raises(RuntimeError, match="second backward"):
         out.backward()
 
 

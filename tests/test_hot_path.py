@@ -134,6 +134,99 @@ def test_fused_head_loss_is_taken_only_for_a_plain_linear_head_with_gradients(mo
     assert calls == [1]
 
 
+def test_a_hooked_head_runs_so_that_its_hooks_act_in_training_as_in_validation(monkeypatch):
+    """A forward hook that changes the logits (soft-capping, say): the fused loss never calls the head, so the head
+    runs instead, and training's loss and gradients are the hooked head's, as validation's loss is."""
+    import llmtrain.loss as loss_module
+
+    calls = []
+    real = loss_module.LinearCrossEntropy.apply
+    monkeypatch.setattr(loss_module.LinearCrossEntropy, "apply", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 32, dtype=torch.float64)
+    hidden = torch.randn(2, 8, 16, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 32, (2, 8))
+    labels[0, :3] = IGNORE_INDEX
+    capped = lambda logits: 3 * torch.tanh(logits / 3)  # noqa: E731
+    want = F.cross_entropy(capped(head(hidden)).flatten(0, 1), labels.flatten(), reduction="sum")
+    want_grads = torch.autograd.grad(want, (hidden, head.weight, head.bias))
+    handle = head.register_forward_hook(lambda module, args, out: capped(out))
+    got = head_loss_sum(head, hidden, labels, chunk_tokens=4)
+    got_grads = torch.autograd.grad(got, (hidden, head.weight, head.bias))
+    with torch.no_grad():
+        validation = head_loss_sum(head, hidden, labels, chunk_tokens=4)
+    assert not calls
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)  # the loss sums in float32
+    torch.testing.assert_close(validation, want.float(), rtol=1e-6, atol=0)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)  # the generic path: float32 logits
+    handle.remove()
+    head_loss_sum(head, hidden, labels)
+    assert calls == [1]
+
+
+def test_fused_head_loss_refuses_a_double_backward_loudly():
+    """Its forward computes the gradients, which the backward only scales: a gradient of that gradient (a gradient
+    penalty) fails rather than come out wrong."""
+    head = torch.nn.Linear(16, 32, dtype=torch.float64)
+    hidden = torch.randn(1, 8, 16, dtype=torch.float64, requires_grad=True)
+    loss = head_loss_sum(head, hidden, torch.randint(0, 32, (1, 8)))
+    with pytest.raises(RuntimeError, match="LinearCrossEntropy computes first-order gradients only"):
+        torch.autograd.grad(loss, hidden, create_graph=True)
+
+
+def test_a_gradient_penalty_through_the_model_fails_loudly():
+    """Every written-out backward of a training step (RMSNorm, attention, the gated MLP, the loss) refuses
+    create_graph: the second-order terms of any of them would be missing, not just of the last one."""
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("llama-debug"))
+    model.init_weights()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 33))
+    loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+    with pytest.raises(RuntimeError, match="computes first-order gradients only"):
+        torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+    loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+    loss.backward()  # without create_graph, as training runs
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.multiproc
+def test_fsdp_hooks_on_the_head_keep_the_fused_loss(monkeypatch):
+    """FSDP2 hooks the final norm and head to gather their weights; that bookkeeping is not a hook the loss must
+    run the head for. One process, a real gloo group and llmtrain's own FSDP units."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import llmtrain.loss as loss_module
+    from conftest import free_port_number, tiny_config
+    from llmtrain.distributed.parallelize import apply_fsdp
+    from llmtrain.fused import runs_hooks
+    from llmtrain.train.precision import Precision
+
+    calls = []
+    real = loss_module.LinearCrossEntropy.apply
+    monkeypatch.setattr(loss_module.LinearCrossEntropy, "apply", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_number()}", rank=0, world_size=1,
+                            timeout=__import__("datetime").timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        model = GPT(tiny_config("llama-debug"))
+        model.init_weights()
+        tokens = torch.randint(0, model.config.vocab_size, (2, 17))
+        want = model(tokens[:, :-1], labels=tokens[:, 1:])
+        assert calls == [1]
+        apply_fsdp(model, init_device_mesh("cpu", (1,)), reshard_after_forward=True, precision=Precision("32-true"),
+                   cpu_offload=False, one_host=True)
+        assert model.lm_head._forward_pre_hooks and not runs_hooks(model.lm_head)
+        got = model(tokens[:, :-1], labels=tokens[:, 1:])
+        got.backward()
+        assert calls == [1, 1]
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    finally:
+        dist.destroy_process_group()
+
+
 PEAK_SCRIPT = """
 import sys, torch, torch.nn.functional as F
 from llmtrain.loss import head_loss_sum
