@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from llmtrain.cli import main
 
@@ -133,14 +133,28 @@ def test_full_finetune_on_user_json(tmp_path, base_model):
     assert len(losses(out_dir)) == 3
 
 
-def test_qlora_on_one_device_and_merge_dequantizes(tmp_path, base_model):
+@pytest.mark.parametrize("quantize", ["bnb.nf4", "bnb.int8-training"])
+def test_qlora_on_one_device_and_merge_dequantizes(tmp_path, base_model, quantize):
     out_dir = tmp_path / "qlora"
-    main(finetune_args("finetune_lora", base_model, out_dir, "--train.max_steps", "3", "--quantize", "bnb.nf4",
+    main(finetune_args("finetune_lora", base_model, out_dir, "--train.max_steps", "3", "--quantize", quantize,
                        "--precision", "bf16-true"))
     assert all(l == l for l in losses(out_dir).values())
     merged = load_file(str(out_dir / "final" / "model.safetensors"))
     base = load_file(str(base_model / "model.safetensors"))
     assert set(merged) == set(base)  # plain keys: no quantization state, no adapters
+    # Each step's adapters file holds the adapters alone, in the compute dtype, and merges as final/ did.
+    (step,) = sorted(out_dir.glob("step-*"))[-1:]
+    adapters = load_file(str(step / "lora.safetensors"))
+    assert adapters and all(name.endswith((".lora_A", ".lora_B")) for name in adapters), sorted(adapters)[:4]
+    assert {tensor.dtype for tensor in adapters.values()} == {torch.bfloat16}
+    main(["merge_lora", str(step), "--out_dir", str(tmp_path / "merged")])
+    again = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert all(torch.equal(again[name], merged[name]) for name in merged)
+    # Earlier QLoRA checkpoints also held bitsandbytes' quantization state, listed first: they merge the same.
+    save_file({"blocks.0.attn.k_proj.weight.absmax": torch.ones(4), **adapters}, str(step / "lora.safetensors"))
+    main(["merge_lora", str(step), "--out_dir", str(tmp_path / "merged-old")])
+    old = load_file(str(tmp_path / "merged-old" / "model.safetensors"))
+    assert all(torch.equal(old[name], merged[name]) for name in merged)
     # A layer without adapters was quantized and dequantized: close to, but not exactly, the base weight.
     name = "blocks.0.attn.k_proj.weight"
     error = (merged[name].float() - base[name]).norm() / base[name].norm()

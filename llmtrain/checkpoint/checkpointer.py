@@ -39,8 +39,10 @@ from llmtrain.checkpoint.state import (
     restore_training_state,
 )
 from llmtrain.checkpoint.weights import gather_full_model_state, is_distributed, load_full_model_state, load_weights
+from llmtrain.distributed.parallelize import unwrap
 from llmtrain.distributed.pipeline import PipelineParts
 from llmtrain.distributed.runtime import Runtime, host_group
+from llmtrain.lora import lora_state_dict
 
 
 class NonFiniteWeightsError(RuntimeError):
@@ -138,6 +140,11 @@ class Checkpointer:
         if isinstance(self.model, PipelineParts):  # every stage's part, gathered on rank 0
             model_state = self.model.full_state_dict()
             optimizer_state = self.model.full_optimizer_state(self.optimizer)
+        elif self.format == "lora" and not is_distributed():
+            # One process (as QLoRA always is): the adapters by name. The model's state dict would carry
+            # bitsandbytes' quantization state too, and an 8-bit layer's (SCB) does not map to a parameter at all.
+            model_state = {name: tensor.cpu() for name, tensor in lora_state_dict(unwrap(self.model)).items()}
+            optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
         else:
             model_state = get_model_state_dict(self.model, options=options)
             optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)

@@ -20,7 +20,8 @@ from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint.model_dir import build_model_from_dir, build_quantized_model_from_dir, check_model_dir
 from llmtrain.config import Config
 from llmtrain.distributed.parallelize import unwrap
-from llmtrain.lora import LoRAArgs, LoRALinear, apply_lora, fold_lora, load_lora_state_dict, lora_modules
+from llmtrain.lora import (LoRAArgs, LoRALinear, apply_lora, fold_lora, is_lora_parameter, load_lora_state_dict,
+                           lora_modules)
 from llmtrain.quantize import compute_dtype_of, dequantize_weight, is_quantized_linear
 from llmtrain.tokenizer import Tokenizer
 
@@ -136,6 +137,9 @@ def merged_lora_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
     adapters = load_file(str(checkpoint_dir / layout.LORA_FILE))
     if quantize:
+        # NOTE: QLoRA checkpoints written before 2026-11-26's fix also hold bitsandbytes' quantization state
+        # (absmax, quant_map, ...): the adapters are what merges.
+        adapters = {name: tensor for name, tensor in adapters.items() if is_lora_parameter(name)}
         model = build_quantized_model_from_dir(base_dir, config, quantize,
                                                compute_dtype=next(iter(adapters.values())).dtype)
     else:
