@@ -95,6 +95,9 @@ CASES = [
                                                         "{in}/run/final"), ["--resume", "--initial_checkpoint_dir"]),
     Case("quantized base with mixed precision", _lora("--quantize", "bnb.nf4", "--precision", "16-mixed"),
          ["--quantize", "--precision"]),
+    # the loss skips the label -100 and no other: a flag to choose another would mislabel every masked position
+    Case("a label for masked positions", _lora("--data", "BuiltinInstruct", "--data.ignore_index", "0"),
+         ["ignore_index"]),
     Case("resume from a folder that does not exist", _pretrain("--resume", "{in}/no-such-step"),
          ["--resume", "no-such-step"]),
     # data

@@ -10,7 +10,7 @@ already). Inputs are the sample without its last token, labels the sample withou
 when the prompt is masked, a label is kept only where it is a response token. Every
 micro-batch is padded to its longest sample (under --compile, to a multiple of
 `COMPILE_PAD_MULTIPLE`; under sequence parallelism, of --tp_size), with the pad token (or eos) in
-the inputs and `ignore_index` in the labels. A causal model needs no attention mask for this: right padding comes after every real token.
+the inputs and IGNORE_INDEX (-100, which the loss skips) in the labels. A causal model needs no attention mask for this: right padding comes after every real token.
 
 These datasets are small: they are tokenized once, in memory, by `prepare_data()`.
 """
@@ -58,9 +58,7 @@ class InstructDataModule(DataModule):
     prompt_style: Optional[str] = None
     """Prompt style (alpaca, chatml, llama2, llama3, mistral, gemma, phi, tinyllama, default). None: the model's own."""
     mask_prompt: bool = True
-    """Compute the loss on the responses only; prompt tokens get --data.ignore_index as their label."""
-    ignore_index: int = IGNORE_INDEX
-    """Label of positions the loss skips (masked prompts and padding); the training loss skips -100."""
+    """Compute the loss on the responses only: prompt tokens get the label the loss skips (-100, IGNORE_INDEX)."""
 
     # Runtime state, not flags (no annotations, so they are no dataclass fields).
     resolved_prompt_style = None  # PromptStyle: set by connect()
@@ -110,7 +108,7 @@ class InstructDataModule(DataModule):
                 continue
             samples, truncated, emptied = tokenize_conversations(
                 conversations, self.resolved_prompt_style, tokenizer, self.max_seq_length, self.mask_prompt,
-                self.ignore_index, self._pad_multiple)
+                pad_multiple=self._pad_multiple)
             self._samples[split] = samples
             if truncated:
                 lost = f" ({emptied} of them kept no response token to learn from)" if emptied else ""
@@ -281,7 +279,7 @@ def split_records(records: list, fraction: float, seed: int) -> tuple[list, Opti
 # ------------------------------------------------------------------------------------------ tokens
 def tokenize_conversations(
     conversations: Iterable[Conversation], style: PromptStyle, tokenizer: Tokenizer, max_seq_length: int,
-    mask_prompt: bool = True, ignore_index: int = IGNORE_INDEX, pad_multiple: int = 1,
+    mask_prompt: bool = True, pad_multiple: int = 1,
 ) -> tuple["PaddedSamples", int, int]:
     """Samples of the conversations, the number truncated, and how many of those lost every response token.
 
@@ -316,13 +314,13 @@ def tokenize_conversations(
         tokens = np.asarray(ids, dtype=np.int64)
         targets = tokens[1:].copy()
         if mask_prompt:
-            targets[~is_response[1:]] = ignore_index
-            emptied += was_truncated and bool((targets == ignore_index).all())
+            targets[~is_response[1:]] = IGNORE_INDEX
+            emptied += was_truncated and bool((targets == IGNORE_INDEX).all())
         inputs.append(tokens[:-1])
         labels.append(targets)
     pad_id = getattr(tokenizer, "pad_id", None)
     pad_id = pad_id if pad_id is not None else (tokenizer.eos_id if tokenizer.eos_id is not None else 0)
-    samples = PaddedSamples(inputs, labels, pad_id, ignore_index, pad_multiple=pad_multiple, max_width=max_seq_length)
+    samples = PaddedSamples(inputs, labels, pad_id, pad_multiple=pad_multiple, max_width=max_seq_length)
     return samples, truncated, emptied
 
 
@@ -346,14 +344,13 @@ def _common_prefix_length(a: list[int], b: list[int]) -> int:
 
 class PaddedSamples:
     """Variable-length samples; a batch is padded to its longest member, rounded up to a multiple of
-    `pad_multiple` but not beyond `max_width`."""
+    `pad_multiple` but not beyond `max_width`, with `pad_id` in the inputs and IGNORE_INDEX in the labels."""
 
-    def __init__(self, inputs: list[np.ndarray], labels: list[np.ndarray], pad_id: int, ignore_index: int,
-                 pad_multiple: int = 1, max_width: Optional[int] = None) -> None:
+    def __init__(self, inputs: list[np.ndarray], labels: list[np.ndarray], pad_id: int, pad_multiple: int = 1,
+                 max_width: Optional[int] = None) -> None:
         self.inputs = inputs
         self.labels = labels
         self.pad_id = pad_id
-        self.ignore_index = ignore_index
         self.pad_multiple = pad_multiple
         self.max_width = max_width
 
@@ -364,7 +361,7 @@ class PaddedSamples:
         indices = indices.tolist()
         width = padded_width(max(len(self.inputs[i]) for i in indices), self.pad_multiple, self.max_width)
         input_ids = torch.full((len(indices), width), self.pad_id, dtype=torch.long)  # (B, longest)
-        labels = torch.full((len(indices), width), self.ignore_index, dtype=torch.long)
+        labels = torch.full((len(indices), width), IGNORE_INDEX, dtype=torch.long)
         for row, index in enumerate(indices):
             length = len(self.inputs[index])
             input_ids[row, :length] = torch.from_numpy(self.inputs[index])
