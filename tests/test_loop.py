@@ -305,6 +305,42 @@ def test_mfu_counts_the_real_tokens_and_not_the_padding():
         assert row["mfu"] == pytest.approx(padded_mfu * 3 / 12, rel=1e-3)
 
 
+def test_validation_time_is_no_part_of_the_logged_throughput(monkeypatch):
+    """A clock that validation moves 1,000 s: the tokens/s of every log line still count the steps' time alone."""
+    from types import SimpleNamespace
+
+    from llmtrain.train import loop
+
+    clock = [0.0]
+
+    def perf_counter():
+        clock[0] += 0.001  # every reading of the clock is a millisecond later
+        return clock[0]
+
+    def slow_validation(job):
+        clock[0] += 1000.0
+        return 1.0
+
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(loop, "_validation_loss", slow_validation)
+    torch.manual_seed(0)
+    model = GPT(Config(**CONFIG))
+    model.init_weights()
+    train = TrainArgs(global_batch_size=2, micro_batch_size=1, max_steps=3, log_interval=1, lr_warmup_steps=0,
+                      save_interval=None)
+    recorder = MetricsRecorder()
+    job = Fit(runtime=Runtime(), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+              train_loader=ListLoader(padded_samples(), 1), val_loader=ListLoader(padded_samples(seed=1), 1),
+              train=train, eval=EvalArgs(interval=1, max_iters=1, initial_validation=True, final_validation=False),
+              plan=batch_plan(train, 1), horizon=plan_horizon(train, 2 * 12, None), precision=Precision("32-true"),
+              save_checkpoint=lambda s: None, save_final=lambda s: None, loggers=[recorder])
+    fit(job)
+    rows = [row for row in recorder.rows if "loss" in row]
+    assert len(rows) == 3 and sum("val_loss" in row for row in recorder.rows) == 4
+    for row in rows:  # 24 tokens a step in a few milliseconds of this clock; with a validation, under 0.03 tokens/s
+        assert row["tokens_per_sec"] > 24, row
+
+
 class FakeCUDAAllocator:
     """The numbers torch.cuda.memory_stats reports, for a process that allocates and frees by hand."""
 

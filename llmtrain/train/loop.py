@@ -251,7 +251,8 @@ class Trainer:
             job.train_loader.pin_memory = True  # prefetched batches arrive pinned: their copies do not block
         batches = iter(job.train_loader)
         if job.eval.initial_validation and job.val_loader is not None and state.step == 0:
-            _validate_and_log(job)
+            with self.interval.paused():
+                _validate_and_log(job)
         job.model.train()
         while not (reason := self.stops.reason()):
             self.hooks.on_step_start(state.step + 1)
@@ -279,7 +280,8 @@ class Trainer:
         if log_now:
             self.interval.log(lr, grad_norm)
         if job.val_loader is not None and step % job.eval.interval == 0:
-            _validate_and_log(job)
+            with self.interval.paused():  # validation is no part of the training throughput
+                _validate_and_log(job)
         if save_now:
             self.stops.save()
 
@@ -645,6 +647,16 @@ class LogInterval:
         self.started, self.tokens = time.perf_counter(), 0
         self.real_tokens = 0  # this rank's input tokens that are not padding
         self.data_wait = 0.0  # seconds spent waiting for batches
+        self.paused_seconds = 0.0  # seconds of validation, which the interval's throughput leaves out
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave what runs inside out of the interval's seconds (validation)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_seconds += time.perf_counter() - started
 
     def fetch(self, batches: Iterator[dict], count: int) -> list[dict]:
         """The next ``count`` micro-batches, timing the wait for them."""
@@ -673,7 +685,7 @@ class LogInterval:
         job.runtime.all_reduce(sums)
         if self.updates.item():  # the same on every rank: the skip decision is
             loss = (sums[0] / self.target_sum.clamp(min=1)).item()
-            seconds = time.perf_counter() - self.started
+            seconds = time.perf_counter() - self.started - self.paused_seconds
             metrics = _step_metrics(job, loss, lr, float(grad_norm), self.tokens / seconds, sums[1].item() / seconds)
             metrics["data_wait_fraction"] = self.data_wait / seconds
             metrics.update(data_metrics(job.train_loader))
