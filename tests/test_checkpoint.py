@@ -319,6 +319,11 @@ def test_a_lora_runs_final_and_merge_lora_give_the_lora_models_logits(tmp_path):
             merged_model = load_model_dir(directory)[0]
             torch.testing.assert_close(merged_model(tokens), expected, rtol=1e-5, atol=1e-5)
     assert (final / layout.LORA_FILE).is_file() and files.read_marker(final)["lora_merged"]
+    # A merge never writes over a folder that holds anything (here: the run, its checkpoints and final/).
+    before = sorted(path.relative_to(tmp_path) for path in (tmp_path / "run").rglob("*"))
+    with pytest.raises(FileExistsError, match="already exists and is not empty"):
+        merge_lora_checkpoint(step, tmp_path / "run")
+    assert sorted(path.relative_to(tmp_path) for path in (tmp_path / "run").rglob("*")) == before
 
 
 def test_streamed_weights_make_the_file_save_file_makes_and_are_checked_against_the_shapes(tmp_path):

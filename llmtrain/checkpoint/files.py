@@ -74,6 +74,13 @@ def fsync_tree(path: Path) -> None:
     fsync_dir(path)
 
 
+def check_output_dir(output_dir: Path) -> None:
+    """Refuse an output folder that holds anything: a conversion or merge writes a new one, never over a run."""
+    output_dir = Path(output_dir)
+    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
+        raise FileExistsError(f"{output_dir} already exists and is not empty; remove it or choose another one")
+
+
 def install_dir(tmp: Path, target: Path) -> None:
     """Rename the complete, fsynced directory ``tmp`` to ``target``, replacing an older ``target``.
 

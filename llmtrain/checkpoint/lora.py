@@ -157,6 +157,7 @@ def merge_lora_checkpoint(checkpoint_dir: Path, out_dir: Optional[Path] = None) 
     """Write the merged model of a LoRA checkpoint as a full model directory (default: ``CHECKPOINT_DIR-merged``)."""
     checkpoint_dir = Path(checkpoint_dir)
     out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir.with_name(checkpoint_dir.name + "-merged")
+    files.check_output_dir(out_dir)
     weights = merged_lora_weights(checkpoint_dir)
 
     def extras(directory: Path) -> None:

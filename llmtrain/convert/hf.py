@@ -60,7 +60,7 @@ def from_hf(hf_dir: Path, output_dir: Path, model_name: Optional[str] = None,
     `dtype` casts floating-point weights; None keeps the stored precision.
     """
     hf_dir, output_dir = Path(hf_dir), Path(output_dir)
-    _check_output_dir(output_dir)
+    files.check_output_dir(output_dir)
     adapter, config = read_hf_config(hf_dir)
     if model_name is not None:
         config = named_config(config, model_name, hf_dir / HF_CONFIG_FILE)
@@ -169,7 +169,7 @@ def to_hf(checkpoint_dir: Path, output_dir: Path, dtype: Optional[DTypeName] = N
     Weights go to `model.safetensors`, or to shards of at most `max_shard_size` with an index.
     """
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
-    _check_output_dir(output_dir)
+    files.check_output_dir(output_dir)
     config_path = checkpoint_dir / layout.CONFIG_FILE
     if not config_path.is_file():
         hint = " (it is a transformers folder: use from_hf)" if (checkpoint_dir / HF_CONFIG_FILE).is_file() else ""
@@ -426,11 +426,6 @@ def _tokenizer_or_none(directory: Path):
         print(f"warning: {directory} has no {layout.TOKENIZER_FILE}; the converted model has no tokenizer", file=sys.stderr)
         return None
     return Tokenizer(directory)
-
-
-def _check_output_dir(output_dir: Path) -> None:
-    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
-        raise FileExistsError(f"{output_dir} already exists and is not empty; remove it or choose another one")
 
 
 def _copy_files(source: Path, target: Path, names: tuple[str, ...]) -> None:
