@@ -77,6 +77,8 @@ class TrainArgs:
             raise ValueError(f"--train.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
         if self.lr_decay not in ("cosine", "linear", "constant"):
             raise ValueError(f"--train.lr_decay must be cosine, linear or constant, got {self.lr_decay!r}")
+        if self.min_lr < 0:
+            raise ValueError(f"--train.min_lr must be >= 0, got {self.min_lr}")
         if None not in (self.global_batch_size, self.micro_batch_size) and (
                 self.global_batch_size < self.micro_batch_size):
             raise ValueError(

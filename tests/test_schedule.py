@@ -37,6 +37,18 @@ def test_schedule_sets_every_group_in_proportion():
     assert optimizer.param_groups[1]["lr"] == pytest.approx(0.05)
 
 
+def test_a_min_lr_that_would_raise_the_rate_is_refused():
+    """A decay never climbs: min_lr above the optimizer's rate, or below zero, is a flag error before any step."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-5)
+    with pytest.raises(ValueError, match=r"--train.min_lr 6e-05 is above the learning rate 2e-05 \(--optimizer.lr\)"):
+        WarmupDecaySchedule(optimizer, warmup_steps=0, total_steps=10, min_lr=6e-5)
+    WarmupDecaySchedule(optimizer, warmup_steps=0, total_steps=10, min_lr=6e-5, decay="constant")  # never decays
+    schedule = WarmupDecaySchedule(optimizer, warmup_steps=0, total_steps=10, min_lr=2e-5)  # equal: constant
+    assert all(schedule.set_step(step) == pytest.approx(2e-5) for step in range(12))
+    with pytest.raises(ValueError, match="--train.min_lr must be >= 0"):
+        TrainArgs(min_lr=-0.01)
+
+
 def test_horizon_takes_the_earliest_limit():
     train = TrainArgs(max_steps=100, max_tokens=10 * 64 * 128, global_batch_size=64, micro_batch_size=4,
                       lr_warmup_steps=5)

@@ -35,7 +35,8 @@ FINETUNE_EVAL = EvalArgs(interval=100, max_iters=100)
 FINETUNE_DEFAULTS = {"train": FINETUNE_TRAIN, "eval": FINETUNE_EVAL, "seed": 1337}
 FINETUNE_DOCS = {
     "data": "Instruction data, e.g. `--data JSON --data.json_path data.json`. Default: the built-in set.",
-    "optimizer": "A torch.optim class name (`AdamW`) or `--optimizer CLASS --optimizer.lr 2e-5 ...`.",
+    "optimizer": "A torch.optim class name (`AdamW`) or `--optimizer CLASS --optimizer.lr 2e-5 ...` (a rate below "
+                 "fine-tuning's --train.min_lr of 6e-5 needs a lower --train.min_lr too).",
 }
 
 

@@ -44,6 +44,10 @@ class WarmupDecaySchedule:
         self.decay = decay
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])
+        base = optimizer.param_groups[0]["initial_lr"]
+        if decay != "constant" and min_lr > base:
+            raise ValueError(f"--train.min_lr {min_lr:g} is above the learning rate {base:g} (--optimizer.lr): the "
+                             f"rate would rise as it decays. Set --train.min_lr to at most {base:g} (0 decays to zero)")
 
     def set_step(self, step: int) -> float:
         """Set the rates for optimizer step ``step`` and return the first group's rate."""
