@@ -133,6 +133,15 @@ def test_full_finetune_on_user_json(tmp_path, base_model):
     assert len(losses(out_dir)) == 3
 
 
+def test_no_validation_set_trains_without_validating(tmp_path, base_model):
+    """--data.num_val 0 is "no validation": the run trains, writes final/ and logs no validation loss."""
+    out_dir = tmp_path / "no-val"
+    main(finetune_args("finetune_lora", base_model, out_dir, "--train.max_steps", "2", "--data.num_val", "0"))
+    assert sorted(losses(out_dir)) == [1, 2] and (out_dir / "final" / "model.safetensors").is_file()
+    with open(out_dir / "metrics.csv") as handle:
+        assert not any(row.get("val_loss") for row in csv.DictReader(handle))
+
+
 @pytest.mark.parametrize("quantize", ["bnb.nf4", "bnb.int8-training"])
 def test_qlora_on_one_device_and_merge_dequantizes(tmp_path, base_model, quantize):
     out_dir = tmp_path / "qlora"

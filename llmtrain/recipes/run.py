@@ -401,11 +401,12 @@ def _example_generator(spec: RunSpec, model: Any, tokenizer: Any, prompt_style: 
     Greedy decoding keeps every rank's step count equal, which a sharded model's forward needs. None (no
     example) when tensor or pipeline parallelism splits the model: decoding with the KV cache runs on a whole model.
     """
-    if prompt_style is None or not getattr(spec.data, "validation_prompts", None) or spec.plan.splits_model:
+    prompts = spec.data.validation_prompts() if hasattr(spec.data, "validation_prompts") else []
+    if prompt_style is None or not prompts or spec.plan.splits_model:  # no validation set: no prompt to answer
         return None
     from llmtrain.generate import PromptTooLongError, generate_text
 
-    prompt = spec.data.validation_prompts()[0]
+    prompt = prompts[0]
     max_new_tokens = example_tokens(spec.plan, spec.seq_len)
 
     def example() -> str:
