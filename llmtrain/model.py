@@ -279,6 +279,12 @@ class CausalSelfAttention(nn.Module):
         # Set by GPT.set_kv_cache for generation; None while training.
         self.kv_cache: Optional[KVCache] = None
 
+    # Whether training may take the fused q/k/v path (llmtrain.fused) where it applies. It computes the same function,
+    # but q, k and v's weight gradients become ready together rather than one by one. An engine that reduces
+    # gradients in the order they become ready on each rank (DeepSpeed's ZeRO-2 buckets) needs the same order on
+    # every rank, and batches of different widths take the path on some ranks only: such an engine sets False.
+    fuse_projections: bool = True
+
     def forward(
         self,
         x: torch.Tensor,
@@ -289,8 +295,8 @@ class CausalSelfAttention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         # Training on the CPU with block attention: one GEMM for q, k and v, RoPE written out (llmtrain.fused).
-        if (input_pos is None and mask is None and torch.is_grad_enabled() and cos.size(-1) == self.head_size
-                and fusable(x, self.q_proj, self.k_proj, self.v_proj)):
+        if (self.fuse_projections and input_pos is None and mask is None and torch.is_grad_enabled()
+                and cos.size(-1) == self.head_size and fusable(x, self.q_proj, self.k_proj, self.v_proj)):
             n_head, groups = self.q_proj.out_features // self.head_size, self.k_proj.out_features // self.head_size
             dtype = attention_dtype(x.device.type, x.dtype, T)
             if attention_kernel(x.device.type, dtype, T, n_head, groups) == "blocks":

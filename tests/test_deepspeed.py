@@ -70,8 +70,9 @@ def parity(tmp_path_factory) -> dict:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("strategy", list(DEEPSPEED_STRATEGIES))
 def test_every_zero_stage_matches_fsdp(parity, strategy):
-    """8 AdamW steps (clipping, warmup, padding that differs per rank): the losses, gradient norms and final
-    weights of each ZeRO variant equal FSDP's to float precision, and each really shards what it says."""
+    """8 AdamW steps (clipping, warmup, padding that differs per rank, and widths that differ between the ranks so
+    that only one takes the fused q/k/v path): the losses, gradient norms and final weights of each ZeRO variant
+    equal FSDP's to float precision, and each really shards what it says."""
     fsdp, ours = parity["fsdp"], parity[strategy]
     settings = DEEPSPEED_STRATEGIES[strategy]
     assert sorted(ours["losses"]) == list(range(1, 9))

@@ -21,6 +21,7 @@ import warnings
 import torch
 
 from llmtrain.distributed.runtime import Runtime
+from llmtrain.model import CausalSelfAttention
 from llmtrain.train.loop import Fit, NonFiniteSteps, Strategy
 
 
@@ -53,6 +54,11 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     # NOTE: the engine asserts LOCAL_RANK is set, which a launcher does; one process (--devices 1) runs unlaunched.
     os.environ.setdefault("LOCAL_RANK", str(runtime.local_rank))
+    # ZeRO-2 fills its reduce buckets in the order gradients become ready, which must be the same on every rank:
+    # attention keeps its modules' order (CausalSelfAttention.fuse_projections).
+    for module in model.modules():
+        if isinstance(module, CausalSelfAttention):
+            module.fuse_projections = False
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
