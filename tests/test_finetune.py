@@ -174,6 +174,8 @@ def test_qlora_on_one_device_and_merge_dequantizes(tmp_path, base_model, quantiz
     (["--quantize", "bnb.nf4", "--devices", "2"], "runs on one device"),
     (["--quantize", "bnb.nf4", "--precision", "bf16-mixed"], "bf16-true"),
     (["--fsdp.state_dict_type", "sharded"], "always full"),
+    (["--train.max_tokens", "2048"], "--train.max_tokens counts the tokens of full-width batches"),
+    (["--prompt_style", "chatml", "--data.prompt_style", "alpaca"], "--prompt_style chatml and --data.prompt_style alpaca"),
 ])
 def test_lora_contradictions_fail_before_work(tmp_path, base_model, extra, message):
     with pytest.raises(ValueError, match=message):

@@ -133,6 +133,14 @@ def _finetune(recipe: str, checkpoint_dir: Path, prompt_style: Optional[str], fl
     """The checks and the launch both fine-tuning recipes share."""
     if flags["data"] is None:
         flags["data"] = BuiltinInstruct()
+    if flags["train"].max_tokens is not None:
+        raise ValueError(f"--train.max_tokens counts the tokens of full-width batches, as pretraining's are; "
+                         f"{recipe}'s batches are as wide as their longest sample, so a token budget would neither "
+                         "plan the schedule nor stop where it says. Use --train.max_steps or --train.epochs")
+    data_style = getattr(flags["data"], "prompt_style", None)
+    if None not in (prompt_style, data_style) and prompt_style != data_style:
+        raise ValueError(f"--prompt_style {prompt_style} and --data.prompt_style {data_style} disagree: give one of "
+                         "them (--data.prompt_style wins over the model's own style, which --prompt_style sets)")
     arguments = {"checkpoint_dir": checkpoint_dir, "prompt_style": prompt_style, **flags}
     if lora is not None:
         arguments.update(quantize=quantize, **dataclasses.asdict(lora))  # the fields are the lora_* flags
