@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Literal, NamedTuple, Optional, Seque
 
 import torch
 
-from llmtrain.checkpoint.model_dir import load_model_dir
+from llmtrain.checkpoint.model_dir import check_model_dir, load_model_dir
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.quantize import QuantizeMode
 from llmtrain.train.precision import PrecisionName
@@ -68,6 +68,11 @@ def setup(
         seed: Seed of the sampler.
         raw: Give the prompt to the model as it is, without the prompt style's template.
     """
+    check_model_dir(checkpoint_dir)  # before anything loads: the flags' errors, then the model's
+    check_sampling(temperature, top_k, top_p)
+    for name, value in (("--max_new_tokens", max_new_tokens), ("--num_samples", num_samples)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
     model, tokenizer, prompt_style, device, precision_setting = load_for_generation(
         checkpoint_dir, quantize=quantize, precision=precision, accelerator=accelerator)
     text = prompt if raw else prompt_style.apply(prompt)

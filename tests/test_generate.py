@@ -238,6 +238,18 @@ def test_setup_prints_the_completion(model_dir, capsys):
     assert "tokens/s" in err
 
 
+@pytest.mark.parametrize("flags, message", [({"num_samples": 0}, "--num_samples must be at least 1"),
+                                            ({"max_new_tokens": -5}, "--max_new_tokens must be at least 1"),
+                                            ({"top_p": 1.5}, "top_p")])
+def test_setup_refuses_bad_values_before_loading_the_model(model_dir, monkeypatch, flags, message):
+    """Nothing printed and exit 0 was what -2 samples did; now every value is checked before the model loads."""
+    import llmtrain.generate as generate_module
+
+    monkeypatch.setattr(generate_module, "load_for_generation", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(ValueError, match=message):
+        setup(model_dir, "Hi", accelerator="cpu", **flags)
+
+
 def test_setup_samples_and_quantizes(model_dir, capsys):
     setup(model_dir, "Hi", max_new_tokens=6, num_samples=2, quantize="bnb.nf4", accelerator="cpu", raw=True)
     out, err = capsys.readouterr()
