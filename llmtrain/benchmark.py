@@ -248,6 +248,9 @@ def benchmark(
         raise ValueError(f"--save_interval must be at least 1, got {save_interval}")
     if async_save and save_interval is None:
         raise ValueError("--async_save true needs --save_interval N: without checkpoints there is no stall to time")
+    if fail_below is not None and baseline is None:
+        raise ValueError("--fail_below compares with a baseline, and --baseline null turns the comparison off: "
+                         "drop one of them")
     if recipe != "finetune_lora" and lora != LoRAArgs():
         raise ValueError(f"--lora.* flags set the adapters of --recipe finetune_lora, not of --recipe {recipe}: "
                          "drop them or add --recipe finetune_lora")

@@ -141,6 +141,7 @@ def test_a_machine_without_a_baseline_records_one_and_passes(far_below):
     ({"sharding_strategy": "NO_SHARD"}, "--sharding_strategy NO_SHARD needs --devices 2 or more"),
     ({"save_interval": 0}, "--save_interval must be at least 1, got 0"),
     ({"async_save": True}, "--async_save true needs --save_interval N"),
+    ({"fail_below": 1000.0, "baseline": None}, "--fail_below compares with a baseline"),
     ({"devices": 2, "tp_size": 4}, "--tp_size 4 × --pp_size 1 = 4 must divide the 2 processes"),
     ({"devices": 2, "pp_size": 2, "pp_schedule": "1f1b", "global_batch_size": 8},
      "--pp_schedule 1f1b needs at least --pp_size 2 micro-batches per step"),
