@@ -220,6 +220,10 @@ def test_hub_organization_picks_the_published_architecture():
 
 def test_sharded_output_with_index_loads(tmp_path, llama_dirs):
     hf_dir, ours_dir = llama_dirs
+    for size in ("0", "0KB", "five"):  # before anything is read or written
+        with pytest.raises(ValueError, match="--max_shard_size"):
+            to_hf(ours_dir, tmp_path / "never", max_shard_size=size)
+    assert not (tmp_path / "never").exists()
     out = to_hf(ours_dir, tmp_path / "sharded", max_shard_size="40KB")
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(out.glob("model-*-of-*.safetensors"))

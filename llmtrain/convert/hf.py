@@ -170,6 +170,7 @@ def to_hf(checkpoint_dir: Path, output_dir: Path, dtype: Optional[DTypeName] = N
     """
     checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
     files.check_output_dir(output_dir)
+    shard_bytes = parse_size(max_shard_size)
     config_path = checkpoint_dir / layout.CONFIG_FILE
     if not config_path.is_file():
         hint = " (it is a transformers folder: use from_hf)" if (checkpoint_dir / HF_CONFIG_FILE).is_file() else ""
@@ -188,7 +189,7 @@ def to_hf(checkpoint_dir: Path, output_dir: Path, dtype: Optional[DTypeName] = N
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _write_hf_weights(tmp, adapter, config, weights, target_dtype, parse_size(max_shard_size))
+        _write_hf_weights(tmp, adapter, config, weights, target_dtype, shard_bytes)
         hf_config.update(token_ids, torch_dtype=str(saved_dtype).removeprefix("torch."))
         _write_json(tmp / HF_CONFIG_FILE, hf_config)
         if not (checkpoint_dir / GENERATION_CONFIG_FILE).is_file():
@@ -372,14 +373,15 @@ def convert_from_hf(hf_dir: Path, output_dir: Path, model_name: Optional[str] = 
 # ------------------------------------------------------------------------------------ helpers
 def parse_size(size: Union[str, int]) -> int:
     """Bytes in "5GB" (powers of 1000), "4GiB" (powers of 1024) or a plain number."""
-    if isinstance(size, int):
-        return size
     units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(size))
     if match is None or match.group(2).upper() not in units:
         raise ValueError(f"--max_shard_size {size!r} is not a size; write e.g. 5GB, 500MB or 2GiB")
-    return int(float(match.group(1)) * units[match.group(2).upper()])
+    size_bytes = int(float(match.group(1)) * units[match.group(2).upper()])
+    if size_bytes < 1:
+        raise ValueError(f"--max_shard_size {size!r} is no size at all; write e.g. 5GB, 500MB or 2GiB")
+    return size_bytes
 
 
 def _torch_dtype(name: Optional[str]) -> Optional["torch.dtype"]:
