@@ -278,6 +278,15 @@ def test_truncation_is_counted_in_one_warning(tmp_path: Path, tokenizer: Tokeniz
     assert not caught
 
 
+def test_no_sample_left_to_learn_from_is_an_error(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    """Every prompt longer than the sequence: a run would train on nothing (loss 0, grad norm 0) and write a model."""
+    path = write_json(tmp_path / "data.json", [{"instruction": "A very long question, " * 40, "output": "Short."}] * 4)
+    with pytest.raises(ValueError, match="no training sample keeps a response token .* raise --train.max_seq_length"):
+        prepared(JSON(json_path=path, val_split_fraction=0, prompt_style="default"), tokenizer, max_seq_length=48)
+    assert samples(prepared(JSON(json_path=path, val_split_fraction=0, prompt_style="default"), tokenizer,
+                            max_seq_length=2048))
+
+
 # ------------------------------------------------------------------------------------- loaders
 
 
