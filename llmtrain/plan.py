@@ -564,7 +564,11 @@ def _shards(step_bytes: int, plan: ParallelPlan, state_dict_type: str, lora: boo
     if plan.zero is not None:
         return f" (DeepSpeed's files: one optimizer partition per rank, {shard_size} of about " \
                f"{_size(step_bytes // shard_size)})"
-    if lora or plan.wrapper != "fsdp" or shard_size == 1:
+    if lora:
+        return " (one file, rank 0)"
+    if state_dict_type == "sharded" and (plan.wrapper != "fsdp" or shard_size == 1):
+        return " (sharded: one DCP shard)"  # the format asked for, on one rank
+    if plan.wrapper != "fsdp" or shard_size == 1:
         return " (one file, rank 0)"
     if state_dict_type == "sharded":
         return f" (sharded: {shard_size} shards of {_size(step_bytes // shard_size)})"

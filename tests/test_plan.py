@@ -127,6 +127,14 @@ def test_dry_run_plans_32_gpus_on_this_machine(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing was written
 
 
+def test_dry_run_says_what_one_process_writes_for_each_checkpoint_format(tmp_path):
+    for state_dict_type, says in (("full", "(one file, rank 0)"), ("sharded", "(sharded: one DCP shard)")):
+        done = run_cli("pretrain", "llama-debug", "--dry_run", "--fsdp.state_dict_type", state_dict_type,
+                       "--out_dir", str(tmp_path / "out"))
+        assert done.returncode == 0, done.stderr
+        assert says in done.stdout, done.stdout
+
+
 def test_dry_run_for_lora_counts_only_the_adapters(tmp_path):
     from llmtrain.checkpoint.layout import CONFIG_FILE
 
