@@ -77,6 +77,9 @@ class DryRunArgs:
             raise ValueError(f"--dry_run.tokens_per_sec must be positive, got {self.tokens_per_sec}")
         if self.mfu is not None and not 0 < self.mfu <= 1:
             raise ValueError(f"--dry_run.mfu must be in (0, 1], got {self.mfu}")
+        if self.mfu is not None and self.gpu is None:
+            raise ValueError("--dry_run.mfu is the utilization assumed on --dry_run.gpu, and means nothing without it: "
+                             "add --dry_run.gpu NAME, or give a measured --dry_run.tokens_per_sec")
 
 
 @dataclass

@@ -127,6 +127,14 @@ def test_dry_run_plans_32_gpus_on_this_machine(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing was written
 
 
+def test_dry_run_mfu_needs_the_gpu_it_is_assumed_on():
+    from llmtrain.plan import DryRunArgs
+
+    with pytest.raises(ValueError, match="--dry_run.mfu is the utilization assumed on --dry_run.gpu"):
+        DryRunArgs(mfu=0.9)
+    assert DryRunArgs(mfu=0.9, gpu="H100").requested
+
+
 def test_dry_run_says_what_one_process_writes_for_each_checkpoint_format(tmp_path):
     for state_dict_type, says in (("full", "(one file, rank 0)"), ("sharded", "(sharded: one DCP shard)")):
         done = run_cli("pretrain", "llama-debug", "--dry_run", "--fsdp.state_dict_type", state_dict_type,
