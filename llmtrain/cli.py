@@ -101,9 +101,9 @@ def _suggest(message: str, options: Sequence[str]) -> str:
     import re
 
     hints = []
-    for flag in re.findall(r"(--[\w.\-]+)", message):
+    for flag in dict.fromkeys(re.findall(r"(--[\w.\-]+)", message)):
         name = flag.split("=", 1)[0]
-        if name not in options:
+        if name not in options and not name.startswith("--data."):  # a data module's fields: _plain explains them
             close = difflib.get_close_matches(name, options, n=3, cutoff=0.6)
             if close:
                 hints.append(f"instead of {name}, did you mean {' or '.join(close)}?")
@@ -117,6 +117,12 @@ def _plain(message: str) -> str:
 
     message = re.sub(r'^Parser key "([\w.]+)":\s*', lambda m: f"--{m.group(1)}: ", message)
     message = re.sub(r"Expected a typing\.Literal\[(.*?)\]", r"expected one of \1", message)
+    # A field of the data module with no module named: jsonargparse tries it on the base class and says so at length.
+    field = re.search(r"class_path 'llmtrain\.data\.(?:base\.)?DataModule'.*NestedArg\(key='(\w+)'", message)
+    if message.startswith("--data:") and field:
+        return (f"--data.{field.group(1)} sets a field of a data module, and no --data names one: name it first, "
+                f"e.g. --data BuiltinInstruct --data.{field.group(1)} ... (fine-tuning's default) or --data "
+                "BuiltinStories (pretraining's)")
     return message
 
 

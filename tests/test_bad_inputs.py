@@ -98,6 +98,8 @@ CASES = [
     # the loss skips the label -100 and no other: a flag to choose another would mislabel every masked position
     Case("a label for masked positions", _lora("--data", "BuiltinInstruct", "--data.ignore_index", "0"),
          ["ignore_index"]),
+    Case("a data module's field without the module", _lora("--data.num_train", "100"),
+         ["--data.num_train sets a field of a data module", "--data BuiltinInstruct"]),
     Case("resume from a folder that does not exist", _pretrain("--resume", "{in}/no-such-step"),
          ["--resume", "no-such-step"]),
     # data
