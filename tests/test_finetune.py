@@ -236,11 +236,16 @@ def test_lora_tuned_model_answers_more_builtin_items_than_its_base(tmp_path):
     assert tuned["correct"] >= base["correct"] + 2, (base, tuned)
 
 
-def test_a_prompt_longer_than_the_sequence_skips_the_example_not_the_run(tmp_path, base_model, capsys):
+def test_a_prompt_longer_than_the_sequence_skips_the_example_not_the_run(tmp_path, base_model, capsys, monkeypatch):
+    from llmtrain.data.instruct import InstructDataModule
+
+    # The training samples fit (a set in which none keeps a response token is an error of its own); the first
+    # validation prompt does not.
+    long_prompt = [{"role": "user", "content": "Tell me about llamas. " * 40}]
+    monkeypatch.setattr(InstructDataModule, "validation_prompts", lambda self: [long_prompt])
     out_dir = tmp_path / "short"
-    main(finetune_args("finetune_lora", base_model, out_dir, "--train.max_steps", "2", "--train.max_seq_length", "16",
-                       "--eval.interval", "1"))
-    assert "example | skipped: the first validation prompt is longer than --train.max_seq_length 16" in capsys.readouterr().out
+    main(finetune_args("finetune_lora", base_model, out_dir, "--train.max_steps", "2", "--eval.interval", "1"))
+    assert "example | skipped: the first validation prompt is longer than --train.max_seq_length 128" in capsys.readouterr().out
     assert (out_dir / "final" / "model.safetensors").is_file()
 
 
