@@ -303,7 +303,7 @@ class Mistral(PromptStyle):
 
 @dataclass(frozen=True)
 class Gemma(PromptStyle):
-    """Gemma instruct: user and model turns; no system role."""
+    """Gemma instruct: user and model turns, each message trimmed (as Gemma's chat template does); no system role."""
 
     name: ClassVar[str] = "gemma"
     supports_system: ClassVar[bool] = False
@@ -311,10 +311,10 @@ class Gemma(PromptStyle):
     stop_texts: ClassVar[tuple[str, ...]] = ("<end_of_turn>",)
 
     def user(self, message: Message, turn: int) -> str:
-        return f"<start_of_turn>user\n{user_content(message)}<end_of_turn>\n<start_of_turn>model\n"
+        return f"<start_of_turn>user\n{user_content(message).strip()}<end_of_turn>\n<start_of_turn>model\n"
 
     def assistant(self, content: str) -> str:
-        return f"{content}<end_of_turn>"
+        return f"{content.strip()}<end_of_turn>"
 
 
 @dataclass(frozen=True)

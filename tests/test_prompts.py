@@ -75,6 +75,67 @@ def test_conversation_renders_exactly(name: str) -> None:
     assert style.apply(CONVERSATION[1:], system="Be brief.") == MULTI_TURN[name]
 
 
+# The chat templates of the families' instruct models (chat_template in their Hub tokenizer_config.json), with the
+# bos and eos tokens they are rendered with.
+CHAT_TEMPLATES = {
+    "gemma": ("<bos>", "<eos>", (  # google/gemma-7b-it
+        "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+        "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")),
+    "llama2": ("<s>", "</s>", (  # meta-llama/Llama-2-7b-chat-hf
+        "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+        "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+        "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
+        "{% if loop.index0 == 0 and system_message != false %}"
+        "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+        "{% else %}{% set content = message['content'] %}{% endif %}{% if message['role'] == 'user' %}"
+        "{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+        "{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")),
+    "llama3": ("<|begin_of_text|>", "<|eot_id|>", (  # meta-llama/Meta-Llama-3-8B-Instruct
+        "{% set loop_messages = messages %}{% for message in loop_messages %}"
+        "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim"
+        " + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+        "{% endif %}")),
+    "mistral": ("<s>", "</s>", (  # mistralai/Mistral-7B-Instruct-v0.1
+        "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+        "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+        "{{ message['content'] + eos_token}}{% else %}"
+        "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")),
+    "chatml": ("", "<|im_end|>", (  # Qwen/Qwen2.5-7B-Instruct without tools, its default system message left out
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")),
+    "tinyllama": ("<s>", "</s>", (  # TinyLlama/TinyLlama-1.1B-Chat-v1.0
+        "{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] + "
+        "eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\n' + message['content'] + eos_token }}"
+        "\n{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n"
+        "{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n"
+        "{% endfor %}")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHAT_TEMPLATES))
+def test_conversation_renders_as_the_family_chat_template(name: str, tokenizer: Tokenizer) -> None:
+    transformers = pytest.importorskip("transformers")
+    bos, eos, template = CHAT_TEMPLATES[name]
+    hf_tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer.checkpoint_dir / "tokenizer.json"), bos_token=bos or None, eos_token=eos)
+    # Whitespace around the messages, as typed into a chat or decoded from a reply, which some templates trim.
+    padded = [{"role": "user", "content": " Hi there \n"}, {"role": "assistant", "content": "\n Hello! \n"},
+              {"role": "user", "content": "What is 2 + 2? "}]
+    # Gemma's and Mistral's templates refuse a system message.
+    conversations = [padded] + ([CONVERSATION] if name not in ("gemma", "mistral") else [])
+    for messages in conversations:
+        expected = hf_tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                    add_generation_prompt=True)
+        # The leading bos is the tokenizer's to add, not the style's.
+        assert PromptStyle.from_name(name).apply(messages) == expected.removeprefix(bos)
+
+
 def test_segments_split_prompt_from_response() -> None:
     finished = CONVERSATION + [{"role": "assistant", "content": "4"}]
     assert ChatML().render(finished) == [
