@@ -202,7 +202,7 @@ class _Transcript(PromptStyle):
         return f"User: {user_content(message)}\n\nAssistant:"
 
     def assistant(self, content: str) -> str:
-        return f" {content}"
+        return space_before(content)
 
 
 ALPACA_PREAMBLE = ("Below is an instruction that describes a task. "
@@ -331,7 +331,7 @@ class Phi(PromptStyle):
         return f"Instruct: {user_content(message)}\nOutput:"
 
     def assistant(self, content: str) -> str:
-        return f" {content}"
+        return space_before(content)
 
 
 @dataclass(frozen=True)
@@ -427,6 +427,15 @@ def split_turns(messages: list[Message]) -> tuple[Optional[str], list[tuple[Mess
     if not turns:
         raise ValueError("the conversation has no user message")
     return system, turns
+
+
+def space_before(content: str) -> str:
+    """An answer after the one space that separates it from the prompt's last word.
+
+    NOTE: the model learns to write that space, so a reply decoded from it (what chat's history keeps) begins with
+    it already; a second one would show the model a conversation it did not write.
+    """
+    return " " + content.removeprefix(" ")
 
 
 def user_content(message: Message) -> str:

@@ -7,6 +7,7 @@ fails the comparison.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import select
@@ -23,6 +24,7 @@ from llmtrain.chat import PROMPT, Chat, TextStream
 from llmtrain.checkpoint.files import write_model_dir
 from llmtrain.generate import generate_text, load_for_generation, load_model_dir
 from llmtrain.model import GPT
+from llmtrain.prompts import PromptStyle
 
 from conftest import tiny_config
 
@@ -265,3 +267,36 @@ def test_a_message_too_long_for_the_model_is_refused_and_the_chat_goes_on(loaded
     assert "error: this message makes a prompt of" in notices.getvalue()
     assert "dropped" not in notices.getvalue()  # the refused message cost no turn
     assert [message["content"] for message in chat.history[::2]] == ["hi", "and hay?"]
+
+
+class Replay(GPT):
+    """A GPT that answers any prompt with the token ids of `reply`, the first of them right after the prompt."""
+
+    def __init__(self, config, reply: list[int]) -> None:
+        super().__init__(config)
+        self.reply = reply
+
+    def forward(self, idx, input_pos=None):
+        if int(input_pos[0]) == 0:  # the prefill: the prompt ends where the reply begins
+            self.reply_start = input_pos.numel()
+        logits = torch.zeros(*idx.shape, self.config.padded_vocab_size)
+        logits[:, -1, self.reply[int(input_pos[-1]) + 1 - self.reply_start]] = 1.0
+        return logits
+
+
+@pytest.mark.parametrize("style", ["alpaca", "chatml", "default", "gemma", "llama3", "phi", "tinyllama"])
+def test_the_next_turn_holds_the_reply_as_the_model_wrote_it(loaded, style):
+    """The conversation the model reads next turn begins with what it read and wrote this turn, as fine-tuning
+    writes an answer out (a style that puts a space before the answer must not put a second one)."""
+    prompt_style = PromptStyle.from_name(style)
+    tokenizer = loaded.tokenizer
+    # What fine-tuning teaches the model to write after the first message.
+    asked = [{"role": "system", "content": "Answer briefly."}, user("What do llamas eat?")]
+    written = prompt_style.render(asked + [assistant("They eat hay.")])[-1].text
+    reply = tokenizer.encode(written, bos=False) + [tokenizer.eos_id]
+    model = Replay(dataclasses.replace(loaded.model.config, block_size=1024), reply)  # room for llama3's headers
+    chat = Chat(loaded._replace(model=model, prompt_style=prompt_style), system="Answer briefly.",
+                temperature=0.0, max_new_tokens=len(reply), out=io.StringIO(), notices=io.StringIO())
+    first = tokenizer.decode(chat.prompt_ids("What do llamas eat?"))
+    chat.reply("What do llamas eat?")
+    assert tokenizer.decode(chat.prompt_ids("And alpacas?")).startswith(first + written)
