@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Callable, Literal, NamedTuple, Optional, Seque
 
 import torch
 
-from llmtrain.checkpoint.model_dir import check_model_dir, load_model_dir
+from llmtrain.checkpoint.model_dir import check_model_dir, load_model_dir, read_model_dir
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.quantize import QuantizeMode
 from llmtrain.train.precision import PrecisionName
 
 if TYPE_CHECKING:
+    from llmtrain.config import Config
     from llmtrain.model import GPT
     from llmtrain.prompts import PromptStyle
     from llmtrain.tokenizer import Tokenizer
@@ -73,10 +74,13 @@ def setup(
     for name, value in (("--max_new_tokens", max_new_tokens), ("--num_samples", num_samples)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
+    # The prompt is checked before the weights load (a large model takes minutes).
+    config, tokenizer, prompt_style = read_model_dir(checkpoint_dir)
+    prompt_ids = tokenizer.encode(prompt if raw else prompt_style.apply(prompt))
+    check_prompt_fits(len(prompt_ids), config, config.block_size)
     model, tokenizer, prompt_style, device, precision_setting = load_for_generation(
         checkpoint_dir, quantize=quantize, precision=precision, accelerator=accelerator)
-    text = prompt if raw else prompt_style.apply(prompt)
-    prompt_ids = torch.tensor(tokenizer.encode(text), dtype=torch.long, device=device)
+    prompt_ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     stop_tokens = prompt_style.stop_tokens(tokenizer) if not raw else ()
     generator = torch.Generator(device).manual_seed(seed)
     for sample_index in range(num_samples):
@@ -206,11 +210,7 @@ def generate(
         raise ValueError(f"generate takes one non-empty prompt of shape (T,), got shape {tuple(prompt.shape)}")
     prompt_length = prompt.numel()
     limit = model.max_seq_length
-    if prompt_length >= limit:
-        raise PromptTooLongError(
-            f"The prompt has {prompt_length} tokens, but model {model.config.name!r} holds at most {limit} "
-            f"(block_size {model.config.block_size}) including the answer; shorten the prompt"
-        )
+    check_prompt_fits(prompt_length, model.config, limit)
     max_new_tokens = min(max_new_tokens, limit - prompt_length)
     if max_new_tokens <= 0:
         return prompt.clone()
@@ -239,6 +239,16 @@ def generate(
     finally:
         model.clear_kv_cache()
     return torch.cat((prompt, torch.stack(new_tokens).to(prompt.dtype)))
+
+
+def check_prompt_fits(prompt_length: int, config: Config, limit: int) -> None:
+    """Raise PromptTooLongError unless a prompt of `prompt_length` tokens leaves room for an answer within `limit`
+    tokens (the max_seq_length of a model of `config`)."""
+    if prompt_length >= limit:
+        raise PromptTooLongError(
+            f"The prompt has {prompt_length} tokens, but model {config.name!r} holds at most {limit} "
+            f"(block_size {config.block_size}) including the answer; shorten the prompt"
+        )
 
 
 def ends_with_stop(ids: list[int], stop_sequences: Sequence[Sequence[int]]) -> bool:

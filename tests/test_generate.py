@@ -240,14 +240,16 @@ def test_setup_prints_the_completion(model_dir, capsys):
 
 @pytest.mark.parametrize("flags, message", [({"num_samples": 0}, "--num_samples must be at least 1"),
                                             ({"max_new_tokens": -5}, "--max_new_tokens must be at least 1"),
-                                            ({"top_p": 1.5}, "top_p")])
+                                            ({"top_p": 1.5}, "top_p"),
+                                            ({"prompt": "hay " * 300}, "The prompt has .* tokens.*at most 256")])
 def test_setup_refuses_bad_values_before_loading_the_model(model_dir, monkeypatch, flags, message):
-    """Nothing printed and exit 0 was what -2 samples did; now every value is checked before the model loads."""
+    """Nothing printed and exit 0 was what -2 samples did; now every value is checked before the model loads, the
+    prompt's length too."""
     import llmtrain.generate as generate_module
 
     monkeypatch.setattr(generate_module, "load_for_generation", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(ValueError, match=message):
-        setup(model_dir, "Hi", accelerator="cpu", **flags)
+        setup(model_dir, **{"prompt": "Hi", **flags}, accelerator="cpu")
 
 
 def test_setup_samples_and_quantizes(model_dir, capsys):

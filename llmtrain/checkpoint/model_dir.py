@@ -37,23 +37,32 @@ def check_model_dir(checkpoint_dir: Path, flag: str = "CHECKPOINT_DIR") -> Path:
 
 def load_model_dir(checkpoint_dir: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                    quantize: Optional[QuantizeMode] = None) -> tuple[GPT, Config, Tokenizer, PromptStyle]:
-    """Model (eval mode, frozen), config, tokenizer and prompt style of a model directory.
+    """Model (eval mode, frozen), config, tokenizer and prompt style (`read_model_dir`) of a model directory.
 
-    The prompt style is the directory's prompt_style.yaml (written by fine-tuning), else the one
-    the model's family uses. With `quantize`, the weights are quantized onto `device` a block at a
+    With `quantize`, the weights are quantized onto `device` a block at a
     time (:func:`build_quantized_model_from_dir`); `dtype` is then the compute dtype.
     """
-    checkpoint_dir = check_model_dir(checkpoint_dir)
-    config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
-    tokenizer = Tokenizer(checkpoint_dir)
-    prompt_style = (load_prompt_style(checkpoint_dir) if has_prompt_style(checkpoint_dir)
-                    else PromptStyle.from_config(config))
+    config, tokenizer, prompt_style = read_model_dir(checkpoint_dir)
     if quantize is not None:
         model = build_quantized_model_from_dir(checkpoint_dir, config, quantize, compute_dtype=dtype, device=device)
     else:
         model = build_model_from_dir(checkpoint_dir, config, device=device, dtype=dtype)
     model.eval().requires_grad_(False)
     return model, config, tokenizer, prompt_style
+
+
+def read_model_dir(checkpoint_dir: Path) -> tuple[Config, Tokenizer, PromptStyle]:
+    """Config, tokenizer and prompt style of a model directory: all but the weights, in a moment.
+
+    The prompt style is the directory's prompt_style.yaml (written by fine-tuning), else the one
+    the model's family uses.
+    """
+    checkpoint_dir = check_model_dir(checkpoint_dir)
+    config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
+    tokenizer = Tokenizer(checkpoint_dir)
+    prompt_style = (load_prompt_style(checkpoint_dir) if has_prompt_style(checkpoint_dir)
+                    else PromptStyle.from_config(config))
+    return config, tokenizer, prompt_style
 
 
 def build_model_from_dir(checkpoint_dir: Path, config: Config, device: torch.device | str = "cpu",
