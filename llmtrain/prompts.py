@@ -119,10 +119,9 @@ class PromptStyle:
         return segments
 
     def stop_tokens(self, tokenizer: Any) -> tuple[list[int], ...]:
-        """Token sequences that end generation: the eos token and this style's end-of-turn markers."""
-        stops: list[list[int]] = []
-        if tokenizer.eos_id is not None:
-            stops.append([tokenizer.eos_id])
+        """Token sequences that end generation: the eos token (and any other that generation_config.json lists)
+        and this style's end-of-turn markers."""
+        stops = [[token_id] for token_id in tokenizer.stop_ids]
         for text in self.stop_texts:
             token_id = tokenizer.token_to_id(text)
             ids = [token_id] if token_id is not None else tokenizer.encode(text, bos=False)

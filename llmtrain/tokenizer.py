@@ -49,6 +49,10 @@ class Tokenizer:
         self.bos_id: Optional[int] = self._resolve_id(settings.get("bos_token"), settings.get("bos_token_id"))
         self.eos_id: Optional[int] = self._resolve_id(settings.get("eos_token"), settings.get("eos_token_id"))
         self.add_bos: bool = self._default_add_bos(settings.get("add_bos_token"))
+        eos_ids = [self.eos_id] if self.eos_id is not None else []
+        self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids + settings.get("stop_token_ids", [])))
+        """Every id that ends generation: eos, then the others generation_config.json lists as eos_token_id
+        (Llama 3.1's instruct models list three, Qwen2.5's two)."""
         digest = hashlib.sha256(tokenizer_json)
         digest.update(json.dumps(self._config_dict(), sort_keys=True).encode())
         self.fingerprint: str = digest.hexdigest()
@@ -200,7 +204,9 @@ def _read_special_token_settings(directory: Path) -> dict:
     generation = _read_json(directory / GENERATION_CONFIG_FILE)
     for key in ("bos_token_id", "eos_token_id"):
         value = generation.get(key)
-        if isinstance(value, list):  # several stop tokens: the first is the canonical one
+        if isinstance(value, list):  # several stop tokens: the first is the canonical one, all of them stop
+            if key == "eos_token_id":
+                settings["stop_token_ids"] = [token_id for token_id in value if isinstance(token_id, int)]
             value = value[0] if value else None
         if isinstance(value, int):
             settings[key] = value

@@ -109,7 +109,8 @@ def build_hf_model(case: str, seed: int = 0):
 def save_hf(model, directory: Path, tokenizer_dir: Path, **save_kwargs) -> Path:
     model.save_pretrained(directory, **save_kwargs)
     for name in TOKENIZER_FILES:
-        shutil.copy(tokenizer_dir / name, directory / name)
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, directory / name)
     return directory
 
 

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from llmtrain.prompts import Alpaca
 from llmtrain.tokenizer import BPE_BOS_TOKEN, BPE_EOS_TOKEN, Tokenizer, train_bpe_tokenizer
 
 CORPUS = [
@@ -96,6 +97,10 @@ def test_special_tokens_from_each_config_file(trained_dir: Path, tmp_path: Path)
     tokenizer.save(tmp_path / "saved")  # settings from generation_config.json survive the copy
     saved = Tokenizer(tmp_path / "saved")
     assert (saved.bos_id, saved.eos_id, saved.add_bos) == (bos_id, eos_id, tokenizer.add_bos)
+    # Every eos_token_id it lists ends generation (Llama 3.1 and Qwen2.5 instruct list several), in the copy too.
+    assert tokenizer.stop_ids == saved.stop_ids == (eos_id, 7)
+    assert Alpaca().stop_tokens(saved) == ([eos_id], [7])
+    assert Tokenizer(trained_dir).stop_ids == (eos_id,)
 
     nothing = copy_with_config(trained_dir, tmp_path / "nothing")
     assert (Tokenizer(nothing).bos_id, Tokenizer(nothing).eos_id, Tokenizer(nothing).add_bos) == (None, None, False)

@@ -49,8 +49,8 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
-TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE)
-"""What ``Tokenizer.save`` copies into a checkpoint."""
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE, GENERATION_CONFIG_FILE)
+"""What ``Tokenizer.save`` copies into a checkpoint (generation_config.json: the ids that end generation)."""
 
 FINAL_DIR = "final"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
