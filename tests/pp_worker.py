@@ -26,7 +26,6 @@ from llmtrain.distributed.pipeline import build_pipeline
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.recipes.build import build_model
 from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon
-from llmtrain.train.precision import Precision
 
 VAL_BATCHES = 6
 """Validation batches (of one sequence) over all data-parallel ranks: fewer than a step's micro-batches, so the
@@ -52,12 +51,12 @@ class Recorder(worker.Recorder):
 
 
 def train(runtime: Runtime, *, pp: int = 1, tp: int = 1, schedule: Optional[str] = None, out_dir: Optional[Path] = None,
-          checkpoint_format: str = "sharded", resume_from: Optional[Path] = None) -> dict:
+          checkpoint_format: str = "sharded", resume_from: Optional[Path] = None, precision: str = "32-true") -> dict:
     """8 AdamW steps of the 4-layer model with fit(), validating at steps 0, 4 and 8; checkpoints every 4 steps
     (and final/) into out_dir when given, after resuming ``resume_from`` when given."""
     train_args = TrainArgs(global_batch_size=worker.GLOBAL_BATCH, micro_batch_size=1, max_steps=worker.MAX_STEPS,
                            lr_warmup_steps=2, max_norm=1.0, save_interval=worker.SAVE_INTERVAL if out_dir else None)
-    plan = ParallelPlan.resolve(devices=runtime.world_size, num_nodes=1, train=train_args, precision="32-true",
+    plan = ParallelPlan.resolve(devices=runtime.world_size, num_nodes=1, train=train_args, precision=precision,
                                 fsdp=FSDPArgs(state_dict_type=checkpoint_format), accelerator="cpu", pp=pp,
                                 pp_schedule=schedule, tp=tp)
     runtime = Runtime.for_plan(plan, timeout_s=worker.COLLECTIVE_TIMEOUT_S) if runtime.is_distributed else runtime
@@ -82,7 +81,7 @@ def train(runtime: Runtime, *, pp: int = 1, tp: int = 1, schedule: Optional[str]
     job = Fit(runtime=runtime, model=model, optimizer=optimizer, train_loader=loader, val_loader=val_loader,
               train=train_args, eval=EvalArgs(interval=4, max_iters=VAL_BATCHES, final_validation=False),
               plan=plan.batch, horizon=plan_horizon(train_args, worker.GLOBAL_BATCH * worker.SEQ_LEN, None),
-              precision=Precision("32-true"), save_checkpoint=checkpointer.save if out_dir else (lambda s: None),
+              precision=plan.precision, save_checkpoint=checkpointer.save if out_dir else (lambda s: None),
               save_final=checkpointer.save_final if out_dir else (lambda s: None), loggers=[recorder], state=state,
               autocast_enabled=not plan.mixed_precision_policy, grad_sync_only_last=plan.grad_sync_only_last,
               pipeline=pipeline, pp_mesh=pipeline.pp_mesh if pipeline is not None else None)
@@ -99,6 +98,7 @@ def suite_two(runtime: Runtime, workdir: Path) -> dict:
         "gpipe": train(runtime, pp=2, schedule="gpipe"),
         "1f1b": train(runtime, pp=2, schedule="1f1b", out_dir=workdir / "pp2"),
         "interleaved_1f1b": train(runtime, pp=2, schedule="interleaved_1f1b"),
+        "bf16-mixed": train(runtime, pp=2, schedule="1f1b", precision="bf16-mixed"),
     }
 
 

@@ -280,6 +280,8 @@ class Pipeline:
         def get_mesh(names: tuple[str, ...], layout) -> object:
             return parts.mesh[names]
 
+        for stage in parts.stages:
+            _forward_under(autocast, stage)
         self.stages = [PipelineStage(stage, index, parts.n_stages, device, group=group, get_mesh=get_mesh)
                        for stage, index in zip(parts.stages, parts.stage_indices)]
         self.has_first = any(stage.is_first for stage in self.stages)
@@ -297,7 +299,8 @@ class Pipeline:
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one micro-batch: summed token losses (fused with the head), scaled."""
-        token_loss_sum = head_loss_sum(self.head, hidden, labels)  # () fp32
+        with self.autocast():
+            token_loss_sum = head_loss_sum(self.head, hidden, labels)  # () fp32
         self.token_loss_sums.append(token_loss_sum.detach())
         return self.on_loss(token_loss_sum * self.loss_scale)
 
@@ -330,8 +333,7 @@ class Pipeline:
         target = labels if self.has_last else None
         self.token_loss_sums = []
         run = self.schedule.step if train else self.schedule.eval
-        with self.autocast():
-            run(*args, target=target, return_outputs=False)  # the losses are all the loop wants
+        run(*args, target=target, return_outputs=False)  # the losses are all the loop wants
         if not self.token_loss_sums:
             return torch.zeros((), device=self.device)
         # NOTE: when the schedule switches between eval and training it infers the stages' shapes again, calling the
@@ -353,6 +355,22 @@ class Pipeline:
             input_ids[index * rows:index * rows + ids.size(0), :ids.size(1)] = ids
             labels[index * rows:index * rows + ids.size(0), :ids.size(1)] = target
         return input_ids.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+
+def _forward_under(autocast: Callable[[], ContextManager], stage: nn.Module) -> None:
+    """Run ``stage``'s forward, and only its forward, under ``autocast``.
+
+    NOTE: the schedule runs forwards and backwards in turn. The loop runs its backward outside autocast; a backward
+    inside it would run the backward passes written out (RMSNorm's, the fused loss's) in the autocast dtype, and the
+    pipeline's gradients would differ from one process's.
+    """
+    forward = stage.forward
+
+    def forward_under_autocast(*args, **kwargs):
+        with autocast():
+            return forward(*args, **kwargs)
+
+    stage.forward = forward_under_autocast
 
 
 def build_pipeline(parts: PipelineParts, plan, runtime) -> Pipeline:
