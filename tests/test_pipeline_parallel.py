@@ -124,6 +124,20 @@ def test_stage_init_equals_the_whole_model_init_in_one_process():
             assert torch.equal(tensor, expected[name]), name
 
 
+def test_cpu_offload_puts_the_stages_rope_tables_on_the_device_as_the_whole_models():
+    # NOTE: the meta device stands in for a GPU: the parameters stay on the CPU, the buffers go to the device.
+    config = pp_worker.pp_config()
+    with torch.device("meta"):
+        whole = GPT(config)
+        parts = build_pipeline_parts(config, pp_rank=0, pp_size=2, virtual_stages=2)
+    for model in (whole, parts):
+        materialize(model, torch.device("meta"), seed=7, cpu_offload=True)
+    assert whole.rope_cos.is_meta and not whole.wte.weight.is_meta
+    for stage in parts.stages:
+        assert stage.rope_cos.is_meta and stage.rope_sin.is_meta
+    assert not any(parameter.is_meta for parameter in parts.parameters())
+
+
 def test_stages_split_layers_evenly_extra_layers_first():
     assert stage_layers(4, 2) == [range(0, 2), range(2, 4)]
     assert stage_layers(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]

@@ -311,7 +311,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int, *, cpu_offloa
     if _has_meta_tensors(gpt):
         gpt.to_empty(device=torch.device("cpu") if cpu_offload else device)
         if cpu_offload:
-            for module in gpt.modules():
+            for module in _buffer_owners(gpt):
                 for name, buffer in module._buffers.items():
                     if buffer is not None:
                         module._buffers[name] = torch.empty_like(buffer, device=device)
@@ -322,6 +322,12 @@ def materialize(model: nn.Module, device: torch.device, seed: int, *, cpu_offloa
         if after_init is not None:  # e.g. LoRA adapters, which the model itself does not know
             after_init(gpt)
     return model
+
+
+def _buffer_owners(model: nn.Module) -> list[nn.Module]:
+    """The modules that hold ``model``'s buffers: its own, and a pipeline rank's stages, whose RoPE tables live
+    outside its module tree (:class:`llmtrain.distributed.pipeline.PipelineParts`)."""
+    return [*model.modules(), *getattr(model, "stages", [])]
 
 
 def _has_meta_tensors(model: nn.Module) -> bool:
