@@ -255,3 +255,19 @@ def test_default_schedule_is_1f1b_or_gpipe_when_a_step_has_fewer_micro_batches_t
     assert (plan(8).pp_schedule, plan(8).pp_microbatches) == ("gpipe", 1)  # debug.yaml's batch at --devices 4
     with pytest.raises(ValueError, match="--pp_schedule 1f1b needs at least --pp_size 2 micro-batches"):
         plan(8, "1f1b")
+
+
+def test_gradient_sync_every_micro_batch_is_refused_under_a_pipeline():
+    from llmtrain.args import FSDPArgs, TrainArgs
+    from llmtrain.distributed.parallel_plan import ParallelPlan
+
+    def plan(skip_gradient_sync: bool, pp: int) -> ParallelPlan:
+        return ParallelPlan.resolve(devices=4, num_nodes=1, train=TrainArgs(global_batch_size=16, micro_batch_size=2),
+                                    precision="32-true", device_type="cpu", pp=pp,
+                                    fsdp=FSDPArgs(skip_gradient_sync=skip_gradient_sync))
+
+    assert not plan(False, pp=1).grad_sync_only_last  # without a pipeline the flag is honoured
+    assert plan(True, pp=2).wrapper == "fsdp"
+    # The schedule syncs only the last micro-batch's backward (torch's PipelineStage), whatever the flag says.
+    with pytest.raises(ValueError, match="--fsdp.skip_gradient_sync false: under --pp_size 2 the pipeline schedule"):
+        plan(False, pp=2)

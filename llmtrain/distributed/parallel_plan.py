@@ -263,6 +263,9 @@ class ParallelPlan:
                 raise ValueError(problem)
             plan = replace(plan, batch_problem=problem)
         # NOTE: a pipeline schedule turns gradient sync off for all but the last micro-batch itself.
+        if pp > 1 and wrapper != "none" and not fsdp.skip_gradient_sync:
+            raise ValueError(f"--fsdp.skip_gradient_sync false: under --pp_size {pp} the pipeline schedule reduces the "
+                             "gradients once per step, after its last micro-batch, and would ignore the flag; drop it")
         syncs_once = (fsdp.skip_gradient_sync and wrapper != "none" and plan.batch.grad_accum_steps > 1
                       and pp == 1)
         return replace(plan, grad_sync_only_last=syncs_once)
