@@ -201,6 +201,14 @@ def test_text_files_with_val_folder_and_no_split(tmp_path: Path, tokenizer: Toke
     assert no_val.val_dataloader() is None
 
 
+@pytest.mark.parametrize("fraction", [0.3, 0.0])
+def test_text_files_refuse_a_val_fraction_beside_a_val_folder(tmp_path: Path, fraction: float) -> None:
+    train = write_text_files(tmp_path / "train", DOCUMENTS[:12])
+    val = write_text_files(tmp_path / "val", DOCUMENTS[12:])
+    with pytest.raises(ValueError, match=f"--data.val_split_fraction {fraction:g} .*--data.val_data_path {val}"):
+        TextFiles(train, val_data_path=val, val_split_fraction=fraction).validate()
+
+
 def test_second_prepare_reuses_the_cache(tmp_path: Path, tokenizer: Tokenizer, tokenize_calls: list) -> None:
     folder = write_text_files(tmp_path / "texts", DOCUMENTS)
     first = prepared(TextFiles(folder, num_workers=1), tokenizer)

@@ -18,8 +18,9 @@ class TextFiles(PretrainDataModule):
     """Folder of .txt files to train on (searched recursively), or a single .txt file."""
     val_data_path: Optional[Path] = None
     """Folder (or file) of .txt files to validate on. None: hold out the end of the training data."""
-    val_split_fraction: float = 0.05
-    """Without --data.val_data_path: the fraction of training tokens, from the end, kept for validation. 0: no validation."""
+    val_split_fraction: Optional[float] = None
+    """Without --data.val_data_path: the fraction of training tokens, from the end, kept for validation. 0: no
+    validation. None: 0.05."""
     num_workers: int = field(default_factory=available_cpu_count)
     """Processes that tokenize in parallel (default: every available CPU core)."""
 
@@ -27,8 +28,12 @@ class TextFiles(PretrainDataModule):
         list_text_files(self.train_data_path, "--data.train_data_path")
         if self.val_data_path is not None:
             list_text_files(self.val_data_path, "--data.val_data_path")
-        if not 0 <= self.val_split_fraction < 1:
+        if self.val_split_fraction is not None and not 0 <= self.val_split_fraction < 1:
             raise ValueError(f"--data.val_split_fraction must be in [0, 1), got {self.val_split_fraction}")
+        if self.val_data_path is not None and self.val_split_fraction is not None:
+            raise ValueError(
+                f"--data.val_split_fraction {self.val_split_fraction:g} holds out the end of the training data, but "
+                f"--data.val_data_path {self.val_data_path} is the validation data: drop one of them")
         if self.num_workers < 1:
             raise ValueError(f"--data.num_workers must be at least 1, got {self.num_workers}")
 
@@ -37,7 +42,8 @@ class TextFiles(PretrainDataModule):
         train_name = f"--data.train_data_path {self.train_data_path}"
         train = self._tokenize(self.train_data_path, "--data.train_data_path", tokenizer)
         if self.val_data_path is None:
-            self._files = TokenFiles(train, train_name, val_fraction=self.val_split_fraction)
+            fraction = 0.05 if self.val_split_fraction is None else self.val_split_fraction
+            self._files = TokenFiles(train, train_name, val_fraction=fraction)
             return
         val = self._tokenize(self.val_data_path, "--data.val_data_path", tokenizer)
         self._files = TokenFiles(train, train_name, val, f"--data.val_data_path {self.val_data_path}")
