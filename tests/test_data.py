@@ -268,6 +268,8 @@ def test_hf_dataset_val_split_and_caching(
     assert data._val_tokens.tolist() == stream_of(DOCUMENTS[12:], tokenizer)
     prepared(HFDataset("json", data_files=files, text_field="body", val_split="validation", num_workers=1), tokenizer)
     assert len(tokenize_calls) == 2  # train and validation once each
+    with pytest.raises(ValueError, match="--data.val_split_fraction 0.3 .*--data.val_split 'validation'"):
+        HFDataset("json", data_files=files, val_split="validation", val_split_fraction=0.3).validate()
 
 
 # ------------------------------------------------------------------------------------- BuiltinStories

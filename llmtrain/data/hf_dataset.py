@@ -59,6 +59,10 @@ class HFDataset(PretrainDataModule):
             raise FileNotFoundError(f"--data.path {self.path} does not exist")
         if self.val_split_fraction is not None and not 0 <= self.val_split_fraction < 1:
             raise ValueError(f"--data.val_split_fraction must be in [0, 1), got {self.val_split_fraction}")
+        if self.val_split is not None and self.val_split_fraction is not None:
+            raise ValueError(
+                f"--data.val_split_fraction {self.val_split_fraction:g} holds out the end of the training data, but "
+                f"--data.val_split {self.val_split!r} is the validation data: drop one of them")
         if self.streaming and self.val_split_fraction:
             raise ValueError(
                 f"--data.val_split_fraction {self.val_split_fraction:g} holds out the end of the data, which a "
