@@ -209,6 +209,20 @@ def test_text_files_refuse_a_val_fraction_beside_a_val_folder(tmp_path: Path, fr
         TextFiles(train, val_data_path=val, val_split_fraction=fraction).validate()
 
 
+def test_text_files_skip_empty_files_and_refuse_a_folder_of_them(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    folder = write_text_files(tmp_path / "texts", DOCUMENTS[:2] + [""] + DOCUMENTS[2:4])
+    data = prepared(TextFiles(folder, val_split_fraction=0.0, num_workers=1), tokenizer, max_seq_length=4)
+    assert data._train_tokens.tolist() == stream_of(DOCUMENTS[:4], tokenizer)  # no bos, eos for the empty file
+    units = TextFiles(folder).work_units("train", unit_bytes=1 << 20)  # what prepare_data reads
+    assert [Path(file).name for unit in units for file in unit.files] == ["doc000.txt", "doc001.txt", "doc003.txt",
+                                                                          "doc004.txt"]
+    empty = write_text_files(tmp_path / "empty", ["", ""])
+    with pytest.raises(ValueError, match=f"--data.train_data_path {empty} holds only empty .txt files"):
+        TextFiles(empty).validate()
+    with pytest.raises(ValueError, match=f"--data.val_data_path {empty / 'part0' / 'doc000.txt'} holds only empty"):
+        TextFiles(folder, val_data_path=empty / "part0" / "doc000.txt").validate()
+
+
 def test_second_prepare_reuses_the_cache(tmp_path: Path, tokenizer: Tokenizer, tokenize_calls: list) -> None:
     folder = write_text_files(tmp_path / "texts", DOCUMENTS)
     first = prepared(TextFiles(folder, num_workers=1), tokenizer)

@@ -12,7 +12,7 @@ from llmtrain.tokenizer import Tokenizer
 
 @dataclass
 class TextFiles(PretrainDataModule):
-    """Plain-text files (.txt, searched recursively); each file is one document."""
+    """Plain-text files (.txt, searched recursively); each file is one document, and an empty one none."""
 
     train_data_path: Path
     """Folder of .txt files to train on (searched recursively), or a single .txt file."""
@@ -81,16 +81,24 @@ class TextFileGroup(WorkUnit):
 
 
 def list_text_files(path: Path, flag: str) -> list[Path]:
-    """The .txt files under `path` in a fixed (sorted) order; errors name the flag."""
+    """The .txt files under `path` that are not empty, in a fixed (sorted) order; errors name the flag.
+
+    NOTE: an empty file is no document (it would be a bos and an eos and nothing between), so it is left out.
+    """
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"{flag} {path} does not exist; pass a folder of .txt files")
     if path.is_file():
-        return [path.resolve()]
-    files = sorted(p.resolve() for p in path.rglob("*.txt") if p.is_file())
-    if not files:
-        raise ValueError(f"{flag} {path} contains no .txt files (searched recursively); add some or fix the path")
-    return files
+        files = [path.resolve()]
+    else:
+        files = sorted(p.resolve() for p in path.rglob("*.txt") if p.is_file())
+        if not files:
+            raise ValueError(f"{flag} {path} contains no .txt files (searched recursively); add some or fix the path")
+    documents = [file for file in files if file.stat().st_size > 0]
+    if not documents:
+        raise ValueError(f"{flag} {path} holds only empty .txt files ({len(files)}): there is no text to train on; "
+                         "add some or fix the path")
+    return documents
 
 
 def read_documents(files: list[Path]) -> Iterator[Piece]:
