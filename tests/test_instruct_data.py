@@ -127,6 +127,9 @@ def test_folder_with_train_and_val_files(tmp_path: Path, tokenizer: Tokenizer) -
     (tmp_path / "no_val").mkdir()
     write_json(tmp_path / "no_val" / "train.json", ALPACA_RECORDS)  # no val file: split off a fraction
     assert len(samples(prepared(JSON(json_path=tmp_path / "no_val", val_split_fraction=0.25), tokenizer), "val")) == 2
+    with pytest.raises(ValueError, match=f"--data.val_split_fraction 0.25 .*--data.json_path {tmp_path / 'data'} "
+                                         r"has a validation file of its own \(val.json\)"):
+        JSON(json_path=tmp_path / "data", val_split_fraction=0.25).validate()
 
 
 def test_val_split_is_random_seeded_and_disjoint(tmp_path: Path, tokenizer: Tokenizer) -> None:

@@ -162,16 +162,21 @@ class JSON(InstructDataModule):
 
     json_path: Path
     """A .json or .jsonl file, or a folder holding train.json(l) and optionally val.json(l)."""
-    val_split_fraction: float = 0.05
-    """Without a val file: the fraction of records, drawn at random, held out for validation. 0: no validation."""
+    val_split_fraction: Optional[float] = None
+    """Without a val file: the fraction of records, drawn at random, held out for validation. 0: no validation.
+    None: 0.05."""
     split_seed: int = 42
     """Seed of the train/validation split (the training order follows --seed)."""
 
     def validate(self) -> None:
         super().validate()
-        self._files()
-        if not 0 <= self.val_split_fraction < 1:
+        _, val_file = self._files()
+        if self.val_split_fraction is not None and not 0 <= self.val_split_fraction < 1:
             raise ValueError(f"--data.val_split_fraction must be in [0, 1), got {self.val_split_fraction}")
+        if val_file is not None and self.val_split_fraction is not None:
+            raise ValueError(f"--data.val_split_fraction {self.val_split_fraction:g} holds out records of the training "
+                             f"file, but --data.json_path {self.json_path} has a validation file of its own "
+                             f"({val_file.name}): drop one of them")
 
     def load_conversations(self) -> tuple[list[Conversation], Optional[list[Conversation]], str]:
         train_file, val_file = self._files()
@@ -179,7 +184,8 @@ class JSON(InstructDataModule):
         if val_file is not None:
             val = [record_to_conversation(record, where) for record, where in read_json_records(val_file)]
             return train, val, f"--data.json_path {self.json_path}"
-        train, val = split_records(train, self.val_split_fraction, self.split_seed)
+        fraction = 0.05 if self.val_split_fraction is None else self.val_split_fraction
+        train, val = split_records(train, fraction, self.split_seed)
         return train, val, f"--data.json_path {self.json_path}"
 
     def _files(self) -> tuple[Path, Optional[Path]]:
