@@ -154,7 +154,7 @@ CASES = [
     Case("mixture weight zero", _pretrain_on("--data", "Mixture", "--data.sources",
                                              '[{"path": "{in}/prepared", "weight": 0.7}, {"path": "{in}/prepared", '
                                              '"weight": 0, "name": "again"}]'),
-         ["--data.sources[1]", "weight 0", "positive number"]),
+         ["--data.sources[1]", "weight 0", "positive, finite number"]),
     Case("prepared folder missing a shard", _pretrain_on("--data", "Prepared", "--data.path", "{in}/prepared-broken"),
          ["unit-00000-0001.bin", "is missing", "prepare the folder again"]),
     Case("prepared with another tokenizer", _pretrain_on("--data", "Prepared", "--data.path", "{in}/prepared",

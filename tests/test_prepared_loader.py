@@ -280,6 +280,7 @@ def test_mixture_validation_mixes_the_sources(folders, tokenizers) -> None:
     ([("text", 0.7), ("code", 0.0)], "weight 0"),
     ([("text", 1.0), ("code", -1.0)], "weight -1"),
     ([("text", 1.0), ("code", float("nan"))], "weight nan"),
+    ([("text", 1.0), ("code", float("inf"))], "weight inf: every weight must be a positive, finite number"),
     ([("text", 1.0), ("other", 1.0)], "different tokenizers"),
     ([("text", 1.0), ("missing", 1.0)], r"--data.sources\[1\].path .*missing"),
     ([("text", 1.0), ("code", 1e-6)], "too small"),

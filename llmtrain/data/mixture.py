@@ -9,6 +9,7 @@ then walks through its own windows in its own :class:`ShardOrder`, epoch after e
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,9 +152,9 @@ class Mixture(DataModule):
             raise ValueError('--data.sources is empty: give at least one prepared folder, e.g. --data.sources '
                              '\'[{"path": "DIR1", "weight": 0.7}, {"path": "DIR2", "weight": 0.3}]\'')
         for index, source in enumerate(self.sources):
-            if not source.weight > 0:  # NOTE: also refuses NaN
+            if not 0 < source.weight < math.inf:  # NOTE: also refuses NaN
                 raise ValueError(f"--data.sources[{index}] ({source.path}) has weight {source.weight:g}: every "
-                                 "weight must be a positive number")
+                                 "weight must be a positive, finite number")
         names = [source.label for source in self.sources]
         if len(set(names)) != len(names):
             raise ValueError(f"--data.sources are named {names}, not all different: give each a \"name\"")
