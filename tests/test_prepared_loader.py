@@ -292,6 +292,15 @@ def test_mixture_refuses_bad_sources(folders, sources, says) -> None:
                  for name, weight in sources]).validate()
 
 
+def test_mixture_refuses_a_val_fraction_that_no_source_takes(folders) -> None:
+    """text has a val split of its own: the fraction would hold out nothing of a mixture of it alone."""
+    both_have_val = [MixtureSource(folders["text"]), MixtureSource(folders["text"], name="again")]
+    with pytest.raises(ValueError, match="--data.val_split_fraction 0.1 .*every source has a val split"):
+        Mixture(both_have_val, val_split_fraction=0.1).validate()
+    Mixture(both_have_val).validate()
+    mixture(folders).validate()  # code has no val split: the fraction is its validation
+
+
 # ------------------------------------------------------------------------------------ the CLI
 
 

@@ -165,6 +165,10 @@ class Mixture(DataModule):
         block_counts([source.weight for source in self.sources], BLOCK, names)
         self._manifests = [read_prepared(source.path, f"--data.sources[{index}].path")
                            for index, source in enumerate(self.sources)]
+        if self.val_split_fraction > 0 and all("val" in manifest.splits for manifest in self._manifests):
+            raise ValueError(f"--data.val_split_fraction {self.val_split_fraction:g} holds out the end of the sources "
+                             "without a val split, but every source has a val split of its own: drop "
+                             "--data.val_split_fraction")
         first = self._manifests[0]
         for index, manifest in enumerate(self._manifests[1:], start=1):
             if manifest.tokenizer != first.tokenizer:
