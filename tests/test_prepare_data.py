@@ -262,6 +262,18 @@ def test_a_streaming_source_is_refused(tmp_path: Path, tokenizer) -> None:
     assert not (tmp_path / "prepared").exists()
 
 
+def test_a_val_split_fraction_is_refused_not_ignored(tmp_path: Path, corpus: Path, tokenizer) -> None:
+    """A prepared folder has no held-out tail: the fraction belongs to the run that trains on it."""
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "one document"}) + "\n")
+    for data in (TextFiles(train_data_path=corpus, val_split_fraction=0.2),
+                 HFDataset(path="json", data_files=str(tmp_path / "docs.jsonl"), val_split_fraction=0.0)):
+        fraction = f"{data.val_split_fraction:g}"
+        with pytest.raises(ValueError, match=f"--data.val_split_fraction {fraction} holds out .*--data Prepared "
+                                             f"--data.path {tmp_path / 'prepared'} --data.val_split_fraction {fraction}"):
+            prepare_data(data=data, out_dir=tmp_path / "prepared", tokenizer_dir=tokenizer.checkpoint_dir)
+        assert not (tmp_path / "prepared").exists()
+
+
 def test_another_shard_size_for_a_prepared_folder_is_refused(reference: Path, corpus: Path, tokenizer) -> None:
     """--shard_tokens is never ignored: a finished folder cut into other shards is named, not called prepared."""
     before = contents(reference)

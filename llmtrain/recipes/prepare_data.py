@@ -67,6 +67,11 @@ def setup(
     if getattr(data, "streaming", False):
         raise ValueError("--data.streaming true tokenizes while training, and prepare_data tokenizes everything up "
                          "front: drop --data.streaming to prepare the source, or train on the stream directly")
+    fraction = getattr(data, "val_split_fraction", None)
+    if fraction is not None:
+        raise ValueError(f"--data.val_split_fraction {fraction:g} holds out validation data when training: a prepared "
+                         "folder keeps all of the training data. Drop it here, and pass it to the run that trains on "
+                         f"the folder (--data Prepared --data.path {out_dir} --data.val_split_fraction {fraction:g})")
     data.validate()
     tokenizer = resolve_tokenizer(tokenizer_dir, data)
     preparation, units = plan(data, tokenizer, shard_tokens, unit_bytes)
