@@ -209,6 +209,15 @@ def test_text_files_refuse_a_val_fraction_beside_a_val_folder(tmp_path: Path, fr
         TextFiles(train, val_data_path=val, val_split_fraction=fraction).validate()
 
 
+def test_text_files_refuse_a_val_folder_inside_the_train_folder(tmp_path: Path) -> None:
+    """The search is recursive: a val folder under the train folder would be trained on too."""
+    train = write_text_files(tmp_path / "corpus", DOCUMENTS[:12])
+    val = write_text_files(tmp_path / "corpus" / "val", DOCUMENTS[12:])
+    with pytest.raises(ValueError, match=f"--data.val_data_path {val} and --data.train_data_path {train} share 4 "):
+        TextFiles(train, val_data_path=val).validate()
+    TextFiles(train / "part0", val_data_path=val).validate()  # disjoint: fine
+
+
 def test_text_files_skip_empty_files_and_refuse_a_folder_of_them(tmp_path: Path, tokenizer: Tokenizer) -> None:
     folder = write_text_files(tmp_path / "texts", DOCUMENTS[:2] + [""] + DOCUMENTS[2:4])
     data = prepared(TextFiles(folder, val_split_fraction=0.0, num_workers=1), tokenizer, max_seq_length=4)

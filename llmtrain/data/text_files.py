@@ -25,9 +25,14 @@ class TextFiles(PretrainDataModule):
     """Processes that tokenize in parallel (default: every available CPU core)."""
 
     def validate(self) -> None:
-        list_text_files(self.train_data_path, "--data.train_data_path")
+        train = list_text_files(self.train_data_path, "--data.train_data_path")
         if self.val_data_path is not None:
-            list_text_files(self.val_data_path, "--data.val_data_path")
+            shared = set(train).intersection(list_text_files(self.val_data_path, "--data.val_data_path"))
+            if shared:
+                raise ValueError(f"--data.val_data_path {self.val_data_path} and --data.train_data_path "
+                                 f"{self.train_data_path} share {len(shared)} .txt files (e.g. {min(shared)}): the "
+                                 "model would validate on what it trains on. Keep the validation files outside the "
+                                 "training folder")
         if self.val_split_fraction is not None and not 0 <= self.val_split_fraction < 1:
             raise ValueError(f"--data.val_split_fraction must be in [0, 1), got {self.val_split_fraction}")
         if self.val_data_path is not None and self.val_split_fraction is not None:
