@@ -293,6 +293,8 @@ def test_hf_dataset_val_split_and_caching(
     assert len(tokenize_calls) == 2  # train and validation once each
     with pytest.raises(ValueError, match="--data.val_split_fraction 0.3 .*--data.val_split 'validation'"):
         HFDataset("json", data_files=files, val_split="validation", val_split_fraction=0.3).validate()
+    with pytest.raises(ValueError, match="--data.val_split 'train' is --data.split, the training data"):
+        HFDataset("json", data_files=files, val_split="train").validate()
 
 
 # ------------------------------------------------------------------------------------- BuiltinStories

@@ -59,6 +59,10 @@ class HFDataset(PretrainDataModule):
             raise FileNotFoundError(f"--data.path {self.path} does not exist")
         if self.val_split_fraction is not None and not 0 <= self.val_split_fraction < 1:
             raise ValueError(f"--data.val_split_fraction must be in [0, 1), got {self.val_split_fraction}")
+        if self.val_split == self.split:
+            raise ValueError(f"--data.val_split {self.val_split!r} is --data.split, the training data: the model would "
+                             "validate on what it trains on. Pass another split (or a slice, e.g. --data.split "
+                             "'train[:95%]' --data.val_split 'train[95%:]')")
         if self.val_split is not None and self.val_split_fraction is not None:
             raise ValueError(
                 f"--data.val_split_fraction {self.val_split_fraction:g} holds out the end of the training data, but "
