@@ -213,7 +213,9 @@ def test_val_split_fraction_holds_out_the_tail(folders, tokenizers) -> None:
     assert sum(span.tokens for span in module._splits.train + module._splits.val) == total
     assert len(train_windows) + len(val_windows) > 0 and len(list(module.val_dataloader())) == len(val_windows)
     with pytest.raises(ValueError, match="validation split of its own"):
-        connected(Prepared(folders["text"], val_split_fraction=0.1), tokenizers[0])
+        Prepared(folders["text"], val_split_fraction=0.1).validate()  # before launch, not at setup
+    with pytest.raises(ValueError, match="val_split_fraction 1e-09 .* holds out no token"):  # not silently no validation
+        connected(Prepared(folders["code"], val_split_fraction=1e-9), tokenizers[0], micro_batch_size=1)
 
 
 # ------------------------------------------------------------------------------------ Mixture

@@ -154,7 +154,11 @@ def split_spans(root: Path, manifest: layout.Manifest, val_split_fraction: float
             raise ValueError(f"{flag} {root} has a validation split of its own: drop --data.val_split_fraction")
         return PreparedSplits(train, [Span(root, shard, 0, shard.tokens) for shard in manifest.splits["val"].shards],
                               f"The val split of {flag} {root}")
-    remaining = int(sum(span.tokens for span in train) * val_split_fraction)
+    total = sum(span.tokens for span in train)
+    remaining = int(total * val_split_fraction)
+    if val_split_fraction > 0 and remaining == 0:
+        raise ValueError(f"--data.val_split_fraction {val_split_fraction:g} of the {total:,} training tokens of {flag} "
+                         f"{root} holds out no token: raise it, or pass 0 to train without validation")
     val: list[Span] = []
     while remaining > 0 and train:  # NOTE: from the last shard backwards, cutting the first one it reaches
         last = train.pop()
@@ -198,6 +202,8 @@ class Prepared(DataModule):
         if self.shuffle_group < 1:
             raise ValueError(f"--data.shuffle_group must be at least 1, got {self.shuffle_group}")
         self._manifest = read_prepared(self.path, "--data.path")
+        if self.val_split_fraction > 0 and "val" in self._manifest.splits:
+            raise ValueError(f"--data.path {self.path} has a validation split of its own: drop --data.val_split_fraction")
 
     def validate_tokenizer(self, tokenizer: Tokenizer) -> None:
         layout.check_tokenizer(self.path, self._read(), tokenizer.fingerprint, tokenizer.checkpoint_dir, "--data.path")
