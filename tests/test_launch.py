@@ -219,6 +219,24 @@ def test_missing_task_fails_within_rendezvous_timeout(tmp_path, dist_env, free_p
     assert "rank 0 of 2: the processes did not all meet" in err and "within 3s" in err
 
 
+def test_a_failed_task_ends_the_wait_of_the_others(tmp_path, dist_env, free_port):
+    # srun without --kill-on-bad-exit leaves the other tasks running: rank 0, done, waits at the barrier before
+    # the group closes for rank 1, which failed; it must stop with rank 1's error, not wait out two hours.
+    port = free_port()
+    tasks = [start([*SELFTEST, "--devices", "2", "--behaviour", "raise", "--out", str(tmp_path)],
+                   slurm_env(dist_env, procid=task, localid=task, ntasks=2, nnodes=1, tasks_per_node="2", port=port))
+             for task in (0, 1)]
+    try:
+        outcomes = [task.communicate(timeout=60) for task in tasks]
+    except subprocess.TimeoutExpired:
+        for task in tasks:
+            os.killpg(task.pid, signal.SIGKILL)
+        pytest.fail(f"a task still waits a minute after rank 1 failed: {[task.communicate() for task in tasks]}")
+    assert [task.returncode for task in tasks] == [1, 1], outcomes
+    assert ("rank 0: stopped waiting for the other ranks: rank 1 failed: ValueError: selftest failure raised on "
+            "purpose by rank 1") in outcomes[0][1]
+
+
 def test_worker_error_reaches_the_parent(tmp_path, dist_env):
     code, _, err = run([*SELFTEST, "--devices", "2", "--behaviour", "raise", "--out", str(tmp_path)], dist_env)
     assert code != 0

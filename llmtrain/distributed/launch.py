@@ -42,7 +42,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Mapping, NoReturn, Optional
 
-from llmtrain.distributed.runtime import RDZV_TIMEOUT_ENV, host_barrier
+from llmtrain.distributed.runtime import RDZV_TIMEOUT_ENV, host_barrier, report_failure
 from llmtrain.train.signals import PREEMPTED_EXIT_CODE
 
 LaunchMode = Literal["single", "env", "slurm_task_per_device", "slurm_task_per_node", "local_spawn"]
@@ -666,6 +666,7 @@ def _record_failure(exc: BaseException, rank: str) -> None:
     """Write the error where the elastic launcher looks for it; print it unless our launcher will."""
     callstack = traceback.format_exc()
     recorded = _write_error_file(exc, callstack)
+    report_failure(f"rank {rank} failed: {type(exc).__name__}: {exc}")  # after the record: the others fail later
     if not (recorded and os.environ.get(_SPAWNED_ENV) == "1"):
         sys.stderr.write(f"[rank {rank}] {callstack}")
 

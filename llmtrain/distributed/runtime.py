@@ -274,7 +274,7 @@ def host_barrier() -> None:
             dist.barrier()
         return
     waits.barriers += 1  # every rank counts the same barriers in the same order: the count names this one
-    key = f"llmtrain/host_barrier/{waits.barriers}"
+    key = _barrier_key(waits.barriers)
     if waits.store.add(key, 1) == waits.world_size:
         waits.store.set(f"{key}/open", "1")
     try:
@@ -284,6 +284,33 @@ def host_barrier() -> None:
             f"rank {waits.rank}: waited {waits.timeout_s:g}s for the other ranks to finish their host work "
             "(tokenizing data, reading or writing a checkpoint) and some never arrived: one is stuck or died. If "
             "that work takes longer, raise --dist_timeout") from None
+    if waits.store.check([_FAILURE_KEY]):
+        raise RuntimeError(f"rank {waits.rank}: stopped waiting for the other ranks: "
+                           f"{waits.store.get(_FAILURE_KEY).decode()}")
+
+
+_FAILURE_KEY = "llmtrain/failed"
+
+
+def _barrier_key(count: int) -> str:
+    return f"llmtrain/host_barrier/{count}"
+
+
+def report_failure(message: str) -> None:
+    """Tell the ranks that wait in :func:`host_barrier` that this rank failed (``message`` says how): they stop now.
+
+    NOTE: torchrun and the elastic launcher stop the other ranks when one fails, but srun does so only with
+    --kill-on-bad-exit; without it they would wait out the host-wait timeout (two hours) for a rank that never
+    comes. They can wait only in this rank's last barrier or its next one: both open, and they read the message.
+    """
+    waits = _host_waits
+    if waits.store is None:
+        return
+    with contextlib.suppress(Exception):  # the store may have gone with rank 0; the others then fail on their own
+        if not waits.store.check([_FAILURE_KEY]):  # the first failure is the one to report
+            waits.store.set(_FAILURE_KEY, message)
+        for count in (waits.barriers, waits.barriers + 1):
+            waits.store.set(f"{_barrier_key(count)}/open", "1")
 
 
 def host_group() -> Any:
