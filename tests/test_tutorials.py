@@ -235,3 +235,20 @@ def test_the_data_module_example_works(tmp_path, monkeypatch):
     for block in tests:
         exec(compile(block, "<tutorial>", "exec"), namespace)  # noqa: S102 (our own documentation)
     namespace["test_csv_text"](tmp_path, monkeypatch)
+
+
+def test_the_docs_give_the_templates_signal_lead_time():
+    """`N minutes before the time limit`, wherever the docs say it, is the `--signal=B:USR1@SECONDS` of the
+    sbatch templates."""
+    templates = sorted((ROOT / "scripts/slurm").glob("*.sbatch"))
+    leads = {int(seconds) for path in templates
+             for seconds in re.findall(r"^#SBATCH --signal=B:USR1@(\d+)$", path.read_text(), re.M)}
+    assert len(leads) == 1, leads
+    (lead_s,) = leads
+    numbers = {"one": 1, "two": 2, "five": 5, "ten": 10, "fifteen": 15, "twenty": 20, "thirty": 30}
+    stated = [(doc.name, amount) for doc in [*DOCS, ROOT / "scripts/slurm/README.md", *templates]
+              for amount in re.findall(r"(\w+) minutes before the time limit", doc.read_text())]
+    assert stated
+    for name, amount in stated:
+        minutes = int(amount) if amount.isdigit() else numbers[amount.lower()]
+        assert minutes * 60 == lead_s, f"{name} says {amount} minutes; the templates send USR1 {lead_s} s before"
