@@ -174,6 +174,21 @@ def test_slurm_plans_without_processes():
         plan_launch(4, 2, {**base, "SLURM_TASKS_PER_NODE": "5,3"})
 
 
+def test_slurm_ranks_are_consecutive_on_a_node_whatever_the_distribution():
+    """`srun --distribution cyclic` deals tasks 0, 2 to the first node and 1, 3 to the second (SLURM_PROCID);
+    the ranks follow the nodes, as torchrun numbers them, so that tensor-parallel groups and HYBRID_SHARD's
+    shards stay within a node."""
+    cyclic = [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]  # (SLURM_PROCID, SLURM_NODEID, SLURM_LOCALID) of each task
+    base = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4", "SLURM_NNODES": "2",
+            "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_NODELIST": "gpu-[07-08]", "SLURM_DISTRIBUTION": "cyclic"}
+    ranks = {}
+    for procid, nodeid, localid in cyclic:
+        plan = plan_launch(2, 2, {**base, "SLURM_PROCID": str(procid), "SLURM_NODEID": str(nodeid),
+                                  "SLURM_LOCALID": str(localid)})
+        ranks[int(plan.rank_env["RANK"])] = (nodeid, int(plan.rank_env["LOCAL_RANK"]))
+    assert ranks == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
+
+
 # --------------------------------------------------------------------------------------------------
 # Errors: fast and clear
 

@@ -259,8 +259,12 @@ def _plan_slurm(devices: int, num_nodes: int, env: Mapping[str, str]) -> LaunchP
     common = dict(node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                   run_id=f"slurm-{job_id}-{step_id}")
     if tasks_per_node == devices:
-        rank_env = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": str(num_tasks),
-                    "LOCAL_RANK": env.get("SLURM_LOCALID", "0"), "LOCAL_WORLD_SIZE": str(devices),
+        # NOTE: the rank comes from the node and the local id, not SLURM_PROCID: under --distribution cyclic task 1
+        # runs on the second node, and the mesh needs a node's ranks consecutive (tensor-parallel groups and
+        # HYBRID_SHARD's shards within a node), as torchrun and the spawning path number them.
+        local_rank = int(env.get("SLURM_LOCALID", "0"))
+        rank_env = {"RANK": str(node_rank * devices + local_rank), "WORLD_SIZE": str(num_tasks),
+                    "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(devices),
                     "GROUP_RANK": str(node_rank), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
         return LaunchPlan("slurm_task_per_device", devices, num_nodes, rank_env=rank_env, **common)
     if tasks_per_node == 1:
