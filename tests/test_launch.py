@@ -189,6 +189,25 @@ def test_slurm_ranks_are_consecutive_on_a_node_whatever_the_distribution():
     assert ranks == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
 
 
+@pytest.mark.parametrize("template, recipe", [("pretrain", []), ("finetune", ["ckpt/model"])])
+def test_sbatch_templates_keep_the_allocation_and_resume_over_a_saved_config(tmp_path, dist_env, template, recipe):
+    """A saved --print_config holds devices, num_nodes and resume: false. Given to the template (as the README and
+    the pretraining tutorial do), it must not undo the --devices, --num_nodes and --resume auto the template fills
+    in: the run would stop on a node count, or its requeued job refuse the out_dir its checkpoints are in."""
+    (tmp_path / "bin").mkdir()
+    srun = tmp_path / "bin" / "srun"  # runs the command of the one task, without srun's own options
+    srun.write_text('#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
+    srun.chmod(0o755)
+    (tmp_path / "saved.yaml").write_text("devices: auto\nnum_nodes: 1\nresume: false\n")
+    env = {**dist_env, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{dist_env['PATH']}", "PYTHONPATH": str(REPO),
+           "LLMTRAIN": f"{sys.executable} -m llmtrain", "SLURM_JOB_ID": "5", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "node[1-2]"}
+    code, out, err = run(["bash", str(REPO / "scripts" / "slurm" / f"{template}.sbatch"), *recipe, "--config",
+                          str(tmp_path / "saved.yaml"), "--print_config"], env)
+    assert code == 0, err
+    assert {"devices: 2", "num_nodes: 2", "resume: auto"} <= set(out.splitlines()), out
+
+
 # --------------------------------------------------------------------------------------------------
 # Errors: fast and clear
 

@@ -161,7 +161,8 @@ def test_pretrain_sbatch_passes_usr1_on_and_requeues_with_resume(cluster, tmp_pa
     for rank in range(4):
         assert (marks / f"run0-task{rank}.usr1").exists(), output
         args = (marks / f"run1-task{rank}.args").read_text().split()
-        assert args == ["pretrain", "--devices", "2", "--num_nodes", "2", "--resume", "auto", "--config", "x.yaml"]
+        # A leading --config goes first: the file cannot undo the allocation's numbers or --resume auto.
+        assert args == ["pretrain", "--config", "x.yaml", "--devices", "2", "--num_nodes", "2", "--resume", "auto"]
     assert "requeueing job" in output
 
 
