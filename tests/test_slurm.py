@@ -52,7 +52,7 @@ FAKE_LLMTRAIN = """#!/bin/bash
 run="$MARK_DIR/run${SLURM_RESTART_COUNT:-0}-task${SLURM_PROCID}"
 printf '%s\\n' "$@" > "$run.args"
 if [[ ${FAKE_WAIT_FOR_USR1:-0} == 1 && ${SLURM_RESTART_COUNT:-0} == 0 ]]; then
-    trap 'touch "$run.usr1"; exit 0' USR1
+    trap 'touch "$run.usr1"; exit ${FAKE_USR1_EXIT:-75}' USR1
     touch "$run.ready"
     for _ in $(seq 600); do sleep 0.1; done
     exit 3
@@ -145,10 +145,12 @@ def wait_for_files(paths, timeout_s=300):
         time.sleep(0.2)
 
 
-def test_pretrain_sbatch_passes_usr1_on_and_requeues_with_resume(cluster, tmp_path):
-    """The time-limit path, with a stand-in for llmtrain: USR1 reaches every task, then the job runs again."""
+@pytest.mark.parametrize("exit_code", [75, 0])
+def test_pretrain_sbatch_passes_usr1_on_and_requeues_with_resume(cluster, tmp_path, exit_code):
+    """The time-limit path, with a stand-in for llmtrain: USR1 reaches every task, then the job runs again, unless
+    the run finished (status 0) rather than stopped to resume (75, as llmtrain does after its checkpoint)."""
     fake, marks = fake_llmtrain(tmp_path)
-    env = {"LLMTRAIN": str(fake), "MARK_DIR": str(marks), "FAKE_WAIT_FOR_USR1": "1"}
+    env = {"LLMTRAIN": str(fake), "MARK_DIR": str(marks), "FAKE_WAIT_FOR_USR1": "1", "FAKE_USR1_EXIT": str(exit_code)}
     job_id = cluster.submit(PRETRAIN_SBATCH, ["--config", "x.yaml"], env,
                             [*CPU_OPTIONS, "--ntasks-per-node=2", f"--chdir={tmp_path}"])
     wait_for_files([marks / f"run0-task{rank}.ready" for rank in range(4)])
@@ -156,6 +158,10 @@ def test_pretrain_sbatch_passes_usr1_on_and_requeues_with_resume(cluster, tmp_pa
     cluster.run("scancel", "--signal=USR1", "--batch", str(job_id))
     state = cluster.wait(job_id, JOB_TIMEOUT_S)
     output = cluster.output(job_id)
+    if exit_code == 0:
+        assert state == "COMPLETED" and cluster.job(job_id)["Restarts"] == "0", output
+        assert "not requeueing" in output and not (marks / "run1-task0.args").exists(), output
+        return
     assert state == "COMPLETED", output
     assert cluster.job(job_id)["Restarts"] == "1", output
     for rank in range(4):
