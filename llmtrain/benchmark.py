@@ -301,7 +301,7 @@ def benchmark(
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
-    timing = _step_timing(rows, waits, warmup, save_interval)
+    timing = _step_timing(rows, waits, warmup, save_interval, plan.batch.grad_accum_steps)
     tokens_per_sec_per_device = global_batch_size * seq_len / timing["step_time_median_s"] / devices
     record = {
         "recipe": recipe, "model": model, "parameters": num_parameters(config), "trainable_parameters": trainable,
@@ -386,12 +386,14 @@ def write_random_model_dir(directory: Path, model: str, tokenizer: Any, seed: in
                            tokenizer=tokenizer)
 
 
-def _step_timing(rows: list[dict], waits: list[float], warmup: int, save_interval: Optional[int] = None) -> dict:
+def _step_timing(rows: list[dict], waits: list[float], warmup: int, save_interval: Optional[int] = None,
+                 micro_batches_per_step: int = 1) -> dict:
     """Step-time statistics of the steps after ``warmup``, and the share of their time spent waiting for data.
 
     Step k's time is the loop's elapsed time at its log row minus that at the row before (a step whose
-    update was skipped logs no row: the gap is shared out); with one micro-batch per step (no
-    accumulation), the k-th ``next()`` fetched step k's batch. With ``save_interval``, a checkpoint is
+    update was skipped logs no row: the gap is shared out); each step fetches ``micro_batches_per_step``
+    batches (the accumulation steps, also the micro-batches of a pipeline), so step k's are the ``next()``
+    calls after the first (k - 1) × that many. With ``save_interval``, a checkpoint is
     written after every step k that it divides, so step k + 1's time holds the save's stall: those steps
     are left out of the statistics, and ``checkpoint_stall_s`` is their median time minus the others'.
     """
@@ -403,9 +405,9 @@ def _step_timing(rows: list[dict], waits: list[float], warmup: int, save_interva
             for step in range(previous["step"] + 1, row["step"] + 1):
                 times[step] = (row["elapsed_s"] - previous["elapsed_s"]) / gap
         previous = row
-    if not times or len(waits) < timed[-1]["step"]:
+    if not times or len(waits) < timed[-1]["step"] * micro_batches_per_step:
         raise RuntimeError(f"the benchmark run logged {len(times)} timed steps and {len(waits)} batch "
-                           "fetches; expected one row and one fetch per step")
+                           f"fetches; expected one row and {micro_batches_per_step} fetch(es) per step")
     after_save = {step for step in times if save_interval and (step - 1) % save_interval == 0 and step > 1}
     step_times = [time for step, time in times.items() if step not in after_save] or list(times.values())
     stalls = [times[step] for step in sorted(after_save)]
@@ -415,7 +417,8 @@ def _step_timing(rows: list[dict], waits: list[float], warmup: int, save_interva
     return {
         "step_time_median_s": median, "step_time_min_s": min(step_times),
         "step_time_max_s": max(step_times), "step_time_p25_s": quartiles[0], "step_time_p75_s": quartiles[2],
-        "data_wait_fraction": sum(waits[warmup:timed[-1]["step"]]) / sum(times.values()),
+        "data_wait_fraction": sum(waits[warmup * micro_batches_per_step:timed[-1]["step"] * micro_batches_per_step])
+                              / sum(times.values()),
         # The loop's own measure of the same wait, when its metrics have the column; a cross-check.
         "data_wait_fraction_logged": statistics.mean(logged) if logged else None,
         "peak_memory_gb": max(row["peak_memory_gb"] for row in timed),

@@ -204,3 +204,41 @@ def test_async_and_sync_saves_report_their_stall(tmp_path):
         assert record["checkpoint_saves"] == 2  # after steps 2 and 4, carried by steps 3 and 5
         assert math.isfinite(record["checkpoint_stall_s"])
         assert record["checkpoint_stall_max_s"] >= record["checkpoint_stall_s"]
+
+
+def test_step_timing_counts_every_micro_batch_of_an_accumulating_step():
+    from llmtrain.benchmark import _step_timing
+
+    rows = [{"step": step, "elapsed_s": 2.0 * step + 4.0, "peak_memory_gb": 0.1, "data_wait_fraction": None}
+            for step in (1, 2, 3)]
+    waits = [3.0, 3.0, 0.1, 0.2, 0.3, 0.4]  # two next() per step; the warm-up step's waited 6 s
+    timing = _step_timing(rows, waits, warmup=1, micro_batches_per_step=2)
+    assert timing["data_wait_fraction"] == pytest.approx(1.0 / 4.0)
+    with pytest.raises(RuntimeError, match="2 fetch"):
+        _step_timing(rows, waits[:5], warmup=1, micro_batches_per_step=2)
+
+
+def test_data_wait_with_accumulation_leaves_out_the_warm_up_fetches(tmp_path, monkeypatch):
+    """Two micro-batches per step: the warm-up step's two slow fetches are no part of the timed steps' wait."""
+    import time
+
+    from llmtrain.benchmark import TimedLoader
+
+    slow_fetches = 2
+
+    def slow_start(self):
+        inner = iter(self._loader)
+
+        def batches():
+            for index, batch in enumerate(inner):
+                if index < slow_fetches:
+                    time.sleep(0.5)
+                yield batch
+
+        object.__setattr__(self, "_iterator", batches())
+        return self
+
+    monkeypatch.setattr(TimedLoader, "__iter__", slow_start)
+    record = benchmark(micro_batch_size=1, global_batch_size=2, seq_len=32, steps=2, warmup=1, out_dir=tmp_path,
+                       baseline=None)
+    assert record["data_wait_fraction"] < 0.2, record
