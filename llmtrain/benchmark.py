@@ -251,6 +251,8 @@ def benchmark(
     if fail_below is not None and baseline is None:
         raise ValueError("--fail_below compares with a baseline, and --baseline null turns the comparison off: "
                          "drop one of them")
+    results = Path(results) if results is not None else Path(out_dir) / "benchmarks.jsonl"
+    _check_record_files(results, Path(baseline) if baseline is not None else None)
     if recipe != "finetune_lora" and lora != LoRAArgs():
         raise ValueError(f"--lora.* flags set the adapters of --recipe finetune_lora, not of --recipe {recipe}: "
                          "drop them or add --recipe finetune_lora")
@@ -327,7 +329,6 @@ def benchmark(
         print(f"tokens/s vs baseline: {record['baseline_ratio']:.2f}x ({record['tokens_per_sec_per_device']:,.0f} "
               f"now, {stored['tokens_per_sec_per_device']:,.0f} stored at commit {stored.get('commit', '?')} on "
               f"{stored.get('device', '?')})")
-    results = Path(results) if results is not None else out_dir / "benchmarks.jsonl"
     results.parent.mkdir(parents=True, exist_ok=True)
     with open(results, "a") as handle:
         handle.write(json.dumps(record) + "\n")
@@ -496,18 +497,49 @@ def machine_baseline_file() -> Path:
     return cache_dir() / "benchmark_baseline.json"
 
 
+def _baseline_files(path: Path) -> list[Path]:
+    """The files a baseline is looked up in: ``path``, and for the default the machine's own file after it."""
+    return [path, machine_baseline_file()] if path == DEFAULT_BASELINE else [path]
+
+
+def _read_baseline(file: Path) -> dict:
+    """A baseline file's {key: numbers}; {} for a file not there yet. Raises naming the file when it is not one."""
+    if not file.exists():
+        return {}
+    if file.is_dir():
+        raise ValueError(f"baseline file {file} is a folder; pass --baseline a JSON file (it is created when missing)")
+    try:
+        stored = json.loads(file.read_text())
+    except ValueError as error:
+        raise ValueError(f"baseline file {file} is not valid JSON ({error}); fix it, delete it (the next run "
+                         "records a new baseline) or pass another --baseline") from None
+    if not isinstance(stored, dict):
+        raise ValueError(f"baseline file {file} holds a {type(stored).__name__}, not an object of baselines by "
+                         "machine and setting; fix it, delete it or pass another --baseline")
+    return stored
+
+
+def _check_record_files(results: Path, baseline: Optional[Path]) -> None:
+    """Before the run, not after it: --results is no folder, and the baselines it compares with parse."""
+    if results.is_dir():
+        raise ValueError(f"--results {results} is a folder; name the JSON-lines file to append to, e.g. "
+                         f"{results / 'benchmarks.jsonl'}")
+    for file in _baseline_files(baseline) if baseline is not None else []:
+        _read_baseline(file)
+
+
 def _stored_baseline(record: dict, path: Path) -> Optional[dict]:
     """The baseline for this machine and setting: from ``path`` (for the default, the repository's file and then
     :func:`machine_baseline_file`). Where none is stored, this run becomes it (in ``path``, or for the default in
     the machine's file, never in the repository) and None is returned: there is nothing to compare with yet."""
     key = baseline_key(record)
-    files = [path, machine_baseline_file()] if path == DEFAULT_BASELINE else [path]
+    files = _baseline_files(path)
     for file in files:
-        stored = json.loads(file.read_text()) if file.is_file() else {}
+        stored = _read_baseline(file)
         if key in stored:
             return stored[key]
     target = files[-1]
-    stored = json.loads(target.read_text()) if target.is_file() else {}
+    stored = _read_baseline(target)
     stored[key] = {name: record[name] for name in ("tokens_per_sec_per_device", "mfu", "commit", "device", "torch",
                                                    "load_average", "time", "command")}
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -242,3 +242,29 @@ def test_data_wait_with_accumulation_leaves_out_the_warm_up_fetches(tmp_path, mo
     record = benchmark(micro_batch_size=1, global_batch_size=2, seq_len=32, steps=2, warmup=1, out_dir=tmp_path,
                        baseline=None)
     assert record["data_wait_fraction"] < 0.2, record
+
+
+TINY = dict(micro_batch_size=1, seq_len=32, steps=1, warmup=1)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "baseline file .*baseline.json is not valid JSON"),
+    ("[1, 2]", "baseline file .*baseline.json holds a list"),
+    (None, "baseline file .*baseline.json is a folder"),
+])
+def test_a_bad_baseline_file_is_named_before_the_run(tmp_path, content, message):
+    baseline = tmp_path / "baseline.json"
+    if content is None:
+        baseline.mkdir()
+    else:
+        baseline.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        benchmark(out_dir=tmp_path / "bench", baseline=baseline, **TINY)
+    assert not (tmp_path / "bench").exists()  # refused before the matmul peak and the training run
+
+
+def test_a_results_folder_is_named_before_the_run(tmp_path):
+    (tmp_path / "results").mkdir()
+    with pytest.raises(ValueError, match="--results .*results is a folder"):
+        benchmark(out_dir=tmp_path / "bench", results=tmp_path / "results", baseline=None, **TINY)
+    assert not (tmp_path / "bench").exists()
