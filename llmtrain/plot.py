@@ -23,11 +23,13 @@ def plot(out_dir: Path, output: Optional[Path] = None) -> Path:
 
     Args:
         out_dir: The run's output directory, the one that holds metrics.csv.
-        output: Where to write the PNG. Default: OUT_DIR/metrics.png.
+        output: Where to write the PNG (a name ending in .svg or .pdf writes that format). Default:
+            OUT_DIR/metrics.png.
     """
     out_dir = Path(out_dir)
-    columns = read_metrics(out_dir / METRICS_FILE)
     output = Path(output) if output is not None else out_dir / PLOT_FILE
+    image_format = _image_format(output)
+    columns = read_metrics(out_dir / METRICS_FILE)
     output.parent.mkdir(parents=True, exist_ok=True)
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -65,9 +67,21 @@ def plot(out_dir: Path, output: Optional[Path] = None) -> Path:
     speed_ax.set_ylim(bottom=0)
     speed_ax.grid(alpha=0.3)
 
-    figure.savefig(output, dpi=100)
+    figure.savefig(output, dpi=100, format=image_format)
     print(f"plotted {out_dir / METRICS_FILE} into {output}")
     return output
+
+
+def _image_format(output: Path) -> str:
+    """The format ``output``'s suffix names; PNG for a name without one. NOTE: the format is passed to savefig
+    explicitly, which otherwise writes a name without a suffix to NAME.png, not to the file it was given."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    image_format = output.suffix.lstrip(".").lower() or "png"
+    if image_format not in FigureCanvasBase.get_supported_filetypes():
+        raise ValueError(f"--output {output}: cannot write a .{image_format} image; name a .png file "
+                         "(or .svg, .pdf)")
+    return image_format
 
 
 def read_metrics(path: Path) -> dict[str, list[Optional[float]]]:

@@ -72,3 +72,18 @@ def test_empty_metrics_names_the_file(tmp_path, content):
     with pytest.raises(ValueError, match="metrics.csv"):
         plot(tmp_path)
     assert not (tmp_path / "metrics.png").exists()
+
+
+def test_plot_to_a_name_without_a_suffix_writes_that_file(tmp_path):
+    write_metrics(tmp_path)
+    target = tmp_path / "run"
+    assert plot(tmp_path, output=target) == target
+    assert target.read_bytes().startswith(PNG_SIGNATURE)
+    assert not (tmp_path / "run.png").exists()
+
+
+def test_plot_refuses_an_image_format_it_cannot_write_naming_the_flag(tmp_path):
+    write_metrics(tmp_path)
+    with pytest.raises(ValueError, match=r"--output .*run\.txt: cannot write a \.txt image"):
+        plot(tmp_path, output=tmp_path / "run.txt")
+    assert not (tmp_path / "run.txt").exists()
