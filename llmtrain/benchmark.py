@@ -270,8 +270,7 @@ def benchmark(
         plan = ParallelPlan.resolve(devices=devices, num_nodes=1, precision=precision, fsdp=fsdp, train=train,
                                     strategy=strategy, tp=tp_size, pp=pp_size, pp_schedule=pp_schedule)
     except ValueError as error:
-        raise ValueError(str(error).replace("--fsdp.sharding_strategy", "--sharding_strategy")
-                         .replace("--fsdp.activation_checkpointing", "--activation_checkpointing")) from None
+        raise ValueError(_in_benchmark_flags(str(error))) from None
     config = Config.from_name(model)
     if seq_len > config.block_size:
         raise ValueError(f"--seq_len {seq_len} exceeds {model}'s block size {config.block_size}")
@@ -338,6 +337,20 @@ def benchmark(
                          f"(below {fail_below:g}x, the --fail_below threshold): a performance regression, or a much "
                          "slower machine")
     return record
+
+
+# The recipe's flags that the benchmark sets from its own: its errors name the benchmark's.
+RECIPE_FLAGS = {"--fsdp.sharding_strategy": "--sharding_strategy", "--fsdp.activation_checkpointing":
+                "--activation_checkpointing", "--fsdp.async_save": "--async_save", "--train.global_batch_size":
+                "--global_batch_size", "--train.micro_batch_size": "--micro_batch_size", "--train.max_seq_length":
+                "--seq_len", "--train.save_interval": "--save_interval"}
+
+
+def _in_benchmark_flags(message: str) -> str:
+    """A recipe's error message with the flags named as ``llmtrain benchmark`` spells them."""
+    for recipe_flag, flag in RECIPE_FLAGS.items():
+        message = message.replace(recipe_flag, flag)
+    return message
 
 
 def _train_args(micro_batch_size: int, global_batch_size: int, seq_len: int, total_steps: int,

@@ -143,6 +143,10 @@ def test_a_machine_without_a_baseline_records_one_and_passes(far_below):
     ({"async_save": True}, "--async_save true needs --save_interval N"),
     ({"fail_below": 1000.0, "baseline": None}, "--fail_below compares with a baseline"),
     ({"devices": 2, "tp_size": 4}, "--tp_size 4 × --pp_size 1 = 4 must divide the 2 processes"),
+    ({"global_batch_size": 6, "micro_batch_size": 4},
+     "^--global_batch_size 6 is not divisible by data-parallel size 1 × --micro_batch_size 4 = 4; use "
+     "--global_batch_size 4 or 8, or --micro_batch_size 3$"),
+    ({"global_batch_size": 2, "micro_batch_size": 4}, "^--global_batch_size 2 is smaller than --micro_batch_size 4"),
     ({"devices": 2, "pp_size": 2, "pp_schedule": "1f1b", "global_batch_size": 8},
      "--pp_schedule 1f1b needs at least --pp_size 2 micro-batches per step"),
 ])
