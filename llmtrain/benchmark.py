@@ -264,8 +264,8 @@ def benchmark(
         fsdp = FSDPArgs(sharding_strategy=sharding_strategy, async_save=async_save,
                         state_dict_type="sharded" if sharded else "full",
                         activation_checkpointing=activation_checkpointing)
-        data_parallel = devices // (tp_size * pp_size) if devices % (tp_size * pp_size) == 0 else devices
-        global_batch_size = global_batch_size or micro_batch_size * data_parallel * pp_size
+        global_batch_size = global_batch_size or default_global_batch(
+            dict(micro_batch_size=micro_batch_size, devices=devices, tp_size=tp_size, pp_size=pp_size))
         train = _train_args(micro_batch_size, global_batch_size, seq_len, warmup + steps, save_interval)
         plan = ParallelPlan.resolve(devices=devices, num_nodes=1, precision=precision, fsdp=fsdp, train=train,
                                     strategy=strategy, tp=tp_size, pp=pp_size, pp_schedule=pp_schedule)
@@ -468,12 +468,17 @@ def _command_line() -> str:
 def baseline_key(record: dict) -> str:
     """The machine and setting a baseline belongs to. The machine is the device's model (a CPU's with its core
     count), since another CPU is another speed. Threads are part of the setting: on a shared box a run with one
-    thread per process is steadier than one whose OpenMP threads wait for each other behind other work."""
+    thread per process is steadier than one whose OpenMP threads wait for each other behind other work. A setting
+    left at its default adds nothing, so keys stay those of the runs recorded before it was a flag."""
     key = "|".join(str(record[k]) for k in ("device", "model", "precision", "micro_batch_size", "seq_len",
                                             "devices", "compile", "threads_per_process"))
     split = [f"{name} {record.get(name)}" for name in ("tp_size", "pp_size") if (record.get(name) or 1) > 1]
     if record.get("strategy", "auto") not in ("auto", "fsdp"):
         split.append(record["strategy"])
+    if record.get("sharding_strategy") not in (None, "FULL_SHARD"):  # FULL_SHARD: the default on one node
+        split.append(record["sharding_strategy"])
+    if record.get("global_batch_size", default_global_batch(record)) != default_global_batch(record):
+        split.append(f"global batch {record['global_batch_size']}")  # accumulation: fewer optimizer steps per token
     if record.get("activation_checkpointing"):
         split.append(f"activation checkpointing {record['activation_checkpointing']}")
     if record.get("recipe", "pretrain") != "pretrain":  # a pretraining key stays as it was before --recipe
@@ -481,6 +486,13 @@ def baseline_key(record: dict) -> str:
     if record.get("lora"):
         split.append(_lora_words(record["lora"]))
     return "|".join([key, *split])
+
+
+def default_global_batch(record: dict) -> int:
+    """--global_batch_size's default for a record's setting: micro batch × data-parallel ranks × pipeline stages."""
+    tp, pp, devices = record.get("tp_size") or 1, record.get("pp_size") or 1, record["devices"]
+    data_parallel = devices // (tp * pp) if devices % (tp * pp) == 0 else devices
+    return record["micro_batch_size"] * data_parallel * pp
 
 
 def _lora_words(lora: dict) -> str:

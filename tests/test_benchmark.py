@@ -272,3 +272,17 @@ def test_a_results_folder_is_named_before_the_run(tmp_path):
     with pytest.raises(ValueError, match="--results .*results is a folder"):
         benchmark(out_dir=tmp_path / "bench", results=tmp_path / "results", baseline=None, **TINY)
     assert not (tmp_path / "bench").exists()
+
+
+def test_the_baseline_key_tells_apart_a_global_batch_and_a_sharding_strategy():
+    """A run with accumulation, or another sharding strategy, is another setting: its baseline is its own."""
+    record = dict(device="CPU", model="llama-debug", precision="32-true", micro_batch_size=4, seq_len=128, devices=2,
+                  compile=False, threads_per_process=1, tp_size=1, pp_size=1, strategy="auto", global_batch_size=8,
+                  sharding_strategy=None, activation_checkpointing=False, recipe="pretrain", lora=None)
+    plain = baseline_key(record)
+    assert plain == "CPU|llama-debug|32-true|4|128|2|False|1"  # the defaults: the key recorded baselines have
+    assert baseline_key({**record, "sharding_strategy": "FULL_SHARD"}) == plain  # the default, named
+    keys = {baseline_key({**record, **change}) for change in (
+        {"global_batch_size": 32}, {"sharding_strategy": "NO_SHARD"}, {"sharding_strategy": "SHARD_GRAD_OP"})}
+    assert len(keys) == 3 and plain not in keys
+    assert baseline_key({**record, "pp_size": 2, "global_batch_size": 8}) == plain + "|pp_size 2"  # 4 × 1 rank × 2
