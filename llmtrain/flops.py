@@ -186,12 +186,17 @@ ASSUMED_LINK_BYTES_PER_S = 32e9
 """PCIe 4.0 x16 in one direction: the link assumed for a GPU without a LINK_BYTES_PER_S entry."""
 
 
+# Names that state a superchip's memory, the CPU's included: "NVIDIA GH200 480GB" is 480 GB of LPDDR5X next to the
+# GPU's 96 GiB of HBM. For these the table's size counts, not the name's.
+SUPERCHIPS = ("GH200",)
+
+
 def gpu_memory_bytes(device_name: str) -> Optional[int]:
     """Memory of the GPU called ``device_name``: the size its name states, else MEMORY_GIB's; None if unknown."""
+    pattern, gib = _match(device_name, MEMORY_GIB)
     stated = re.search(r"(\d+)\s*GB\b", device_name, flags=re.IGNORECASE)
-    if stated:
+    if stated and pattern not in SUPERCHIPS:
         return int(stated.group(1)) * 2**30
-    _, gib = _match(device_name, MEMORY_GIB)
     return None if gib is None else int(gib * 2**30)
 
 

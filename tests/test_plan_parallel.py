@@ -148,6 +148,8 @@ def test_gpu_memory_from_the_name_or_the_table():
     assert gpu_memory_bytes("NVIDIA A100-SXM4-40GB") == 40 * 2**30  # the size the name states
     assert gpu_memory_bytes("H100") == gpu_memory_bytes("NVIDIA H100 80GB HBM3") == 80 * 2**30
     assert gpu_memory_bytes("H200") == 141 * 2**30 and gpu_memory_bytes("TPU v5") is None
+    # The name torch gives a Grace Hopper superchip states the CPU's memory too; its GPU has 96 GiB of HBM.
+    assert gpu_memory_bytes("NVIDIA GH200 480GB") == 96 * 2**30
 
 
 def test_splits_to_try_smallest_first_tensor_before_pipeline():
