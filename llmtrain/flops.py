@@ -179,7 +179,9 @@ MEMORY_GIB: dict[str, float] = {
 # NVLink figure: 900 GB/s for the H100 SXM). None: no NVLink in the standard part (PCIe cards).
 LINK_BYTES_PER_S: dict[str, Optional[float]] = {
     "B200": 900e9, "GH200": 450e9, "H200 NVL": 450e9, "H200": 450e9, "H100 NVL": 300e9, "H100 PCIe": None,
-    "H100": 450e9, "H800 PCIe": None, "H800": 200e9, "H20": 450e9, "A100 PCIe": None, "A100": 300e9,
+    "H100": 450e9, "H800 PCIe": None, "H800": 200e9, "H20": 450e9,
+    # NOTE: the names torch gives the PCIe A100s: "NVIDIA A100-PCIE-40GB" and "NVIDIA A100 80GB PCIe".
+    "A100-PCIE": None, "A100 80GB PCIe": None, "A100": 300e9,
     "A800": 200e9, "V100": 150e9, "MI300X": 448e9,
 }
 ASSUMED_LINK_BYTES_PER_S = 32e9

@@ -9,7 +9,7 @@ import torch
 from llmtrain.args import FSDPArgs, TrainArgs
 from llmtrain.config import Config
 from llmtrain.distributed.parallel_plan import ParallelPlan
-from llmtrain.flops import gpu_memory_bytes, link_bytes_per_s, num_parameters
+from llmtrain.flops import ASSUMED_LINK_BYTES_PER_S, gpu_memory_bytes, link_bytes_per_s, num_parameters
 from llmtrain.plan import (USABLE_MEMORY_FRACTION, activation_bytes, activation_bytes_per_token, estimate_memory,
                            fits, microbatches_in_flight, model_splits, pipeline_bubble, rank_parameters,
                            stage_layers, state_bytes, suggest_layout, tensor_parallel_bytes_per_layer,
@@ -141,6 +141,9 @@ def test_tensor_parallel_traffic_by_hand(llama_8b):
     assert tensor_parallel_bytes_per_step(llama_8b, both, SEQ_LEN) == 256 * 2**20 * 16 * 32 == 128 * 2**30
     assert link_bytes_per_s("NVIDIA H100 80GB HBM3") == (450e9, True)
     assert link_bytes_per_s("L4")[1] is False
+    for pcie in ("NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe", "NVIDIA H100 PCIe"):  # as torch names them
+        assert link_bytes_per_s(pcie) == (ASSUMED_LINK_BYTES_PER_S, False), pcie
+    assert link_bytes_per_s("NVIDIA A100-SXM4-80GB") == (300e9, True)
 
 
 # ---- what fits ---------------------------------------------------------------------------------------------------
