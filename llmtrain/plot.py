@@ -7,6 +7,8 @@ changes the pyplot backend of the process that calls it.
 from __future__ import annotations
 
 import csv
+import io
+import os
 import math
 from pathlib import Path
 from typing import Optional
@@ -67,7 +69,12 @@ def plot(out_dir: Path, output: Optional[Path] = None) -> Path:
     speed_ax.set_ylim(bottom=0)
     speed_ax.grid(alpha=0.3)
 
-    figure.savefig(output, dpi=100, format=image_format)
+    image = io.BytesIO()
+    figure.savefig(image, dpi=100, format=image_format)
+    # An interrupted plot leaves the previous image, not half of one.
+    temp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    temp.write_bytes(image.getvalue())
+    os.replace(temp, output)
     print(f"plotted {out_dir / METRICS_FILE} into {output}")
     return output
 

@@ -87,3 +87,20 @@ def test_plot_refuses_an_image_format_it_cannot_write_naming_the_flag(tmp_path):
     with pytest.raises(ValueError, match=r"--output .*run\.txt: cannot write a \.txt image"):
         plot(tmp_path, output=tmp_path / "run.txt")
     assert not (tmp_path / "run.txt").exists()
+
+
+def test_an_interrupted_plot_leaves_the_previous_image_whole(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    write_metrics(tmp_path)
+    previous = plot(tmp_path).read_bytes()
+
+    def fails_halfway(self, target, **kwargs):
+        target.write(PNG_SIGNATURE) if hasattr(target, "write") else Path(target).write_bytes(PNG_SIGNATURE)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Figure, "savefig", fails_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        plot(tmp_path)
+    assert (tmp_path / "metrics.png").read_bytes() == previous
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["metrics.csv", "metrics.png"]
