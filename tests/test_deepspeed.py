@@ -137,20 +137,22 @@ def test_kill_9_and_sigterm_then_resume_auto_match_an_uninterrupted_run(launcher
 
 @needs_deepspeed
 @pytest.mark.multiproc
-@pytest.mark.parametrize("recipe, strategy", [("finetune_full", "deepspeed_stage_2"),
-                                              ("finetune_lora", "deepspeed_stage_3")])
+@pytest.mark.parametrize("recipe, strategy, precision", [("finetune_full", "deepspeed_stage_2", "32-true"),
+                                                         ("finetune_lora", "deepspeed_stage_3", "32-true"),
+                                                         ("finetune_lora", "deepspeed_stage_2", "bf16-mixed")])
 def test_fine_tuning_under_deepspeed_writes_a_final_model_that_loads(reference, dist_env, tmp_path, recipe,
-                                                                     strategy):
+                                                                     strategy, precision):
     """Two steps on 2 processes from the DeepSpeed pretraining run's final/; LoRA under stage 3 with every
     parameter partitioned (a --deepspeed.config lowers the persistence threshold). final/ loads and answers;
-    LoRA's is the base plus its adapters' product, every other weight the base's bit for bit."""
+    LoRA's is the base plus its adapters' product, every other weight the base's bit for bit, also in bf16-mixed,
+    where the engine holds the frozen base in bf16."""
     from llmtrain.generate import load_model_dir
 
     base = reference / "final"
     out_dir = tmp_path / recipe
-    extra = ["--strategy", strategy, "--devices", "2", "--train.max_steps", "2", "--lora_dropout", "0"][
-        :None if recipe == "finetune_lora" else -2]
-    if recipe == "finetune_lora":
+    extra = ["--strategy", strategy, "--devices", "2", "--train.max_steps", "2", "--precision", precision,
+             "--lora_dropout", "0"][:None if recipe == "finetune_lora" else -2]
+    if strategy == "deepspeed_stage_3":
         config = tmp_path / "ds.json"
         config.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
         extra += ["--deepspeed.config", str(config)]

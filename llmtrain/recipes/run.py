@@ -423,7 +423,8 @@ def _build_checkpointer(spec: RunSpec, **arguments: Any) -> Checkpointer:
     if spec.deepspeed_config is not None:
         from llmtrain_deepspeed.checkpoint import DeepSpeedCheckpointer
 
-        return DeepSpeedCheckpointer(lora=spec.lora is not None, out_dir=spec.out_dir, model_config=spec.config,
+        return DeepSpeedCheckpointer(lora=spec.lora is not None, base_dir=spec.initial_checkpoint_dir,
+                                     out_dir=spec.out_dir, model_config=spec.config,
                                      hyperparameters=spec.hyperparameters, keep_last=spec.train.keep_last, **arguments)
     return build_checkpointer(spec.fsdp.state_dict_type, async_save=spec.fsdp.async_save, lora=spec.lora is not None,
                               out_dir=spec.out_dir, model_config=spec.config, hyperparameters=spec.hyperparameters,

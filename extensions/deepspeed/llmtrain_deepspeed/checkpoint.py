@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -25,7 +25,9 @@ from llmtrain.checkpoint.checkpointer import Checkpointer
 from llmtrain.checkpoint.lora import merged_state_dict
 from llmtrain.checkpoint.resume import check_deepspeed_resume, verify_checkpoint
 from llmtrain.checkpoint.state import load_training_state, restore_training_state
+from llmtrain.checkpoint.weights import tied_twins
 from llmtrain.distributed.parallelize import unwrap
+from llmtrain.lora import plain_to_lora_keys
 
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 """Scripts DeepSpeed copies into the folder above each checkpoint; llmtrain writes final/ itself instead."""
@@ -34,12 +36,14 @@ RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 class DeepSpeedCheckpointer(Checkpointer):
     """:class:`~llmtrain.checkpoint.checkpointer.Checkpointer` with DeepSpeed's engine writing the tensors.
 
-    ``model`` is the engine; ``lora``: the run trains adapters (final/ merges them).
+    ``model`` is the engine; ``lora``: the run trains adapters (final/ merges them); ``base_dir``: the model
+    directory LoRA's frozen base was loaded from.
     """
 
-    def __init__(self, *, lora: bool = False, **arguments: Any) -> None:
+    def __init__(self, *, lora: bool = False, base_dir: Optional[Path] = None, **arguments: Any) -> None:
         super().__init__(**arguments, format="deepspeed")
         self.lora = lora
+        self.base_dir = base_dir
 
     def _write_tensors(self, directory: Path) -> tuple[Any, dict]:
         directory = Path(directory)
@@ -74,7 +78,26 @@ class DeepSpeedCheckpointer(Checkpointer):
             if name not in full and tensor.numel():
                 full[name] = tensor.detach().float().cpu()
         self._adapters = {name: tensor for name, tensor in full.items() if "lora_" in name} if self.lora else {}
+        if self.lora and self.base_dir is not None:
+            full.update(self._frozen_base_weights())
         return merged_state_dict(self.model, full) if self.lora else full
+
+    def _frozen_base_weights(self) -> dict[str, torch.Tensor]:
+        """LoRA's frozen weights as the base model's file holds them, in fp32.
+
+        NOTE: under bf16 or fp16 the engine casts the whole module, frozen base included, and only the trained
+        parameters have fp32 master copies; the base in the engine (or in a stage 3 file) is rounded.
+        """
+        from safetensors.torch import load_file
+
+        gpt = unwrap(self.model)
+        base = {name: tensor.float() for name, tensor in
+                plain_to_lora_keys(load_file(str(Path(self.base_dir) / layout.MODEL_FILE)), gpt).items()}
+        for name, twin in tied_twins(gpt).items():  # a tied weight is stored once, and stays one tensor
+            if twin in base:
+                base[name] = base[twin]
+        return {name: base[name] for name, param in gpt.named_parameters(remove_duplicate=False)
+                if not param.requires_grad and name in base}
 
     def _final_extras(self, directory: Path) -> None:
         if self.lora:  # the adapters stay usable on their own beside the merged model
