@@ -259,12 +259,17 @@ def test_bad_input_exits_2_with_one_message_before_any_worker(refusals, case):
 @needs_deepspeed
 @pytest.mark.multiproc
 def test_a_deepspeed_checkpoint_resumes_only_where_it_can(reference, tmp_path, model_file):
-    """On another number of processes, or without DeepSpeed, resume is refused in the launching process with the
-    checkpoint's name; QLoRA is refused under any DeepSpeed stage."""
+    """On another number of processes, without DeepSpeed, under ZeRO stage 3 (the checkpoint is stage 2's) or in
+    bf16 (it is fp32's), resume is refused in the launching process with the checkpoint's name; QLoRA is refused
+    under any DeepSpeed stage."""
     step = reference / "step-00000004"
     resume = ["--resume", str(step), "--out_dir", str(tmp_path / "out")]
     cases = {
         "world size": {"argv": [*tiny_args(model_file, tmp_path / "o"), *STRATEGY, "--devices", "1", *resume]},
+        "stage 3": {"argv": [*tiny_args(model_file, tmp_path / "o"), "--strategy", "deepspeed_stage_3", "--devices",
+                             "2", *resume]},
+        "bf16": {"argv": [*tiny_args(model_file, tmp_path / "o"), *STRATEGY, "--precision", "bf16-mixed", "--devices",
+                          "2", *resume]},
         "without deepspeed": {"argv": [*tiny_args(model_file, tmp_path / "o"), "--devices", "2", *resume]},
         "qlora": {"argv": finetune_args("finetune_lora", reference / "final", tmp_path / "q", "--quantize", "bnb.nf4",
                                         "--precision", "bf16-true", *STRATEGY)},
@@ -272,6 +277,9 @@ def test_a_deepspeed_checkpoint_resumes_only_where_it_can(reference, tmp_path, m
     results = command_lines(cases, tmp_path, {**os.environ, **DS_ENV})
     assert_refused(results["world size"], f"--resume {step} was written by 2 processes", "resumes on 2, not 1")
     assert_refused(results["without deepspeed"], f"--resume {step} was written by DeepSpeed")
+    assert_refused(results["stage 3"], f"--resume {step} was written under ZeRO stage 1 or 2",
+                   "resume with --strategy deepspeed_stage_1 or deepspeed_stage_2")
+    assert_refused(results["bf16"], f"--resume {step} was written without bf16", "this run trains in it")
     assert_refused(results["qlora"], "--quantize bnb.nf4 cannot train under --strategy deepspeed_stage_2")
 
 

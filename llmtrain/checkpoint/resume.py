@@ -153,10 +153,13 @@ def resolve_resume(resume: Union[bool, str, Path, None], out_dir: Path,
     return path
 
 
-def check_deepspeed_resume(checkpoint_dir: Path, *, deepspeed: bool, world_size: int) -> None:
+def check_deepspeed_resume(checkpoint_dir: Path, *, deepspeed: bool, world_size: int,
+                           zero_stage: Optional[int] = None, bf16: Optional[bool] = None) -> None:
     """A DeepSpeed checkpoint resumes only under DeepSpeed on the number of processes that wrote it (ZeRO's files
-    hold each process's partition), and a DeepSpeed run resumes only a DeepSpeed checkpoint. Called in the
-    launching process, before any worker starts, and again as the checkpoint loads."""
+    hold each process's partition), and a DeepSpeed run resumes only a DeepSpeed checkpoint. Given the run's
+    ``zero_stage`` and whether it trains in ``bf16``, the checkpoint must also have been written with stage 3 if
+    and only if the run uses it, and in bf16 if and only if the run is: DeepSpeed's files differ between them.
+    Called in the launching process, before any worker starts, and again as the checkpoint loads."""
     checkpoint_dir = Path(checkpoint_dir)
     fmt = checkpoint_format(checkpoint_dir)
     if deepspeed and fmt != "deepspeed":
@@ -173,6 +176,30 @@ def check_deepspeed_resume(checkpoint_dir: Path, *, deepspeed: bool, world_size:
                          f"each process's partition, so it resumes on {saved_world}, not {world_size}: pass "
                          f"--devices/--num_nodes for {saved_world} processes, or start a new run from its "
                          f"{layout.FINAL_DIR}/ weights with --initial_checkpoint_dir")
+    if deepspeed and zero_stage is not None:
+        _check_deepspeed_files(checkpoint_dir, zero_stage=zero_stage, bf16=bf16)
+
+
+def _check_deepspeed_files(checkpoint_dir: Path, *, zero_stage: int, bf16: Optional[bool]) -> None:
+    """The stage and precision a DeepSpeed checkpoint's file names show, against the run's."""
+    # NOTE: stage 3 writes each rank's parameters (zero_pp_rank_R_mp_rank_00_model_states.pt), stages 1 and 2 one
+    # mp_rank_00_model_states.pt; in bf16 the optimizer files start with bf16_. DeepSpeed fails on a mismatch
+    # only in the workers, with a bare AssertionError or a missing file.
+    partitioned = (checkpoint_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file()
+    if partitioned != (zero_stage == 3):
+        written, run = ("ZeRO stage 3", f"ZeRO stage {zero_stage}") if partitioned else (
+            "ZeRO stage 1 or 2", "ZeRO stage 3")
+        raise ValueError(f"--resume {checkpoint_dir} was written under {written}, whose files this run's {run} "
+                         f"cannot load: resume with --strategy "
+                         f"{'deepspeed_stage_3' if partitioned else 'deepspeed_stage_1 or deepspeed_stage_2'} "
+                         f"(with or without _offload), or start a new run from its {layout.FINAL_DIR}/ weights with "
+                         "--initial_checkpoint_dir")
+    written_bf16 = any(checkpoint_dir.glob("bf16_zero_pp_rank_*_optim_states.pt"))
+    if bf16 is not None and written_bf16 != bf16:
+        raise ValueError(f"--resume {checkpoint_dir} was written {'in' if written_bf16 else 'without'} bf16 "
+                         f"(DeepSpeed names its files by it), and this run trains {'in' if bf16 else 'without'} it: "
+                         f"resume with {'--precision bf16-mixed' if written_bf16 else 'the --precision that wrote it'}"
+                         f", or start a new run from its {layout.FINAL_DIR}/ weights with --initial_checkpoint_dir")
 
 
 def newest_intact(checkpoints: list[Path], flag: str) -> Path:

@@ -131,7 +131,9 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
                                         micro_batch_size=train.micro_batch_size)
     deepspeed_config = _deepspeed_config(plan, train, flags) if plan.wrapper == "deepspeed" else None
     if resume_from is not None:  # here, not in the workers: one message, before any of them starts
-        check_deepspeed_resume(resume_from, deepspeed=deepspeed_config is not None, world_size=plan.world_size)
+        check_deepspeed_resume(resume_from, deepspeed=deepspeed_config is not None, world_size=plan.world_size,
+                               zero_stage=plan.zero.stage if plan.zero else None,
+                               bf16=plan.precision.name == "bf16-mixed")
         check_stream_resume(load_training_state(resume_from, mmap=True)["data"],
                             streaming=getattr(flags["data"], "streaming", False),
                             data_parallel_size=plan.data_parallel_size, checkpoint=f"--resume {resume_from}")

@@ -56,7 +56,8 @@ class DeepSpeedCheckpointer(Checkpointer):
     def load(self, checkpoint_dir: Path, state: Any) -> None:
         checkpoint_dir = Path(checkpoint_dir)
         verify_checkpoint(checkpoint_dir, load_state=False)
-        check_deepspeed_resume(checkpoint_dir, deepspeed=True, world_size=self.runtime.world_size)
+        check_deepspeed_resume(checkpoint_dir, deepspeed=True, world_size=self.runtime.world_size,
+                               zero_stage=self.model.zero_optimization_stage(), bf16=self.model.bfloat16_enabled())
         training_state = load_training_state(checkpoint_dir, mmap=True)
         self.model.load_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name, load_optimizer_states=True,
                                    load_lr_scheduler_states=False)
