@@ -229,6 +229,9 @@ BAD_INPUTS = {
     "optimizer section": (lambda d: ["--strategy", "deepspeed_stage_2", "--deepspeed.config",
                                      ds_file(d, "optimizer.json", {"optimizer": {"type": "Adam"}})],
                           ["has an 'optimizer' section", "--optimizer"]),
+    "activation checkpointing section": (lambda d: ["--strategy", "deepspeed_stage_2", "--deepspeed.config", ds_file(
+        d, "checkpointing.json", {"activation_checkpointing": {"partition_activations": True}})],
+        ["has an 'activation_checkpointing' section", "--fsdp.activation_checkpointing"]),
     "no config": (lambda d: ["--strategy", "deepspeed"], ["--strategy deepspeed takes its ZeRO stage from "
                                                           "--deepspeed.config"]),
     "stage contradicts": (lambda d: ["--strategy", "deepspeed_stage_2", "--deepspeed.config",

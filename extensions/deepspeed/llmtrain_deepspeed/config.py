@@ -25,6 +25,10 @@ INSTALL_COMMAND = "pip install -c constraints.txt -e '.[deepspeed]'"
 _OWNED_SECTIONS = {
     "optimizer": "--optimizer (e.g. --optimizer AdamW --optimizer.lr 3e-4)",
     "scheduler": "--train.lr_warmup_steps, --train.lr_decay and --train.min_lr",
+    # NOTE: DeepSpeed's own checkpointing acts only through its deepspeed.checkpointing API, which llmtrain's
+    # model does not call: the section would do nothing. torch's checkpointing runs under every strategy.
+    "activation_checkpointing": "--fsdp.activation_checkpointing (full, selective:N or op; it applies under "
+                                "DeepSpeed too)",
 }
 
 
