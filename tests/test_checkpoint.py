@@ -221,6 +221,27 @@ def test_resume_of_a_named_damaged_checkpoint_exits_2_with_one_message(damaged_r
     assert not sentinel.exists()
 
 
+def test_resume_refuses_a_checkpoint_of_another_architecture_before_any_worker(tmp_path):
+    """A sharded checkpoint of another width failed in DCP with a traceback; another rope_base resumed silently."""
+    os.environ.setdefault("LLMTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    model_file = tmp_path / "tiny.yaml"
+    model_file.write_text(yaml.safe_dump(TINY))
+    out_dir = tmp_path / "run"
+    done = _pretrain(model_file, out_dir, "--train.max_steps", "2", "--fsdp.state_dict_type", "sharded")
+    assert done.returncode == 0, done.stderr
+    step = out_dir / "step-00000002"
+    for change, difference in (({"n_embd": 32}, "n_embd 64 vs 32"), ({"rope_base": 500000.0}, "rope_base 10000.0 vs")):
+        other = tmp_path / "other.yaml"
+        other.write_text(yaml.safe_dump({**TINY, **change}))
+        resumed = _pretrain(other, out_dir, "--train.max_steps", "4", "--fsdp.state_dict_type", "sharded",
+                            "--resume", "auto")
+        assert resumed.returncode == 2, resumed.stdout + resumed.stderr
+        message = resumed.stderr.strip()
+        assert "Traceback" not in message and message.startswith(f"error: --resume {step} holds another model")
+        assert difference in message and f"--model_config {step / layout.CONFIG_FILE}" in message
+    assert layout.latest_checkpoint(out_dir) == step
+
+
 # ----------------------------------------------------------------------------------- LoRA merge
 LORA = LoRAArgs(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_projection=True, lora_mlp=True)
 

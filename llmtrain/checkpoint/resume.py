@@ -202,6 +202,22 @@ def _check_deepspeed_files(checkpoint_dir: Path, *, zero_stage: int, bf16: Optio
                          f", or start a new run from its {layout.FINAL_DIR}/ weights with --initial_checkpoint_dir")
 
 
+def check_resume_model(checkpoint_dir: Path, config: Any) -> None:
+    """Refuse to resume a checkpoint of another architecture than this run's ``config`` (a shape mismatch would
+    fail deep in the load, or, for a sharded checkpoint, in DCP; a changed rope_base or norm_eps would not fail
+    at all). Called in the launching process, before any worker starts."""
+    from llmtrain.config import Config
+    from llmtrain.convert.adapters import architecture_differences
+
+    path = Path(checkpoint_dir) / layout.CONFIG_FILE
+    differences = architecture_differences(Config.from_file(path), config)
+    if differences:
+        raise ValueError(f"--resume {checkpoint_dir} holds another model than this run's (checkpoint vs run: "
+                         f"{'; '.join(differences)}): resume with the architecture it was trained with "
+                         f"(--model_config {path}), or start a new run from its weights with "
+                         "--initial_checkpoint_dir and another --out_dir")
+
+
 def newest_intact(checkpoints: list[Path], flag: str) -> Path:
     """The newest of ``checkpoints`` (oldest first) that :func:`verify_checkpoint` accepts; warn about the others."""
     newest_problem = None
