@@ -242,6 +242,41 @@ def test_resume_refuses_a_checkpoint_of_another_architecture_before_any_worker(t
     assert layout.latest_checkpoint(out_dir) == step
 
 
+def _llmtrain(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmtrain", *argv], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_resume_refuses_adapters_other_than_this_runs_lora_settings(tmp_path):
+    """Without the check, --lora_query false resumed silently without the trained query adapters, and
+    finetune_full resuming a LoRA checkpoint failed in the optimizer load with a traceback."""
+    os.environ.setdefault("LLMTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    model_file = tmp_path / "tiny-128.yaml"  # instructions need a longer context
+    model_file.write_text(yaml.safe_dump({**TINY, "block_size": 128}))
+    assert _pretrain(model_file, tmp_path / "base", "--train.max_steps", "2").returncode == 0
+    out_dir = tmp_path / "lora"
+
+    def finetune(recipe: str, *extra: str) -> subprocess.CompletedProcess:
+        return _llmtrain(recipe, str(tmp_path / "base" / "final"), "--out_dir", str(out_dir), "--data",
+                         "BuiltinInstruct", "--data.num_train", "40", "--data.num_val", "4",
+                         "--train.global_batch_size", "4", "--train.micro_batch_size", "2",
+                         "--train.max_seq_length", "128", "--eval.max_iters", "1", "--train.save_interval", "2", *extra)
+
+    done = finetune("finetune_lora", "--train.max_steps", "2")
+    assert done.returncode == 0, done.stderr
+    step = out_dir / "step-00000002"
+    for recipe, extra, expected in (
+            ("finetune_lora", ["--lora_query", "false"], "holds other adapters than this run's (checkpoint vs run: "
+                                                         "--lora_query true vs false)"),
+            ("finetune_lora", ["--lora_r", "4", "--lora_mlp", "true"], "--lora_r 8 vs 4; --lora_mlp false vs true"),
+            ("finetune_full", [], "holds LoRA adapters")):
+        resumed = finetune(recipe, "--train.max_steps", "4", "--resume", "auto", *extra)
+        assert resumed.returncode == 2, resumed.stdout + resumed.stderr
+        message = resumed.stderr.strip()
+        assert "Traceback" not in message and message.startswith(f"error: --resume {step} ") and expected in message
+    assert layout.latest_checkpoint(out_dir) == step
+
+
 # ----------------------------------------------------------------------------------- LoRA merge
 LORA = LoRAArgs(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_projection=True, lora_mlp=True)
 

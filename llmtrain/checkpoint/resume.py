@@ -218,6 +218,43 @@ def check_resume_model(checkpoint_dir: Path, config: Any) -> None:
                          "--initial_checkpoint_dir and another --out_dir")
 
 
+LORA_SHAPE_FIELDS = ("lora_r", "lora_alpha", "lora_query", "lora_key", "lora_value", "lora_projection", "lora_mlp",
+                     "lora_head")
+"""The --lora_* settings that decide which adapters exist and what they add (lora_dropout only regularises)."""
+
+
+def check_resume_lora(checkpoint_dir: Path, lora: Any) -> None:
+    """Refuse to resume a checkpoint whose adapters differ from this run's ``lora`` settings (None: no LoRA). A
+    whole model's state resumed by finetune_lora, adapters resumed by finetune_full, other layers or another rank
+    failed in the load with a traceback; a dropped layer lost its trained adapter silently, another lora_alpha
+    rescaled every adapter. Called in the launching process, before any worker starts."""
+    path = Path(checkpoint_dir) / layout.LORA_SETTINGS_FILE  # every LoRA checkpoint has it, no other one does
+    if lora is None and path.is_file():
+        raise ValueError(f"--resume {checkpoint_dir} holds LoRA adapters (see {path}): resume it with finetune_lora "
+                         "and those settings, or merge it (`llmtrain merge_lora`) and fine-tune the merged model "
+                         "with another --out_dir")
+    if lora is None:
+        return
+    if not path.is_file():
+        raise ValueError(f"--resume {checkpoint_dir} holds a whole model's training state, not LoRA adapters (it has "
+                         f"no {layout.LORA_SETTINGS_FILE}): resume it with the recipe that wrote it, or fine-tune its "
+                         f"run's {layout.FINAL_DIR}/ with finetune_lora and another --out_dir")
+    from llmtrain.checkpoint.lora import read_lora_settings
+
+    saved = read_lora_settings(checkpoint_dir)[0]
+    differences = [f"--{name} {_flag(getattr(saved, name))} vs {_flag(getattr(lora, name))}"
+                   for name in LORA_SHAPE_FIELDS if getattr(saved, name) != getattr(lora, name)]
+    if differences:
+        raise ValueError(f"--resume {checkpoint_dir} holds other adapters than this run's (checkpoint vs run: "
+                         f"{'; '.join(differences)}): resume with the --lora_* settings in {path}, or start a new "
+                         "run with another --out_dir")
+
+
+def _flag(value: Any) -> str:
+    """A value as a command line spells it (``true``, not ``True``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def newest_intact(checkpoints: list[Path], flag: str) -> Path:
     """The newest of ``checkpoints`` (oldest first) that :func:`verify_checkpoint` accepts; warn about the others."""
     newest_problem = None
