@@ -485,17 +485,19 @@ def test_a_save_killed_half_way_leaves_nothing_resume_would_take(tmp_path, monke
         assert layout.is_complete(out_dir / "final")
 
 
-@pytest.mark.parametrize("kind", ["full", "sharded", "lora"])
+@pytest.mark.parametrize("kind", ["full", "sharded", "lora", "async"])
 def test_weights_with_nan_are_never_written(tmp_path, kind):
+    """Nor lost: an asynchronous save still under way becomes the checkpoint that the refusal says to resume from."""
     out_dir = tmp_path / kind
     parts = checkpointer_parts(out_dir, lora=kind == "lora")
-    checkpointer = Checkpointer(**parts, format=kind)
+    checkpointer = Checkpointer(**parts, format="sharded" if kind == "async" else kind, async_save=kind == "async")
     checkpointer.save(TrainState(step=1))
     with torch.no_grad():
         next(p for p in parts["model"].parameters() if p.requires_grad)[0, 0] = float("nan")
     for save in (checkpointer.save, checkpointer.save_final):
         with pytest.raises(NonFiniteWeightsError, match="refusing to write .* hold NaN or inf"):
             save(TrainState(step=2))
+        assert layout.latest_checkpoint(out_dir) == out_dir / "step-00000001"
     assert [p.name for p in out_dir.iterdir()] == ["step-00000001"]
 
 

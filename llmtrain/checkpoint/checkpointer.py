@@ -99,8 +99,10 @@ class Checkpointer:
         """Write ``out_dir/step-NNNNNNNN/`` atomically: every rank's part goes into one temporary directory,
         which rank 0 marks complete and renames (at once, or in :meth:`wait` after an async write)."""
         target = self.out_dir / layout.step_dir_name(state.step)
-        check_finite_weights(self.model, self.runtime, target)
+        # NOTE: before the check, which may refuse this save: the previous one, written in the background, is the
+        # checkpoint that the refusal tells the user to resume from.
         self.wait()  # one write at a time; the previous one becomes a checkpoint first
+        check_finite_weights(self.model, self.runtime, target)
         tmp = layout.temporary_dir(target)  # the same name on every rank: the shards of all ranks meet in it
         if self.runtime.is_main:
             files.remove_leftovers(self.out_dir)  # of saves that were killed, this step's included
