@@ -7,6 +7,7 @@ others drive the checkpointer and the merge in this process.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -157,6 +158,37 @@ def test_a_full_checkpoints_optimizer_state_is_mapped_from_the_file_not_read_who
         torch.testing.assert_close(loaded[index]["exp_avg_sq"], moments["exp_avg_sq"], rtol=0, atol=0)
         # Pages of the file, read when touched: the load itself copied nothing into memory.
         assert _file_mapped(loaded[index]["exp_avg"]) == {state_file}
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_resumed_run_trains_with_its_own_optimizer_flags(tmp_path, fmt):
+    """The messages of a diverged run say to resume with a lower learning rate: the checkpoint's lr, weight_decay
+    and the schedule's base rate used to win over the resumed run's --optimizer flags."""
+    from llmtrain.train.schedule import WarmupDecaySchedule
+
+    def checkpointer(out_dir: Path, **settings) -> Checkpointer:
+        torch.manual_seed(0)
+        model = GPT(Config(**TINY))
+        model.init_weights()
+        optimizer = torch.optim.AdamW(model.parameters(), **settings)
+        return Checkpointer(runtime=Runtime(), out_dir=out_dir, model=model, optimizer=optimizer,
+                            train_loader=TrainLoader(8, _batches, 2), model_config=model.config, tokenizer=None,
+                            hyperparameters={}, format=fmt)
+
+    saver = checkpointer(tmp_path / "run", lr=1e-2, weight_decay=0.1)
+    WarmupDecaySchedule(saver.optimizer, warmup_steps=2, total_steps=10, min_lr=0.0).set_step(5)  # as fit() does
+    saver.model(torch.randint(0, 1100, (2, 8)), labels=torch.randint(0, 1100, (2, 8))).backward()
+    saver.optimizer.step()
+    checkpoint = saver.save(TrainState(step=5))
+    for lr, weight_decay in ((1e-2, 0.1), (1e-3, 0.0)):  # the same flags, then lower ones
+        resumed = checkpointer(tmp_path / f"resumed-{lr}", lr=lr, weight_decay=weight_decay)
+        resumed.load(checkpoint, TrainState())
+        group = resumed.optimizer.param_groups[0]
+        assert (group["initial_lr"], group["weight_decay"]) == (lr, weight_decay)
+        schedule = WarmupDecaySchedule(resumed.optimizer, warmup_steps=2, total_steps=10, min_lr=0.0)
+        assert schedule.set_step(5) == pytest.approx(lr * 0.5 * (1 + math.cos(math.pi * 3 / 8)))
+        saved = saver.optimizer.state_dict()["state"][0]["exp_avg"]
+        torch.testing.assert_close(resumed.optimizer.state_dict()["state"][0]["exp_avg"], saved, rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------ the CLI

@@ -36,6 +36,7 @@ from llmtrain.checkpoint.state import (
     capture_rng_state,
     data_state,
     load_training_state,
+    optimizer_settings,
     restore_training_state,
 )
 from llmtrain.checkpoint.weights import gather_full_model_state, is_distributed, load_full_model_state, load_weights
@@ -267,12 +268,14 @@ class Checkpointer:
                              "same --strategy on the same number of processes, or start a new run from its weights "
                              f"(the run's {layout.FINAL_DIR}/ directory) with --initial_checkpoint_dir")
         training_state = load_training_state(checkpoint_dir, mmap=True)
+        settings = optimizer_settings(self.optimizer)  # from this run's flags, before the load overwrites them
         if fmt == "sharded":
             self._load_shards(checkpoint_dir / layout.DCP_DIR)
         else:
             self._load_full(checkpoint_dir, fmt, training_state["optimizer"])
         restore_training_state(training_state, state=state, train_loader=self.train_loader, scaler=self.scaler,
-                               rank=self.runtime.rank, optimizer=self.optimizer, device=self.runtime.device)
+                               rank=self.runtime.rank, optimizer=self.optimizer, device=self.runtime.device,
+                               settings=settings)
         # A step directory of another format has no files for this format's final/ to reuse.
         self.last_saved = checkpoint_dir if fmt == self.format else None
 

@@ -68,10 +68,20 @@ def build_training_state(*, state: Stateful, data: dict, scaler: Optional[Statef
     return training_state
 
 
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """What this run's flags set in each param group (lr, betas, weight_decay, ...: the optimizer's arguments), to
+    capture before a checkpoint's optimizer state overwrites them and to hand to :func:`restore_training_state`."""
+    return [{key: group[key] for key in optimizer.defaults if key in group} for group in optimizer.param_groups]
+
+
 def restore_training_state(training_state: dict, *, state: Stateful, train_loader: Stateful,
                            scaler: Optional[Stateful], rank: int, optimizer: Optional[torch.optim.Optimizer],
-                           device: torch.device) -> None:
+                           device: torch.device, settings: Optional[list[dict]] = None) -> None:
     """Counters, data position, loss scaler, param-group settings and this rank's RNG from ``training_state``.
+
+    ``settings``: :func:`optimizer_settings` of this run, taken before the optimizer state was loaded. They win
+    over the checkpoint's, so a run resumed with another ``--optimizer.lr`` (as a diverged run is told to) trains
+    with it; the same flags give the saved values back.
 
     NOTE: loading an optimizer through a template state dict (DCP, or a broadcast from rank 0) keeps
     only the keys the fresh optimizer already has, so group entries added later, such as the LR
@@ -85,8 +95,11 @@ def restore_training_state(training_state: dict, *, state: Stateful, train_loade
             if len(saved_groups) != len(optimizer.param_groups):
                 raise ValueError(f"the checkpoint's optimizer has {len(saved_groups)} parameter groups, this run's "
                                  f"has {len(optimizer.param_groups)}; resume with the same optimizer setup")
-            for group, saved in zip(optimizer.param_groups, saved_groups):
+            for group, saved, own in zip(optimizer.param_groups, saved_groups, settings or [{}] * len(saved_groups)):
                 group.update(saved)
+                group.update(own)
+                if "lr" in own and "initial_lr" in group:  # the schedule's base rate is this run's lr
+                    group["initial_lr"] = own["lr"]
     state.load_state_dict(training_state["train_state"])
     train_loader.load_state_dict(training_state["data"])
     if scaler is not None and training_state.get("scaler"):

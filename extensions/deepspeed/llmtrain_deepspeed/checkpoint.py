@@ -24,7 +24,7 @@ from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint.checkpointer import Checkpointer
 from llmtrain.checkpoint.lora import merged_state_dict
 from llmtrain.checkpoint.resume import check_deepspeed_resume, verify_checkpoint
-from llmtrain.checkpoint.state import load_training_state, restore_training_state
+from llmtrain.checkpoint.state import load_training_state, optimizer_settings, restore_training_state
 from llmtrain.checkpoint.weights import tied_twins
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.lora import plain_to_lora_keys
@@ -59,10 +59,12 @@ class DeepSpeedCheckpointer(Checkpointer):
         check_deepspeed_resume(checkpoint_dir, deepspeed=True, world_size=self.runtime.world_size,
                                zero_stage=self.model.zero_optimization_stage(), bf16=self.model.bfloat16_enabled())
         training_state = load_training_state(checkpoint_dir, mmap=True)
+        settings = optimizer_settings(self.optimizer)  # from this run's flags, before the load overwrites them
         self.model.load_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name, load_optimizer_states=True,
                                    load_lr_scheduler_states=False)
         restore_training_state(training_state, state=state, train_loader=self.train_loader, scaler=None,
-                               rank=self.runtime.rank, optimizer=self.optimizer, device=self.runtime.device)
+                               rank=self.runtime.rank, optimizer=self.optimizer, device=self.runtime.device,
+                               settings=settings)
         self.last_saved = checkpoint_dir
 
     def _final_weights(self) -> dict[str, torch.Tensor]:
