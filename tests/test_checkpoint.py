@@ -253,8 +253,9 @@ def test_resume_of_a_named_damaged_checkpoint_exits_2_with_one_message(damaged_r
     assert not sentinel.exists()
 
 
-def test_resume_refuses_a_checkpoint_of_another_architecture_before_any_worker(tmp_path):
-    """A sharded checkpoint of another width failed in DCP with a traceback; another rope_base resumed silently."""
+def test_resume_refuses_a_checkpoint_of_another_architecture_or_optimizer_before_any_worker(tmp_path):
+    """A sharded checkpoint of another width or optimizer failed in DCP with a traceback; another rope_base resumed
+    silently."""
     os.environ.setdefault("LLMTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     model_file = tmp_path / "tiny.yaml"
     model_file.write_text(yaml.safe_dump(TINY))
@@ -271,6 +272,12 @@ def test_resume_refuses_a_checkpoint_of_another_architecture_before_any_worker(t
         message = resumed.stderr.strip()
         assert "Traceback" not in message and message.startswith(f"error: --resume {step} holds another model")
         assert difference in message and f"--model_config {step / layout.CONFIG_FILE}" in message
+    resumed = _pretrain(model_file, out_dir, "--train.max_steps", "4", "--fsdp.state_dict_type", "sharded",
+                        "--resume", "auto", "--optimizer", "Adagrad")
+    assert resumed.returncode == 2, resumed.stdout + resumed.stderr
+    assert resumed.stderr.strip().startswith(f"error: --resume {step} holds the state of optimizer "
+                                             "torch.optim.adamw.AdamW (see its hyperparameters.yaml), this run's is "
+                                             "torch.optim.adagrad.Adagrad: resume with --optimizer AdamW")
     assert layout.latest_checkpoint(out_dir) == step
 
 

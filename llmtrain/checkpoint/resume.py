@@ -218,6 +218,19 @@ def check_resume_model(checkpoint_dir: Path, config: Any) -> None:
                          "--initial_checkpoint_dir and another --out_dir")
 
 
+def check_resume_optimizer(checkpoint_dir: Path, optimizer_spec: dict) -> None:
+    """Refuse to resume a checkpoint written under another optimizer class than this run's ``optimizer_spec``
+    (``hparams.optimizer_spec``): its state (AdamW's moments) is not the other's, and the load failed with a
+    traceback (sharded) or the first step did (full). Called in the launching process, before any worker starts."""
+    saved = files.read_hyperparameters(checkpoint_dir).get("optimizer")
+    if not isinstance(saved, dict) or saved.get("class_path") in (None, optimizer_spec["class_path"]):
+        return
+    name = saved["class_path"].rsplit(".", 1)[-1]
+    raise ValueError(f"--resume {checkpoint_dir} holds the state of optimizer {saved['class_path']} (see its "
+                     f"{layout.HPARAMS_FILE}), this run's is {optimizer_spec['class_path']}: resume with --optimizer "
+                     f"{name}, or start a new run from its weights with another --out_dir")
+
+
 LORA_SHAPE_FIELDS = ("lora_r", "lora_alpha", "lora_query", "lora_key", "lora_value", "lora_projection", "lora_mlp",
                      "lora_head")
 """The --lora_* settings that decide which adapters exist and what they add (lora_dropout only regularises)."""

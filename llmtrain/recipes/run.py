@@ -26,7 +26,8 @@ from llmtrain.data.tokens import cache_dir
 from llmtrain.checkpoint import layout
 from llmtrain.checkpoint.checkpointer import Checkpointer, build_checkpointer
 from llmtrain.checkpoint.lora import write_lora_settings
-from llmtrain.checkpoint.resume import check_deepspeed_resume, check_resume_lora, check_resume_model
+from llmtrain.checkpoint.resume import (check_deepspeed_resume, check_resume_lora, check_resume_model,
+                                        check_resume_optimizer)
 from llmtrain.checkpoint.size import check_disk_space
 from llmtrain.checkpoint.state import load_training_state
 from llmtrain.distributed.launch import is_first_process, launch, plan_launch, resolve_devices
@@ -136,6 +137,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
                                bf16=plan.precision.name == "bf16-mixed")
         check_resume_model(resume_from, config)
         check_resume_lora(resume_from, lora)
+        check_resume_optimizer(resume_from, hyperparameters["optimizer"])
         check_stream_resume(load_training_state(resume_from, mmap=True)["data"],
                             streaming=getattr(flags["data"], "streaming", False),
                             data_parallel_size=plan.data_parallel_size, checkpoint=f"--resume {resume_from}")
