@@ -595,7 +595,8 @@ def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_
     trainable = total if trainable_parameters is None else trainable_parameters
     memory = estimate_memory(config, plan, seq_len=seq_len, trainable_parameters=trainable_parameters,
                              quantize=quantize)
-    sizes = checkpoint_bytes(config, plan.precision, trainable_parameters)
+    sizes = checkpoint_bytes(config, plan.precision, trainable_parameters,
+                             separate_final=fsdp.state_dict_type == "sharded" or plan.zero is not None)
     steps = _planned_steps(train, tokens_per_step)
     if plan.wrapper == "none":
         layout = "one process"

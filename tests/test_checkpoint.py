@@ -531,3 +531,25 @@ def test_qlora_build_quantizes_in_the_precisions_dtype_without_a_random_init(tmp
     dtype = plan.precision.compute_dtype
     assert {m.weight.quant_state.dtype for m in quantized} == {dtype}
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {dtype}
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_the_disk_estimate_holds_a_step_and_final(tmp_path, fmt):
+    """What check_disk_space asks for covers the bytes a step checkpoint and final/ take on disk (hard links
+    counted once): a sharded run's final/ is a copy of the weights of its own."""
+    from llmtrain.checkpoint.size import checkpoint_bytes
+    from llmtrain.train.precision import resolve_precision
+
+    checkpointer = _checkpointer(tmp_path, fmt)
+    state = TrainState(step=1)
+    checkpointer.save(state)
+    checkpointer.save_final(state)
+    seen, used = set(), 0
+    for path in tmp_path.rglob("*"):
+        info = path.stat()
+        if path.is_file() and (info.st_dev, info.st_ino) not in seen:
+            seen.add((info.st_dev, info.st_ino))
+            used += info.st_size
+    config = Config(**TINY)
+    needed = checkpoint_bytes(config, resolve_precision("32-true", "cpu"), separate_final=fmt == "sharded")["needed"]
+    assert 0.9 * used < needed < 1.5 * used, (needed, used)

@@ -10,12 +10,15 @@ from llmtrain.config import Config
 from llmtrain.flops import num_parameters
 
 
-def checkpoint_bytes(config: Config, precision: Any, trainable_parameters: Optional[int] = None) -> dict[str, int]:
+def checkpoint_bytes(config: Config, precision: Any, trainable_parameters: Optional[int] = None,
+                     separate_final: bool = False) -> dict[str, int]:
     """Bytes on disk of the model weights, of one resumable step checkpoint, and what a run needs free.
 
     A step checkpoint holds the weights and AdamW's two moments, stored in the parameter dtype as
     torch.optim keeps them; LoRA step checkpoints hold only the adapters and their moments, and a LoRA
     run's final/ holds the merged model too. ``trainable_parameters`` below the total means LoRA.
+    ``separate_final``: final/ is a copy of the weights of its own (sharded and DeepSpeed step checkpoints are
+    not the model file that final/ holds); otherwise it links the last full step's files.
     """
     total = num_parameters(config)
     trainable = total if trainable_parameters is None else trainable_parameters
@@ -25,10 +28,11 @@ def checkpoint_bytes(config: Config, precision: Any, trainable_parameters: Optio
         step = 3 * trainable * stored
         return {"weights": weights, "step": step, "needed": weights + step}
     step = weights + 2 * trainable * stored
-    return {"weights": weights, "step": step, "needed": step}  # final/ shares the last step's files
+    return {"weights": weights, "step": step, "needed": step + weights if separate_final else step}
 
 
-def check_disk_space(out_dir: Path, config: Config, precision: Any, trainable_parameters: Optional[int] = None) -> None:
+def check_disk_space(out_dir: Path, config: Config, precision: Any, trainable_parameters: Optional[int] = None,
+                     separate_final: bool = False) -> None:
     """Refuse to start when --out_dir's disk cannot hold one checkpoint (and a LoRA run's merged final/).
 
     Estimated from the model size, so the message comes before hours of training, not at the first save.
@@ -36,7 +40,7 @@ def check_disk_space(out_dir: Path, config: Config, precision: Any, trainable_pa
     parent = Path(out_dir)
     while not parent.exists():
         parent = parent.parent
-    needed = int(checkpoint_bytes(config, precision, trainable_parameters)["needed"] * 1.05)
+    needed = int(checkpoint_bytes(config, precision, trainable_parameters, separate_final)["needed"] * 1.05)
     free = shutil.disk_usage(parent).free
     if free < needed:
         raise OSError(f"--out_dir {out_dir}: {free / 2**30:.1f} GiB free on its disk, but one checkpoint of "

@@ -141,7 +141,8 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
         check_stream_resume(load_training_state(resume_from, mmap=True)["data"],
                             streaming=getattr(flags["data"], "streaming", False),
                             data_parallel_size=plan.data_parallel_size, checkpoint=f"--resume {resume_from}")
-    check_disk_space(flags["out_dir"], config, plan.precision, trainable_parameters=trainable_parameters)
+    check_disk_space(flags["out_dir"], config, plan.precision, trainable_parameters=trainable_parameters,
+                     separate_final=flags["fsdp"].state_dict_type == "sharded" or plan.zero is not None)
     flags["data"].validate()
     if tokenizer_dir is not None:  # a prepared folder's tokenizer is checked here, not after launch on every rank
         flags["data"].validate_tokenizer(Tokenizer(tokenizer_dir))
