@@ -231,6 +231,8 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint_and_finishes(damaged_runs
     output = done.stdout + done.stderr
     assert f"skipping step-00000004: {bad_file}" in output
     assert f"resumed from {out_dir / 'step-00000002'} at step 2" in output
+    assert "moved the 1 newer checkpoint(s) of the branch this run rewinds" in output  # the damaged one, kept
+    assert (out_dir / layout.REWOUND_DIR / "step-00000004" / bad_file.name).is_file()
     assert layout.latest_checkpoint(out_dir) == out_dir / "step-00000006"
     verify_checkpoint(out_dir / "step-00000004")  # written anew on the way
     assert layout.is_complete(out_dir / layout.FINAL_DIR)
@@ -553,3 +555,19 @@ def test_the_disk_estimate_holds_a_step_and_final(tmp_path, fmt):
     config = Config(**TINY)
     needed = checkpoint_bytes(config, resolve_precision("32-true", "cpu"), separate_final=fmt == "sharded")["needed"]
     assert 0.9 * used < needed < 1.5 * used, (needed, used)
+
+
+def test_a_rewind_sets_the_abandoned_branch_aside_for_resume_auto(tmp_path):
+    """Resuming step 1 while steps 2 and 3 exist: those go to rewound/, so that --resume auto after a crash
+    continues this run, not the branch it rewound; a second rewind past the same step keeps both copies."""
+    checkpointer = _checkpointer(tmp_path, "full")
+    first, second, third = (checkpointer.save(TrainState(step=step)) for step in (1, 2, 3))
+    assert files.set_aside_newer(tmp_path, third) == []
+    moved = files.set_aside_newer(tmp_path, first)
+    assert moved == [tmp_path / "rewound" / second.name, tmp_path / "rewound" / third.name]
+    assert all(layout.is_training_checkpoint(path) for path in moved)
+    assert resolve_resume("auto", tmp_path, None) == first
+    again = checkpointer.save(TrainState(step=2))
+    assert files.set_aside_newer(tmp_path, first) == [tmp_path / "rewound" / f"{second.name}.1"]
+    assert not again.exists() and resolve_resume("auto", tmp_path, None) == first
+    assert files.set_aside_newer(tmp_path / "elsewhere", first) == []

@@ -55,6 +55,30 @@ def prune_checkpoints(out_dir: Path, keep_last: Optional[int], keep: Optional[Pa
     return doomed
 
 
+def set_aside_newer(out_dir: Path, resumed: Path) -> list[Path]:
+    """Move the checkpoints in ``out_dir`` newer than ``resumed`` (a run resumed from an older one: a rewind)
+    into ``out_dir/rewound/``, where ``--resume auto`` does not look; returns where they went.
+
+    NOTE: left in place, the abandoned branch's newest checkpoint would be what ``--resume auto`` picks after a
+    crash, before this run had saved past it. Nothing is deleted: each move is one rename.
+    """
+    out_dir, resumed = Path(out_dir), Path(resumed)
+    if resumed.resolve().parent != out_dir.resolve() or not layout.STEP_DIR.match(resumed.name):
+        return []
+    resumed_step = int(layout.STEP_DIR.match(resumed.name).group(1))
+    moved = []
+    for step, path in layout.list_checkpoints(out_dir):
+        if step > resumed_step:
+            target = out_dir / layout.REWOUND_DIR / path.name
+            target.parent.mkdir(exist_ok=True)
+            copy = 1
+            while target.exists():  # rewound twice past the same step
+                target, copy = target.with_name(f"{path.name}.{copy}"), copy + 1
+            os.replace(path, target)
+            moved.append(target)
+    return moved
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -53,6 +53,8 @@ TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE, G
 """What ``Tokenizer.save`` copies into a checkpoint (generation_config.json: the ids that end generation)."""
 
 FINAL_DIR = "final"
+REWOUND_DIR = "rewound"
+"""Where a run resumed from an older checkpoint puts the newer ones of the branch it abandoned."""
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 LEFTOVER_DIR = re.compile(r"^\.(step-\d{8}|final)\.(tmp|old)")
 """What an interrupted save leaves: its temporary directory, or the old copy it was about to delete."""

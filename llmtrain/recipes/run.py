@@ -23,7 +23,7 @@ from llmtrain.config import Config
 from llmtrain.data.base import DataModule
 from llmtrain.data.streaming import check_stream_resume
 from llmtrain.data.tokens import cache_dir
-from llmtrain.checkpoint import layout
+from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint.checkpointer import Checkpointer, build_checkpointer
 from llmtrain.checkpoint.lora import write_lora_settings
 from llmtrain.checkpoint.resume import (check_deepspeed_resume, check_resume_lora, check_resume_model,
@@ -308,6 +308,9 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
     if spec.resume_from is not None:
         checkpointer.load(spec.resume_from, state)
         say(f"resumed from {spec.resume_from} at step {state.step} ({state.tokens:,} tokens)")
+        if runtime.is_main and (moved := files.set_aside_newer(spec.out_dir, spec.resume_from)):
+            say(f"moved the {len(moved)} newer checkpoint(s) of the branch this run rewinds into "
+                f"{moved[0].parent} (--resume auto would have picked them after a crash)")
     say(f"{spec.recipe}: model {spec.config.name or 'custom'}, {n_params / 1e6:.2f}M parameters "
         f"({n_trainable / 1e6:.2f}M trainable), built in {time.perf_counter() - started:.1f}s, "
         f"{horizon.total_steps} steps of seq {spec.seq_len}{', compiled blocks' if compiled.enabled else ''}")
