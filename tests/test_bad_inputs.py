@@ -93,6 +93,11 @@ CASES = [
     # contradictions
     Case("resume with an initial checkpoint", _pretrain("--resume", "auto", "--initial_checkpoint_dir",
                                                         "{in}/run/final"), ["--resume", "--initial_checkpoint_dir"]),
+    # fine-tuning decays to --train.min_lr 6e-5: a lower rate, refused by the schedule once the model was loaded
+    Case("min_lr above the optimizer's rate", _lora("--optimizer", "AdamW", "--optimizer.lr", "2e-5"),
+         ["--train.min_lr 6e-05", "--optimizer.lr"]),
+    Case("min_lr above the optimizer's rate in a dry run", _lora("--optimizer.lr", "2e-5", "--dry_run"),
+         ["--train.min_lr 6e-05", "--optimizer.lr"]),
     Case("quantized base with mixed precision", _lora("--quantize", "bnb.nf4", "--precision", "16-mixed"),
          ["--quantize", "--precision"]),
     # the loss skips the label -100 and no other: a flag to choose another would mislabel every masked position

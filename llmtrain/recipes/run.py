@@ -46,6 +46,7 @@ from llmtrain.tokenizer import Tokenizer
 from llmtrain.train.loggers import build_loggers
 from llmtrain.train.loop import Fit, TrainState, data_metrics, fit, plan_horizon, step_limits
 from llmtrain.train.profile import build_profiler
+from llmtrain.train.schedule import check_min_lr
 from llmtrain.train.signals import catch_stop_signals
 
 
@@ -115,7 +116,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
         _check_model_split(plan, config, seq_len, lora=lora, quantize=quantize)
         if profile is not None:
             _check_profile_window(profile, _with_batch(train, plan), seq_len)
-        hparams.optimizer_spec(flags["optimizer"])  # a bad optimizer argument fails a dry run too
+        _check_optimizer(hparams.optimizer_spec(flags["optimizer"]), train)  # a bad argument fails a dry run too
         planning.dry_run(recipe=recipe, config=config, plan=plan, train=_with_batch(train, plan), seq_len=seq_len,
                          dry=dry, fsdp=fsdp, out_dir=flags["out_dir"], quantize=quantize,
                          trainable_parameters=trainable_parameters, compile=flags["compile"])
@@ -127,6 +128,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
     if profile is not None:
         _check_profile_window(profile, train, seq_len)
     hyperparameters["optimizer"] = hparams.optimizer_spec(flags["optimizer"])  # checks the optimizer's arguments
+    _check_optimizer(hyperparameters["optimizer"], train)
     if isinstance(hyperparameters.get("train"), dict):  # the checkpoint records the batch this run used
         hyperparameters["train"].update(global_batch_size=train.global_batch_size,
                                         micro_batch_size=train.micro_batch_size)
@@ -208,6 +210,14 @@ def _check_model_split(plan: ParallelPlan, config: Config, seq_len: int, *, lora
     if lora is not None and plan.splits_model:
         raise ValueError("finetune_lora trains with data parallelism only: drop --tp_size and --pp_size (the "
                          "frozen base model can be sharded with --strategy fsdp instead), or use finetune_full")
+
+
+def _check_optimizer(spec: dict, train: TrainArgs) -> None:
+    """The schedule against the optimizer's rate (``--train.min_lr`` at most ``--optimizer.lr``), before any worker
+    loads a model only for the schedule to refuse it."""
+    lr = spec["init_args"].get("lr")
+    if isinstance(lr, (int, float)):
+        check_min_lr(train.min_lr, lr, train.lr_decay)
 
 
 def _with_batch(train: TrainArgs, plan: ParallelPlan) -> TrainArgs:

@@ -32,6 +32,14 @@ def lr_at(step: int, *, base_lr: float, warmup_steps: int, total_steps: int, min
     return min_lr + (base_lr - min_lr) * scale
 
 
+def check_min_lr(min_lr: float, base_lr: float, decay: str = "cosine") -> None:
+    """A decay never climbs: refuse a ``min_lr`` above the optimizer's rate (``recipes.run.prepare`` checks the
+    flags with this before any worker starts)."""
+    if decay != "constant" and min_lr > base_lr:
+        raise ValueError(f"--train.min_lr {min_lr:g} is above the learning rate {base_lr:g} (--optimizer.lr): the "
+                         f"rate would rise as it decays. Set --train.min_lr to at most {base_lr:g} (0 decays to zero)")
+
+
 class WarmupDecaySchedule:
     """Sets every param group's lr from :func:`lr_at`, scaled to that group's own base rate."""
 
@@ -44,10 +52,7 @@ class WarmupDecaySchedule:
         self.decay = decay
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])
-        base = optimizer.param_groups[0]["initial_lr"]
-        if decay != "constant" and min_lr > base:
-            raise ValueError(f"--train.min_lr {min_lr:g} is above the learning rate {base:g} (--optimizer.lr): the "
-                             f"rate would rise as it decays. Set --train.min_lr to at most {base:g} (0 decays to zero)")
+        check_min_lr(min_lr, optimizer.param_groups[0]["initial_lr"], decay)
 
     def set_step(self, step: int) -> float:
         """Set the rates for optimizer step ``step`` and return the first group's rate."""
