@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -65,5 +66,8 @@ def optimizer_spec(spec: OptimizerArg) -> dict:
         raise ValueError(f"--optimizer: {error}") from None
     cls = type(probe)
     accepted = inspect.signature(cls.__init__).parameters
-    init_args = {k: to_yaml(v) for k, v in probe.defaults.items() if k in accepted and k != "params"}
+    # NOTE: some optimizers keep arguments outside `defaults` (bitsandbytes' min_8bit_size): the command line's
+    # own arguments (jsonargparse's partial) come first, and `defaults` say what the optimizer made of them.
+    given = spec.keywords if isinstance(spec, functools.partial) else {}
+    init_args = {k: to_yaml(v) for k, v in {**given, **probe.defaults}.items() if k in accepted and k != "params"}
     return {"class_path": f"{cls.__module__}.{cls.__name__}", "init_args": init_args}
