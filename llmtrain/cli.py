@@ -96,18 +96,38 @@ class CommandLineError(ValueError):
 
 
 def _suggest(message: str, options: Sequence[str]) -> str:
-    """Add the closest known flags to an "Unrecognized arguments" message."""
+    """Add the closest known flags to an "Unrecognized arguments" message, and to a --config file's unknown key
+    ("does not accept option 'train.max_step'") or class argument ("class_path 'llmtrain.config.Config': Option
+    'n_layr' is not accepted", from the command line or a file)."""
     import difflib
     import re
 
     hints = []
-    for flag in dict.fromkeys(re.findall(r"(--[\w.\-]+)", message)):
+    keys = [f"--{key}" for key in re.findall(r"does not accept option '([\w.\-]+)'", message)]
+    for flag in dict.fromkeys(re.findall(r"(--[\w.\-]+)", message) + keys):
         name = flag.split("=", 1)[0]
         if name not in options and not name.startswith("--data."):  # a data module's fields: _plain explains them
             close = difflib.get_close_matches(name, options, n=3, cutoff=0.6)
             if close:
                 hints.append(f"instead of {name}, did you mean {' or '.join(close)}?")
+    group = message.split(":", 1)[0] if message.startswith("--") else None
+    for class_path, name in re.findall(r"class_path '([\w.]+)': Option '(\w+)' is not accepted", message):
+        close = difflib.get_close_matches(name, _init_arguments(class_path), n=3, cutoff=0.6)
+        if close and group:
+            hints.append(f"instead of {group}.{name}, did you mean {' or '.join(f'{group}.{c}' for c in close)}?")
     return message + ("; " + "; ".join(hints) if hints else "")
+
+
+def _init_arguments(class_path: str) -> list[str]:
+    """The arguments a class's constructor takes (a data module's, the model config's, an optimizer's)."""
+    import inspect
+    import pydoc
+
+    cls = pydoc.locate(class_path)
+    if not isinstance(cls, type):
+        return []
+    return [name for name, parameter in inspect.signature(cls).parameters.items()
+            if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)]
 
 
 def _plain(message: str) -> str:

@@ -74,6 +74,13 @@ CASES = [
     Case("recipe YAML that does not parse", ["pretrain", "--config", "{in}/broken.yaml"], ["broken.yaml"]),
     # flags
     Case("misspelled flag", _pretrain("--train.max_stepz", "3"), ["max_stepz", "did you mean --train.max_steps"]),
+    Case("misspelled key in a --config recipe", ["pretrain", "--config", "{in}/misspelled.yaml", "--out_dir", "{out}"],
+         ["max_stepz", "did you mean --train.max_steps"]),
+    Case("misspelled field of --model_config", _pretrain("--model_config.n_layr", "2"),
+         ["n_layr", "did you mean --model_config.n_layer"]),
+    Case("misspelled field of a data module in a --config recipe",
+         ["pretrain", "--config", "{in}/misspelled_data.yaml", "--out_dir", "{out}"],
+         ["num_documets", "did you mean --data.num_documents"]),
     Case("unknown precision", _pretrain("--precision", "fp8"), ["precision", "fp8"]),
     Case("unknown optimizer", _pretrain("--optimizer", "Adamm"), ["optimizer", "Adamm"]),
     Case("negative learning rate", _pretrain("--optimizer", "AdamW", "--optimizer.lr", "-1"),
@@ -184,6 +191,9 @@ def _make_inputs(inputs: Path) -> None:
     write_tiny_model(inputs / "bad_heads.yaml", n_embd=65)
     write_tiny_model(inputs / "other.yaml", name="tiny-other", n_layer=3)
     (inputs / "broken.yaml").write_text("train:\n  max_steps: [3\n")
+    (inputs / "misspelled.yaml").write_text(f"model_config: {inputs / 'tiny.yaml'}\ntrain:\n  max_stepz: 3\n")
+    (inputs / "misspelled_data.yaml").write_text(f"model_config: {inputs / 'tiny.yaml'}\ndata:\n  class_path: "
+                                                 "llmtrain.data.BuiltinStories\n  init_args:\n    num_documets: 20\n")
     (inputs / "empty-texts").mkdir()
     (inputs / "empty.json").write_text("")
     (inputs / "broken.json").write_text('[{"instruction": "a", "output": "b"},')
