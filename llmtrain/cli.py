@@ -44,14 +44,19 @@ def _zoo_model_with_overrides(argv: list[str]) -> list[str]:
     if not argv or argv[0] not in POSITIONAL or not any(a.startswith("--model_config.") for a in argv):
         return argv
     out = list(argv)
-    for index, arg in enumerate(out[:-1]):
-        if arg == "--model_name":
-            from llmtrain.config import MODEL_ZOO, resolve_name
+    for index, arg in enumerate(out):
+        if arg == "--model_name" and index + 1 < len(out):
+            name, width = out[index + 1], 2
+        elif arg.startswith("--model_name="):
+            name, width = arg.split("=", 1)[1], 1
+        else:
+            continue
+        from llmtrain.config import MODEL_ZOO, resolve_name
 
-            canonical = resolve_name(out[index + 1])
-            entry = next(e for e in MODEL_ZOO if e["name"] == canonical)
-            out[index:index + 2] = ["--model_config", json.dumps(entry)]
-            break
+        canonical = resolve_name(name)
+        entry = next(e for e in MODEL_ZOO if e["name"] == canonical)
+        out[index:index + width] = ["--model_config", json.dumps(entry)]
+        break
     return out
 
 
