@@ -37,3 +37,15 @@ def test_an_optimizer_argument_outside_its_defaults_is_recorded_and_launches_aga
     again = launched_spec(["pretrain", "--config", str(saved)], monkeypatch)
     optimizer = build_optimizer(again.optimizer, [torch.nn.Parameter(torch.zeros(1))])
     assert (type(optimizer), optimizer.defaults["lr"], optimizer.min_size) == (ThresholdSGD, 0.1, 16)
+
+
+def test_the_kernel_choice_is_recorded_as_given_not_as_this_device_made_it(tmp_path, monkeypatch):
+    """AdamW runs fused where it can (build_optimizer's choice): the record leaves that choice to the device
+    it is launched on again, and keeps what the command line said."""
+    flags = ["pretrain", "llama-debug", "--out_dir", str(tmp_path / "out"), "--train.max_steps", "1"]
+    chosen = launched_spec(flags, monkeypatch).hyperparameters["optimizer"]["init_args"]
+    assert (chosen["fused"], chosen["foreach"]) == (None, None)
+    assert build_optimizer(launched_spec(flags, monkeypatch).optimizer,
+                           [torch.nn.Parameter(torch.zeros(1))]).defaults["fused"] is True  # it did run fused
+    given = launched_spec([*flags, "--optimizer.foreach", "true"], monkeypatch).hyperparameters["optimizer"]
+    assert (given["init_args"]["fused"], given["init_args"]["foreach"]) == (None, True)

@@ -70,4 +70,7 @@ def optimizer_spec(spec: OptimizerArg) -> dict:
     # own arguments (jsonargparse's partial) come first, and `defaults` say what the optimizer made of them.
     given = spec.keywords if isinstance(spec, functools.partial) else {}
     init_args = {k: to_yaml(v) for k, v in {**given, **probe.defaults}.items() if k in accepted and k != "params"}
+    for kernel in ("fused", "foreach"):  # build_optimizer's choice for this device, not the run's: left to it again
+        if kernel in init_args:
+            init_args[kernel] = to_yaml(given.get(kernel))
     return {"class_path": f"{cls.__module__}.{cls.__name__}", "init_args": init_args}
