@@ -324,3 +324,27 @@ def test_a_file_of_tuning_alone_takes_the_named_strategys_stage_and_offload(tmp_
     with pytest.raises(ValueError, match="offload_param needs stage 3"):
         zero_settings({"zero_optimization": {"offload_param": {"device": "cpu"}}}, path,
                       DEEPSPEED_STRATEGIES["deepspeed_stage_2"])
+
+
+def test_deepspeed_is_told_the_gpu_the_rank_took_not_its_local_rank(monkeypatch):
+    """A SLURM task that sees only its own GPU (srun --gpus-per-task 1) is local rank 3 on cuda:0; DeepSpeed
+    calls set_device(LOCAL_RANK) and puts its ZeRO buffers on cuda:LOCAL_RANK, so LOCAL_RANK must say 0."""
+    from types import SimpleNamespace
+
+    from llmtrain.distributed.runtime import Runtime
+    from llmtrain_deepspeed import engine
+
+    device_of_engine = []
+
+    def initialize(model, optimizer, config):  # what DeepSpeedEngine._set_distributed_vars reads
+        device_of_engine.append(int(os.environ["LOCAL_RANK"]))
+        return model, optimizer, None, None
+
+    monkeypatch.setattr(engine, "import_deepspeed", lambda device_type: SimpleNamespace(
+        init_distributed=lambda **kwargs: None, initialize=initialize))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    runtime = Runtime(rank=3, world_size=4, local_rank=3, local_world_size=4, device=torch.device("cuda", 0))
+    model = torch.nn.Linear(2, 2)
+    engine.initialize(model, torch.optim.SGD(model.parameters()), {}, runtime)
+    assert device_of_engine == [0]
+    assert runtime.local_rank == 3  # llmtrain's own local rank (the node's first process tokenizes) is unchanged

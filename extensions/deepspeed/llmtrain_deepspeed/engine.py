@@ -50,10 +50,15 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
     created (gloo on a CPU, NCCL on GPUs). The engine is what the loop then calls as the model."""
     deepspeed = import_deepspeed(runtime.device.type)
     backend = "gloo" if runtime.device.type == "cpu" else "nccl"
+    # NOTE: the engine asserts LOCAL_RANK is set, which a launcher does; one process (--devices 1) runs unlaunched.
+    # On GPUs DeepSpeed also takes it for the index of this rank's GPU (set_device(LOCAL_RANK), its ZeRO buffers),
+    # which it is not where a SLURM task sees only its own GPUs (local rank 3 on GPU 0, runtime.gpu_index): it is
+    # told the GPU this rank took.
+    if runtime.device.type == "cuda":
+        os.environ["LOCAL_RANK"] = str(runtime.device.index)
+    os.environ.setdefault("LOCAL_RANK", str(runtime.local_rank))
     # NOTE: the default process group exists already (Runtime); DeepSpeed wraps it instead of creating one.
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-    # NOTE: the engine asserts LOCAL_RANK is set, which a launcher does; one process (--devices 1) runs unlaunched.
-    os.environ.setdefault("LOCAL_RANK", str(runtime.local_rank))
     # ZeRO-2 fills its reduce buckets in the order gradients become ready, which must be the same on every rank:
     # attention keeps its modules' order (CausalSelfAttention.fuse_projections).
     for module in model.modules():
