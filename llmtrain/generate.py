@@ -317,6 +317,6 @@ def generate_text(
 
 def default_precision(device: torch.device) -> str:
     """bf16 weights on a GPU that supports them, full precision elsewhere."""
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):  # V100, T4: emulated
         return "bf16-true"
     return "32-true"

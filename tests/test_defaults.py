@@ -54,6 +54,18 @@ def test_precision_auto(device_type, gpu, expected):
     assert resolve_precision("bf16-true", device_type, gpu=gpu).describe() == "bf16-true"  # a named one is kept
 
 
+def test_precision_auto_on_a_gpu_that_only_emulates_bf16_is_16_mixed(monkeypatch):
+    """A V100 or T4 holds bf16 tensors but has no bf16 tensor cores: torch.cuda.is_bf16_supported() says yes unless
+    asked without emulation. auto picks fp16 there, as the dry run for the same GPU does."""
+    from llmtrain.generate import default_precision
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "Tesla V100-SXM2-32GB")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert resolve_precision("auto", "cuda").name == resolve_precision("auto", "cuda", gpu="V100").name == "16-mixed"
+    assert default_precision(torch.device("cuda", 0)) == "32-true"
+
+
 @pytest.mark.parametrize("name, device_type, expected", [
     ("32-true", "cuda", True), ("bf16-mixed", "cuda", True), ("16-mixed", "cuda", True),
     ("bf16-true", "cuda", False), ("16-true", "cuda", False), ("32-true", "cpu", False), ("bf16-mixed", "cpu", False),

@@ -90,7 +90,9 @@ def resolve_precision(name: str, device_type: str, gpu: Optional[str] = None) ->
         bf16 = gpu_has_bf16(gpu)
         where = f"the {gpu}"
     elif torch.cuda.is_available():
-        bf16 = torch.cuda.is_bf16_supported()
+        # NOTE: without including_emulation=False, torch says yes on a V100 or T4, which can hold bf16 tensors but
+        # has no bf16 tensor cores (a dry run for the same GPU reads gpu_has_bf16: no).
+        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
         where = torch.cuda.get_device_name()
     else:
         bf16, where = None, "an unknown GPU"
