@@ -15,7 +15,9 @@ runs, each as its own ``llmtrain`` command:
 3. a QLoRA (bnb.nf4) fine-tune of a 1.1B-shaped model (TinyLlama's shape, random weights from one
    pretraining step), with the peak GPU memory it reports;
 4. ``llmtrain generate`` from the fine-tuned model;
-5. a sharded (DCP) checkpoint save and a ``--resume auto`` from it (FSDP on one GPU).
+5. a sharded (DCP) checkpoint save and a ``--resume auto`` from it (FSDP on one GPU);
+6. DeepSpeed ZeRO-2 as local rank 1 of a task that sees one GPU (SLURM's ``--gpus-per-task 1``): the engine must
+   take cuda:0, not cuda:LOCAL_RANK (skipped where the deepspeed package is not installed).
 
 It exits 1 if any command fails, and writes one JSON record: the device, torch, the commit, and for each
 check its command, exit code, seconds and the numbers it read from the run (tokens/s, MFU, loss, peak
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import os
 import platform
@@ -40,6 +43,9 @@ from typing import Any, Optional
 ROOT = Path(__file__).resolve().parents[1]
 LLMTRAIN = [sys.executable, "-m", "llmtrain"]
 STORIES = ["--data", "BuiltinStories", "--data.num_documents", "2000", "--data.num_val_documents", "50"]
+DEEPSPEED_CHECK = "deepspeed stage 2, local rank 1 on one GPU"
+TASK_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "0"}
+"""The DeepSpeed check's environment: a launcher's rank that is local rank 1 but sees only one GPU."""
 
 
 def checks(out: Path, cpu: bool) -> list[tuple[str, list[str], Optional[str]]]:
@@ -87,6 +93,10 @@ def checks(out: Path, cpu: bool) -> list[tuple[str, list[str], Optional[str]]]:
                             "2", "--train.global_batch_size", "8", "--train.micro_batch_size", "4",
                             "--train.max_seq_length", "64", "--eval.max_iters", "1", "--resume", "auto",
                             "--out_dir", str(out / "sharded")], "sharded"),
+        (DEEPSPEED_CHECK, ["pretrain", "llama-debug", *device, *STORIES, "--strategy", "deepspeed_stage_2",
+                           "--devices", "1", "--train.max_steps", "2", "--train.global_batch_size", "8",
+                           "--train.micro_batch_size", "4", "--train.max_seq_length", "64", "--train.save_interval",
+                           "null", "--eval.max_iters", "1", "--out_dir", str(out / "deepspeed")], "deepspeed"),
     ]
 
 
@@ -151,10 +161,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         shutil.rmtree(args.out_dir)
     args.out_dir.mkdir(parents=True)
     for name, arguments, metrics_dir in checks(args.out_dir, args.cpu):
+        if name == DEEPSPEED_CHECK and importlib.util.find_spec("deepspeed") is None:
+            record["checks"].append({"name": name, "skipped": "the deepspeed package is not installed"})
+            print(f"skip {name}: the deepspeed package is not installed (scripts/install.sh installs it)", flush=True)
+            continue
+        env = {**os.environ, **TASK_ENV} if name == DEEPSPEED_CHECK else None
         started = time.perf_counter()
         try:
             done = subprocess.run([*LLMTRAIN, *arguments], capture_output=True, text=True, cwd=args.out_dir,
-                                  check=False, timeout=args.timeout)
+                                  check=False, timeout=args.timeout, env=env)
         except subprocess.TimeoutExpired as expired:
             output = expired.stdout or b""
             text = output.decode(errors="replace") if isinstance(output, bytes) else output
@@ -177,8 +192,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{json.dumps(numbers)}", flush=True)
         if done.returncode != 0:
             print(entry["error"], file=sys.stderr)
-    record["ok"] = all(entry["returncode"] == 0 for entry in record["checks"])
-    rates = {entry["name"]: entry["numbers"].get("tokens_per_sec_per_device") for entry in record["checks"]}
+    record["ok"] = all(entry.get("returncode", 0) == 0 for entry in record["checks"])
+    rates = {entry["name"]: entry.get("numbers", {}).get("tokens_per_sec_per_device") for entry in record["checks"]}
     eager, compiled = rates.get("benchmark 1.1B bf16-true eager"), rates.get("benchmark 1.1B bf16-true --compile")
     if eager and compiled:  # what --compile auto counts on at a size that fills the device
         record["compile_speedup_1.1b"] = round(compiled / eager, 3)

@@ -70,7 +70,7 @@ def test_gpu_check_commands_parse_as_llmtrain_commands(tmp_path, cpu, capsys):
 
     gpu_check = load("gpu_check")
     commands = gpu_check.checks(tmp_path, cpu=cpu)
-    assert len({name for name, _, _ in commands}) == len(commands) == 10
+    assert len({name for name, _, _ in commands}) == len(commands) == 11
     for name, arguments, _ in commands:
         with pytest.raises(SystemExit) as stop:  # --print_config parses every flag, prints and exits
             main([*arguments, "--print_config"])
