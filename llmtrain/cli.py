@@ -116,7 +116,11 @@ def _suggest(message: str, options: Sequence[str]) -> str:
             if close:
                 hints.append(f"instead of {name}, did you mean {' or '.join(close)}?")
     group = message.split(":", 1)[0] if message.startswith("--") else None
-    for class_path, name in re.findall(r"class_path '([\w.]+)': Option '(\w+)' is not accepted", message):
+    found = re.findall(r"class_path '([\w.]+)': Option '(\w+)' is not accepted", message)
+    # A callable's arguments (--optimizer's): "Option 'lrr' is not accepted. Got value: Namespace(class_path='...'".
+    found += [(class_path, name) for name, class_path in
+              re.findall(r"Option '(\w+)' is not accepted\. Got value: Namespace\(class_path='([\w.]+)'", message)]
+    for class_path, name in found:
         close = difflib.get_close_matches(name, _init_arguments(class_path), n=3, cutoff=0.6)
         if close and group:
             hints.append(f"instead of {group}.{name}, did you mean {' or '.join(f'{group}.{c}' for c in close)}?")

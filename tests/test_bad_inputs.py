@@ -78,6 +78,8 @@ CASES = [
          ["max_stepz", "did you mean --train.max_steps"]),
     Case("misspelled field of --model_config", _pretrain("--model_config.n_layr", "2"),
          ["n_layr", "did you mean --model_config.n_layer"]),
+    Case("misspelled argument of --optimizer", _pretrain("--optimizer.lrr", "1e-3"),
+         ["lrr", "did you mean --optimizer.lr?"]),
     Case("misspelled field of a data module in a --config recipe",
          ["pretrain", "--config", "{in}/misspelled_data.yaml", "--out_dir", "{out}"],
          ["num_documets", "did you mean --data.num_documents"]),
