@@ -365,10 +365,12 @@ def state_bytes(config: Config, plan: ParallelPlan, pipeline_rank: int = 0, *,
         params += 2 * block * compute  # the gathered block, and the next one prefetched
     elif sharding == "SHARD_GRAD_OP":
         params += local * compute  # gathered weights stay until backward
-    elif sharding is None and precision.is_mixed:
-        params += local * compute  # autocast keeps low-precision weight copies for backward
+    elif sharding in (None, "NO_SHARD") and precision.is_mixed:
+        params += local * compute  # autocast keeps low-precision weight copies for backward (one process, DDP)
     grad_bytes = 4 if sharding is not None and precision.is_mixed else stored  # FSDP reduces in fp32
     gradients = trainable * grad_bytes / shard
+    if sharding == "NO_SHARD":
+        gradients *= 2  # DDP copies the gradients into its reduction buckets, which stay allocated between steps
     if sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD") and trainable == local:
         gradients += block * compute  # one block's unsharded gradients before the reduce-scatter
     optimizer = 2 * trainable * stored / shard  # AdamW's two moments, in the weights' dtype

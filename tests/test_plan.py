@@ -21,18 +21,38 @@ def layout(precision: str, micro_batch: int, checkpointing: bool | str = False, 
                                 fsdp=FSDPArgs(sharding_strategy=sharding, activation_checkpointing=checkpointing))
 
 
-def measured_peak(config: Config, precision: str, micro_batch: int, seq_len: int, checkpointing: bool | str) -> int:
+def measured_peak(config: Config, precision: str, micro_batch: int, seq_len: int, checkpointing: bool | str,
+                  ddp: bool = False) -> int:
     """Peak bytes of live tensors over two training steps of the model the recipes build, as torch's
-    MemTracker counts them on the CPU (the CPU's analogue of torch.cuda.max_memory_allocated)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    MemTracker counts them on the CPU (the CPU's analogue of torch.cuda.max_memory_allocated).
 
+    ``ddp``: wrapped in DistributedDataParallel, as ``--strategy ddp`` wraps it, in a one-rank gloo group (a DDP
+    rank's memory does not depend on how many there are)."""
     from llmtrain.distributed.runtime import Runtime
     from llmtrain.recipes.build import build_model
 
     runtime = Runtime.from_env("cpu")
     plan = layout(precision, micro_batch, checkpointing)
-    precision = plan.precision
     model = build_model(config, plan=plan, runtime=runtime, seed=0)
+    if not ddp:
+        return _peak_of_two_steps(model, plan, config, micro_batch, seq_len)
+    import torch.distributed as dist
+
+    from conftest import free_port_number
+    from llmtrain.distributed.parallelize import apply_ddp
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_number()}", rank=0, world_size=1)
+    try:
+        return _peak_of_two_steps(apply_ddp(model, runtime.device), plan, config, micro_batch, seq_len)
+    finally:
+        dist.destroy_process_group()
+
+
+def _peak_of_two_steps(model: torch.nn.Module, plan: ParallelPlan, config: Config, micro_batch: int,
+                       seq_len: int) -> int:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    precision = plan.precision
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, config.vocab_size, (micro_batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     tracker = MemTracker()
@@ -40,7 +60,7 @@ def measured_peak(config: Config, precision: str, micro_batch: int, seq_len: int
     for _ in range(2):  # the second step has optimizer state, as every later one does
         tracker.reset_mod_stats()
         with tracker:
-            with precision.autocast(runtime.device, enabled=not plan.mixed_precision_policy):
+            with precision.autocast(torch.device("cpu"), enabled=not plan.mixed_precision_policy):
                 loss = model(tokens[:, :-1], labels=tokens[:, 1:]) / tokens[:, 1:].numel()  # as the loop does
             loss.backward()
             optimizer.step()
@@ -86,6 +106,26 @@ def test_each_checkpointing_mode_saves_the_memory_the_estimate_says():
         assert 0.75 <= estimate / peaks[mode] <= 1.25, (mode, estimate, peaks[mode])
     assert peaks["full"] < peaks["selective:2"] < peaks[False]
     assert peaks["full"] < peaks["op"] < peaks[False]
+
+
+@pytest.mark.multiproc  # a one-rank process group
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_ddp_costs_what_the_estimate_adds_to_one_process(precision, monkeypatch):
+    """DDP copies every gradient into its buckets, which stay allocated, and autocasts as one process does (low-
+    precision weight copies): measured against one process, the estimate adds what the measured peak does. Short
+    sequences, so that the weights and not the activations make the peak."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    config = Config.from_name("llama-debug")
+    one = layout(precision, 1, device_type="cpu")
+    ddp = ParallelPlan.resolve(devices=2, num_nodes=1, precision=precision, device_type="cpu", strategy="ddp",
+                               train=TrainArgs(global_batch_size=2, micro_batch_size=1))
+    estimated = {name: estimate_memory(config, plan, seq_len=32).total for name, plan in (("one", one), ("ddp", ddp))}
+    measured = {name: measured_peak(config, precision, 1, 32, False, ddp=name == "ddp") for name in ("one", "ddp")}
+    print(f"{precision}: estimate {estimated}, measured {measured}")
+    added, measured_added = estimated["ddp"] - estimated["one"], measured["ddp"] - measured["one"]
+    assert measured_added > 0
+    assert 0.75 <= added / measured_added <= 1.25, (added, measured_added)
+    assert 0.75 <= estimated["ddp"] / measured["ddp"] <= 1.25
 
 
 def test_estimate_follows_the_layout():
