@@ -361,21 +361,30 @@ def state_bytes(config: Config, plan: ParallelPlan, pipeline_rank: int = 0, *,
     else:
         params = (frozen + trainable) * stored
     params /= shard
-    if sharding in ("FULL_SHARD", "HYBRID_SHARD"):
+    fsdp = sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
+    # NOTE: a pipeline schedule runs every backward of a step with FSDP's resharding and gradient sync off
+    # (torch.distributed.pipelining's stage), and reduces once after the last: the stage's weights stay gathered
+    # and its gradients whole. So do the gradients under --fsdp.skip_gradient_sync with accumulation.
+    pipelined = fsdp and plan.pp > 1
+    if sharding in ("FULL_SHARD", "HYBRID_SHARD") and not pipelined:
         params += 2 * block * compute  # the gathered block, and the next one prefetched
-    elif sharding == "SHARD_GRAD_OP":
-        params += local * compute  # gathered weights stay until backward
+    elif sharding == "SHARD_GRAD_OP" or pipelined:
+        params += local * compute  # gathered weights stay until backward (a pipeline's: until the step ends)
     elif sharding in (None, "NO_SHARD") and precision.is_mixed:
         params += local * compute  # autocast keeps low-precision weight copies for backward (one process, DDP)
     grad_bytes = 4 if sharding is not None and precision.is_mixed else stored  # FSDP reduces in fp32
-    gradients = trainable * grad_bytes / shard
+    # --fsdp.skip_gradient_sync under accumulation, or a pipeline: FSDP adds up the micro-batches' gradients
+    # unsharded (in the reduction dtype, on the device even under CPU offload) and reduce-scatters them after the last.
+    unsharded = fsdp and (plan.grad_sync_only_last or pipelined)
+    gradients = trainable * grad_bytes / (1 if unsharded else shard)
     if sharding == "NO_SHARD":
         gradients *= 2  # DDP copies the gradients into its reduction buckets, which stay allocated between steps
-    if sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD") and trainable == local:
+    if fsdp and trainable == local:
         gradients += block * compute  # one block's unsharded gradients before the reduce-scatter
     optimizer = 2 * trainable * stored / shard  # AdamW's two moments, in the weights' dtype
     if plan.cpu_offload:
-        params, gradients, optimizer = 2 * block * compute, block * compute, 0
+        params, optimizer = (local if pipelined else 2 * block) * compute, 0
+        gradients = block * compute + (trainable * grad_bytes if unsharded else 0)
     return int(params), int(gradients), int(optimizer)
 
 
@@ -513,13 +522,27 @@ def model_splits(devices: int, world: int) -> list[tuple[int, int]]:
 
 def suggest_layout(config: Config, plan: ParallelPlan, *, seq_len: int, train: Any, fsdp: Any,
                    capacity: int) -> tuple[str, Optional[Suggestion]]:
-    """The first layout of :func:`model_splits` that fits ``capacity`` bytes, with the run's other flags.
+    """A layout that fits ``capacity`` bytes: first, where the run keeps its gradients whole through accumulation,
+    the same layout with them reduce-scattered after every micro-batch; then the first layout of
+    :func:`model_splits` that fits with the run's other flags.
 
-    If none does, the flags that lower memory are added one after another (activation checkpointing, micro batch 1,
-    FULL_SHARD instead of HYBRID_SHARD, twice the nodes, CPU offload) until one does. Returns (the flags added
-    before the split, empty if none were needed; the suggestion, None if nothing fits even then).
+    If none does, the flags that lower memory are added one after another (those gradients, activation
+    checkpointing, micro batch 1, FULL_SHARD instead of HYBRID_SHARD, twice the nodes, CPU offload) until one does.
+    Returns (the flags added before the split, empty if none were needed; the suggestion, None if nothing fits
+    even then).
     """
     remedies = [("", train, fsdp, plan.num_nodes)]
+    if plan.grad_sync_only_last:
+        # The accumulated gradients are whole on every rank; sharding them after each micro-batch costs only
+        # communication, which overlaps the backward: tried first, before any split.
+        fsdp = replace(fsdp, skip_gradient_sync=False)
+        flag = "--fsdp.skip_gradient_sync false"
+        candidate = _resolve_split(config, plan, seq_len=seq_len, train=train, fsdp=fsdp, num_nodes=plan.num_nodes,
+                                   tp=1, pp=1)
+        memory = estimate_memory(config, candidate, seq_len=seq_len) if candidate is not None else None
+        if memory is not None and fits(memory, capacity):
+            return "", Suggestion(flag, candidate, memory)
+        remedies.append((flag, train, fsdp, plan.num_nodes))
     if not fsdp.activation_checkpointing:
         fsdp = replace(fsdp, activation_checkpointing=True)
         remedies.append(("--fsdp.activation_checkpointing true", train, fsdp, plan.num_nodes))

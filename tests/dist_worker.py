@@ -280,7 +280,52 @@ def suite_four(runtime: Runtime, workdir: Path) -> dict:
     }
 
 
-SUITES = {"two": suite_two, "four": suite_four}
+def peak_bytes(runtime: Runtime, config: Config, plan: ParallelPlan, seq_len: int, steps: int = 2) -> int:
+    """Peak bytes of live tensors on this rank over ``steps`` optimizer steps with the plan's gradient accumulation
+    and gradient sync, as torch's MemTracker counts them on the CPU (the loop's micro-batches, without fit()'s
+    bookkeeping)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from llmtrain.recipes.build import build_model
+    from llmtrain.train.loop import gradient_sync
+
+    model = build_model(config, plan=plan, runtime=runtime, seed=SEED)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(runtime.rank)
+    micro_batches = plan.batch.grad_accum_steps
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        for _ in range(steps):
+            for index in range(micro_batches):
+                tracker.reset_mod_stats()  # each micro-batch runs the modules again; the peak is kept
+                tokens = torch.randint(0, config.vocab_size, (plan.batch.micro_batch_size, seq_len + 1),
+                                       generator=generator)
+                with gradient_sync(model, index == micro_batches - 1 or not plan.grad_sync_only_last):
+                    with plan.precision.autocast(runtime.device, enabled=not plan.mixed_precision_policy):
+                        loss = model(tokens[:, :-1], labels=tokens[:, 1:]) / tokens[:, 1:].numel()
+                    loss.backward()
+                del loss
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+
+
+def suite_memory(runtime: Runtime, workdir: Path) -> dict:
+    """Measured peaks of FULL_SHARD with 4 micro-batches a step, gradients reduced after the last one only
+    (--fsdp.skip_gradient_sync, the default) or after each. Weights of 15M parameters and short sequences: the
+    weights and gradients make the peak, not the activations. /dev/shm's slots (which the dry run counts apart)
+    are off."""
+    os.environ["LLMTRAIN_HOST_COLLECTIVES"] = "0"
+    config = tiny_config(n_layer=4, n_embd=512, n_head=8, n_query_groups=4, intermediate_size=1536, vocab_size=4096)
+    peaks = {}
+    for skip in (True, False):
+        plan = layout(runtime, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD", skip_gradient_sync=skip))
+        peaks[skip] = {"plan": plan, "measured": peak_bytes(runtime, config, plan, SEQ_LEN)}
+    return {"config": config, "seq_len": SEQ_LEN, "peaks": peaks}
+
+
+SUITES = {"two": suite_two, "four": suite_four, "memory": suite_memory}
 
 
 def worker_main(suite: str, workdir: Path, suites: Optional[dict] = None) -> None:

@@ -71,9 +71,13 @@ def test_each_stage_divides_what_it_partitions(llama_8b):
         assert state_bytes(llama_8b, zero_plan(name)) == (int(params), int(grads), int(optimizer)), name
     totals = [estimate_memory(llama_8b, zero_plan(name), seq_len=2048).total for name in expected]
     assert totals == sorted(totals, reverse=True)  # every step down the list saves memory
-    # Stage 3 against FULL_SHARD over the same ranks: the same parameters and moments, differently kept.
-    fsdp = estimate_memory(llama_8b, zero_plan("fsdp", fsdp=FSDPArgs(sharding_strategy="FULL_SHARD")), seq_len=2048)
+    # Stage 3 against FULL_SHARD over the same ranks: the same parameters and moments, differently kept. ZeRO
+    # reduces the gradients of every micro-batch into their partition; FSDP does so without --fsdp.skip_gradient_sync.
+    fsdp = estimate_memory(llama_8b, zero_plan("fsdp", fsdp=FSDPArgs(sharding_strategy="FULL_SHARD",
+                                                                     skip_gradient_sync=False)), seq_len=2048)
     assert abs(totals[3] - fsdp.total) < 2 * GiB
+    whole = estimate_memory(llama_8b, zero_plan("fsdp", fsdp=FSDPArgs(sharding_strategy="FULL_SHARD")), seq_len=2048)
+    assert whole.gradients - fsdp.gradients > 0.9 * 4 * num_parameters(llama_8b)  # with it: fp32, whole
 
 
 def test_lora_under_zero_keeps_optimizer_state_for_the_adapters_only(llama_8b):

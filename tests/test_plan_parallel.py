@@ -20,11 +20,13 @@ H100 = gpu_memory_bytes("H100")
 
 
 def on_4x8(tp: int = 1, pp: int = 1, micro_batch: int = 1, global_batch: int = 256, checkpointing: bool = False,
-           schedule=None, virtual_stages=None, sharding=None, sequence_parallel=None) -> ParallelPlan:
+           schedule=None, virtual_stages=None, sharding=None, sequence_parallel=None,
+           skip_sync: bool = True) -> ParallelPlan:
     """A bf16-mixed plan for 4 nodes of 8 H100 (HYBRID_SHARD unless ``sharding`` says otherwise)."""
     return ParallelPlan.resolve(devices=8, num_nodes=4, precision="bf16-mixed", device_type="cuda", tp=tp, pp=pp,
                                 train=TrainArgs(global_batch_size=global_batch, micro_batch_size=micro_batch),
-                                fsdp=FSDPArgs(activation_checkpointing=checkpointing, sharding_strategy=sharding),
+                                fsdp=FSDPArgs(activation_checkpointing=checkpointing, sharding_strategy=sharding,
+                                              skip_gradient_sync=skip_sync),
                                 pp_schedule=schedule, pp_virtual_stages=virtual_stages,
                                 sequence_parallel=sequence_parallel)
 
@@ -178,13 +180,20 @@ def test_70b_on_4x8_h100_gets_a_layout_that_fits(llama_70b):
 def test_70b_with_too_large_a_micro_batch_is_told_what_else_it_needs(llama_70b):
     added, suggestion = suggest_layout(llama_70b, on_4x8(micro_batch=4), seq_len=SEQ_LEN, fsdp=FSDPArgs(),
                                        train=TrainArgs(global_batch_size=256, micro_batch_size=4), capacity=H100)
-    assert added == "--fsdp.activation_checkpointing true" and suggestion is not None
-    assert suggestion.plan.activation_checkpointing and fits(suggestion.memory, H100)
+    # The gradients sharded after every micro-batch first, then the remedies in their order until one fits.
+    assert added.startswith("--fsdp.skip_gradient_sync false --fsdp.activation_checkpointing true") and suggestion
+    assert suggestion.plan.activation_checkpointing and not suggestion.plan.grad_sync_only_last
+    assert fits(suggestion.memory, H100)
 
 
 def test_8b_fits_with_fsdp_alone(llama_8b):
     assert fits(estimate_memory(llama_8b, on_4x8(checkpointing=True), seq_len=SEQ_LEN), H100)
-    assert fits(estimate_memory(llama_8b, on_4x8(), seq_len=SEQ_LEN), H100)
+    assert fits(estimate_memory(llama_8b, on_4x8(skip_sync=False), seq_len=SEQ_LEN), H100)
+    # Accumulating 8 micro-batches with the sync skipped holds the fp32 gradients whole: 32 GB more per device.
+    unsharded = estimate_memory(llama_8b, on_4x8(), seq_len=SEQ_LEN)
+    assert not fits(unsharded, H100)
+    assert unsharded.gradients > 4 * num_parameters(llama_8b) > estimate_memory(
+        llama_8b, on_4x8(skip_sync=False), seq_len=SEQ_LEN).gradients
 
 
 # ---- the dry run prints it ---------------------------------------------------------------------------------------
@@ -212,11 +221,13 @@ def test_dry_run_of_tensor_and_pipeline_parallelism(capsys, tmp_path):
 
 def test_dry_run_suggests_a_layout_for_70b_and_none_for_8b(capsys, tmp_path):
     out = dry_run(capsys, "llama-3-70b", "--out_dir", str(tmp_path / "o"))
-    assert "fits         no: 336." in out
+    assert "fits         no: 566." in out
     assert "suggest      --tp_size 8 --pp_size 4: 62.44 GiB per device (mesh pipeline 4 × tensor 8; 1f1b bubble " \
            "1.2%)" in out
     out = dry_run(capsys, "llama-3-8b", "--fsdp.activation_checkpointing", "true", "--out_dir", str(tmp_path / "o"))
-    assert "fits         yes: 21.76 GiB per device" in out and "\nsuggest " not in out
+    assert "fits         yes: 47.93 GiB per device" in out and "\nsuggest " not in out
+    out = dry_run(capsys, "llama-3-8b", "--out_dir", str(tmp_path / "o"))  # the sync skipped: the gradients whole
+    assert "fits         no: 85.94 GiB" in out and "suggest      --fsdp.skip_gradient_sync false: " in out
 
 
 def test_dry_run_of_lora_that_does_not_fit_suggests_no_split(capsys, tmp_path):
