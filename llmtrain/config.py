@@ -496,3 +496,14 @@ def resolve_name(name: str) -> str:
 def aliases_of(name: str) -> list[str]:
     """The other names that resolve to zoo entry `name` alone (for `llmtrain pretrain list`)."""
     return sorted(key for key, names in ALIASES.items() if names == (name,) and key != name.lower())
+
+
+ARCHITECTURE_FIELDS = tuple(f.name for f in fields(Config)
+                            if f.name not in ("name", "hf_config", "vocab_size", "padding_multiple", "block_size"))
+"""Config fields that decide the weights and the computation; two configs that agree on them are one model."""
+
+
+def architecture_differences(ours: Config, theirs: Config) -> list[str]:
+    """What tells the models of two configs apart ("n_embd 64 vs 128", ...); empty for one model."""
+    return [f"{key} {getattr(ours, key)!r} vs {getattr(theirs, key)!r}" for key in ARCHITECTURE_FIELDS
+            if getattr(ours, key) != getattr(theirs, key)]

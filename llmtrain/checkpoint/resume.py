@@ -206,8 +206,7 @@ def check_resume_model(checkpoint_dir: Path, config: Any) -> None:
     """Refuse to resume a checkpoint of another architecture than this run's ``config`` (a shape mismatch would
     fail deep in the load, or, for a sharded checkpoint, in DCP; a changed rope_base or norm_eps would not fail
     at all). Called in the launching process, before any worker starts."""
-    from llmtrain.config import Config
-    from llmtrain.convert.adapters import architecture_differences
+    from llmtrain.config import Config, architecture_differences
 
     path = Path(checkpoint_dir) / layout.CONFIG_FILE
     differences = architecture_differences(Config.from_file(path), config)

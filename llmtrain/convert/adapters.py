@@ -20,12 +20,12 @@ config.json is written in the layout the Hugging Face Hub uses (`rope_theta`, `r
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from llmtrain.config import MODEL_ZOO, Config
+from llmtrain.config import MODEL_ZOO, Config, architecture_differences
 
 if TYPE_CHECKING:
     import torch
@@ -484,16 +484,6 @@ def config_from_hf(values: dict[str, Any], path: Path) -> tuple[Adapter, Config]
 
 
 # ---- the zoo ---------------------------------------------------------------------------------------
-
-ARCHITECTURE_FIELDS = tuple(f.name for f in fields(Config)
-                            if f.name not in ("name", "hf_config", "vocab_size", "padding_multiple", "block_size"))
-"""Config fields that decide the weights and the computation; two configs that agree on them are one model."""
-
-
-def architecture_differences(ours: Config, theirs: Config) -> list[str]:
-    return [f"{key} {getattr(ours, key)!r} vs {getattr(theirs, key)!r}" for key in ARCHITECTURE_FIELDS
-            if getattr(ours, key) != getattr(theirs, key)]
-
 
 def zoo_config(config: Config, hints: list[str]) -> Config:
     """The zoo entry with the architecture of `config` (preferring one named like a hint), else `config`.
