@@ -5,7 +5,8 @@ Every ```bash block is read like a shell would split it. Each `llmtrain SUBCOMMA
 and each `--flag` must be one that `llmtrain SUBCOMMAND --help` lists, or a field of the class the flag
 belongs to (`--data.*` of the data module named by `--data`, `--optimizer.*` of the optimizer,
 `--model_config.*` of Config). Boolean flags must be given a value, and `--config` files from the
-repository must exist. Nothing is run.
+repository must exist. Nothing is trained; the figures that out_of_memory.md quotes from `--dry_run`
+are compared with the dry run.
 """
 
 from __future__ import annotations
@@ -252,3 +253,84 @@ def test_the_docs_give_the_templates_signal_lead_time():
     for name, amount in stated:
         minutes = int(amount) if amount.isdigit() else numbers[amount.lower()]
         assert minutes * 60 == lead_s, f"{name} says {amount} minutes; the templates send USR1 {lead_s} s before"
+
+
+# The rows of out_of_memory.md's tables (their first cell) -> the command whose dry run gives the row's figure.
+# Pretraining rows add their flags to the tutorial's first command (micro batch 4); fine-tuning rows run on a
+# Llama-3.1-8B model directory with the flags the table's heading names.
+OOM_PRETRAIN_ROWS = {
+    "recompute activations in backward": ["--fsdp.activation_checkpointing", "true"],
+    "smaller micro batch, same global batch": ["--train.micro_batch_size", "1"],
+    "both of the above": ["--fsdp.activation_checkpointing", "true", "--train.micro_batch_size", "1"],
+    "shorter sequences": ["--train.max_seq_length", "2048"],
+    "keep weights, gradients and moments in host memory": ["--fsdp.cpu_offload", "true"],
+    "train in bf16 throughout": ["--precision", "bf16-true"],
+    "shard weights after forward (the default)": [],
+    "more devices": [],
+}
+OOM_COMPARED = {"SHARD_GRAD_OP": ["--fsdp.sharding_strategy", "SHARD_GRAD_OP"], "one device": ["--devices", "1"]}
+OOM_FINETUNE_ROWS = {
+    "full fine-tuning": ["finetune_full"],
+    "full fine-tuning on 8 devices": ["finetune_full", "--devices", "8", "--fsdp.activation_checkpointing", "true"],
+    "LoRA (3.4M trainable parameters)": ["finetune_lora"],
+    "QLoRA, base weights in 4 bits": ["finetune_lora", "--quantize", "bnb.nf4"],
+    "QLoRA and activation checkpointing": ["finetune_lora", "--quantize", "bnb.nf4",
+                                           "--fsdp.activation_checkpointing", "true"],
+}
+
+
+def _table_rows(markdown: str) -> dict[str, list[str]]:
+    """The cells of every markdown table row, by the row's first cell."""
+    rows = {}
+    for line in markdown.splitlines():
+        if line.startswith("| ") and not line.startswith("| ---"):
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            rows[cells[0]] = cells
+    return rows
+
+
+def _estimate_gib(capsys, args: list[str]) -> float:
+    """The total per device that `--dry_run` prints for these arguments."""
+    from llmtrain.cli import main
+
+    main([*args, "--dry_run"])
+    out = capsys.readouterr().out
+    (total,) = re.findall(r"^memory {7}per device \(estimate.*\| total ([\d.]+) GiB$", out, re.M)
+    return float(total)
+
+
+def test_the_out_of_memory_tables_are_the_dry_runs(capsys, tmp_path):
+    """Every per-device figure of out_of_memory.md is what `--dry_run` prints for that row's flags (to the
+    figure's last digit): the tables rank the flags by the estimate, so they must move with it."""
+    from llmtrain.checkpoint.layout import CONFIG_FILE
+    from llmtrain.config import Config
+
+    markdown = (ROOT / "tutorials" / "out_of_memory.md").read_text()
+    rows = _table_rows(markdown)
+    # The starting point: the first command of the first block.
+    base = [word for word in shell_commands(markdown)[0] if word not in ("llmtrain", "--dry_run")]
+    base += ["--out_dir", str(tmp_path / "out")]
+
+    def close(stated: str, args: list[str], where: str) -> None:
+        actual = _estimate_gib(capsys, args)
+        places = len(stated.partition(".")[2])
+        assert abs(float(stated) - actual) <= 0.5 * 10 ** -places + 1e-9, \
+            f"out_of_memory.md, {where}: {stated} GiB, but the dry run of {' '.join(args)} prints {actual} GiB"
+
+    (start,) = re.findall(r"needs \*\*([\d.]+) GiB\*\* per device", markdown)
+    close(start, base, "the starting point")
+    for name, flags in OOM_PRETRAIN_ROWS.items():
+        close(rows[name][2].split()[0], base + flags, f"row {name!r}")
+    for name, flags in OOM_COMPARED.items():
+        (stated,) = re.findall(rf"{name}`? \(([\d.]+) GiB\)", markdown)
+        close(stated, base + flags, f"the figure for {name}")
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    Config.from_name("Llama-3.1-8B").save(model_dir / CONFIG_FILE)
+    for name in ("model.safetensors", "tokenizer.json"):
+        (model_dir / name).write_bytes(b"")  # a dry run reads only the architecture
+    finetune = ["--train.micro_batch_size", "1", "--train.max_seq_length", "2048", "--precision", "bf16-true",
+                "--out_dir", str(tmp_path / "out")]
+    for name, (command, *flags) in OOM_FINETUNE_ROWS.items():
+        close(rows[name][2].split()[0].rstrip(":"), [command, str(model_dir), *finetune, *flags], f"row {name!r}")
