@@ -263,6 +263,9 @@ OOM_PRETRAIN_ROWS = {
     "smaller micro batch, same global batch": ["--train.micro_batch_size", "1"],
     "both of the above": ["--fsdp.activation_checkpointing", "true", "--train.micro_batch_size", "1"],
     "shorter sequences": ["--train.max_seq_length", "2048"],
+    "reduce-scatter the gradients after every micro-batch": ["--fsdp.skip_gradient_sync", "false"],
+    "all three: checkpointing, micro batch 1, gradients sharded": [
+        "--fsdp.activation_checkpointing", "true", "--train.micro_batch_size", "1", "--fsdp.skip_gradient_sync", "false"],
     "keep weights, gradients and moments in host memory": ["--fsdp.cpu_offload", "true"],
     "train in bf16 throughout": ["--precision", "bf16-true"],
     "shard weights after forward (the default)": [],
