@@ -186,6 +186,25 @@ def test_finetune_sbatch_one_task_per_node_arguments(cluster, tmp_path):
     assert not (marks / "run0-task2.args").exists()
 
 
+def test_finetune_sbatch_checkpoint_dir_wins_over_a_recipes(cluster, tmp_path, capsys):
+    """`finetune.sbatch CHECKPOINT_DIR --config RECIPE`, as the SLURM README allows: every recipe in config_hub/finetune
+    names a checkpoint_dir, and the one on the command line is the model to fine-tune, not the recipe's."""
+    from llmtrain.cli import main
+
+    fake, marks = fake_llmtrain(tmp_path)
+    env = {"LLMTRAIN": str(fake), "MARK_DIR": str(marks), "DEVICES": "2"}
+    recipe = ROOT / "config_hub/finetune/debug/lora.yaml"
+    run_job(cluster, FINETUNE_SBATCH, ["ckpt/model", "--config", str(recipe), "--train.max_steps", "3"], env,
+            [*CPU_OPTIONS, "--ntasks-per-node=1", "--cpus-per-task=2", f"--chdir={tmp_path}"])
+    args = (marks / "run0-task0.args").read_text().split()
+    assert args[0] == "finetune_lora" and args[-2:] == ["--train.max_steps", "3"]
+    with pytest.raises(SystemExit):
+        main([*args, "--print_config"])
+    printed = capsys.readouterr().out
+    assert re.search(r"^checkpoint_dir: ckpt/model$", printed, re.M) and re.search(r"^devices: 2$", printed, re.M), \
+        printed
+
+
 def read_losses(out_dir):
     with open(Path(out_dir) / "metrics.csv") as handle:
         return {int(row["step"]): row["loss"] for row in csv.DictReader(handle) if row["loss"]}
