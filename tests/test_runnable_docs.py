@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKED_BLOCK = re.compile(r"^<!-- runnable(?:: save as (?P<save>\S+))? -->\n```(?P<lang>\w*)\n(?P<body>.*?)^```",
@@ -77,6 +79,73 @@ def tiny(body: str) -> str:
     for old, new in RENAMES.items():
         body = body.replace(old, new)
     return body
+
+
+# What a resumed run shares with the run it continues, as written in the document (TINY would hide a difference):
+# the documents promise the same data order and losses, which nothing else in the settings changes.
+RESUME_KEEPS = ("model_name", "model_config", "initial_checkpoint_dir", "tokenizer_dir", "precision", "data", "seed",
+                "optimizer", "train.global_batch_size", "train.micro_batch_size", "train.max_seq_length",
+                "train.lr_warmup_steps", "train.lr_warmup_fraction", "train.min_lr", "train.lr_decay", "train.max_norm")
+
+
+def _settings(words: list[str]) -> dict:
+    """What `llmtrain ...words... --print_config` prints, as a dict."""
+    import contextlib
+    import io
+
+    import yaml
+
+    from llmtrain.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main([*words, "--print_config"])
+    return yaml.safe_load(out.getvalue())
+
+
+def _setting(settings: dict, key: str):
+    for part in key.split("."):
+        settings = settings[part]
+    return settings
+
+
+def _differences(written: dict, resumed: dict) -> list[str]:
+    return [f"{key}: {_setting(written, key)!r} -> {_setting(resumed, key)!r}" for key in RESUME_KEEPS
+            if _setting(written, key) != _setting(resumed, key)]
+
+
+@pytest.mark.parametrize("name", list(DOCS))
+def test_a_resumed_run_keeps_the_settings_of_the_run_it_continues(name, tmp_path, monkeypatch):
+    """Every `--resume` training command of a document's runnable blocks, as written (no TINY), resolves to the
+    settings of the command that first wrote its out_dir: another sequence length, batch or data is refused by the
+    resume, or changes the run that the text says continues unchanged. Nothing is trained: the settings are what
+    --print_config prints, and a `--print_config > FILE` line writes FILE for the commands after it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config_hub").symlink_to(ROOT / "config_hub")
+    first: dict[str, dict] = {}
+    for lang, body, save_as in runnable_blocks(DOCS[name].read_text()):
+        if save_as:
+            (tmp_path / save_as).write_text(body)
+            continue
+        if lang != "bash":
+            continue
+        for line in body.replace("\\\n", " ").splitlines():
+            if not TRAINING.match(line):
+                continue
+            words = shlex.split(line, comments=True)[1:]
+            target = None
+            if ">" in words:
+                words, target = words[:words.index(">")], words[words.index(">") + 1]
+            settings = _settings([word for word in words if word != "--print_config"])
+            if target is not None:
+                (tmp_path / target).write_text(yaml.safe_dump(settings, sort_keys=False))
+            elif settings["resume"] is False:
+                first.setdefault(settings["out_dir"], settings)
+            else:
+                assert settings["out_dir"] in first, f"{name}: `{line.strip()}` resumes a run the document never starts"
+                changed = _differences(first[settings["out_dir"]], settings)
+                assert not changed, (f"{name}: `{' '.join(words)}` resumes {settings['out_dir']} with other settings "
+                                     f"than the run that wrote it: {'; '.join(changed)}")
 
 
 def test_every_listed_document_has_runnable_blocks():
