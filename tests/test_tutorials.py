@@ -5,8 +5,8 @@ Every ```bash block is read like a shell would split it. Each `llmtrain SUBCOMMA
 and each `--flag` must be one that `llmtrain SUBCOMMAND --help` lists, or a field of the class the flag
 belongs to (`--data.*` of the data module named by `--data`, `--optimizer.*` of the optimizer,
 `--model_config.*` of Config). Boolean flags must be given a value, and `--config` files from the
-repository must exist. Nothing is trained; the figures that out_of_memory.md quotes from `--dry_run`
-are compared with the dry run.
+repository must exist. Nothing is trained; the figures and output that out_of_memory.md and
+parallelism.md quote from `--dry_run` are compared with the dry run.
 """
 
 from __future__ import annotations
@@ -292,14 +292,52 @@ def _table_rows(markdown: str) -> dict[str, list[str]]:
     return rows
 
 
-def _estimate_gib(capsys, args: list[str]) -> float:
-    """The total per device that `--dry_run` prints for these arguments."""
+def _dry_run(capsys, args: list[str]) -> str:
+    """What `llmtrain ...args... --dry_run` prints."""
     from llmtrain.cli import main
 
     main([*args, "--dry_run"])
-    out = capsys.readouterr().out
-    (total,) = re.findall(r"^memory {7}per device \(estimate.*\| total ([\d.]+) GiB$", out, re.M)
+    return capsys.readouterr().out
+
+
+def _estimate_gib(capsys, args: list[str]) -> float:
+    """The total per device that `--dry_run` prints for these arguments."""
+    (total,) = re.findall(r"^memory {7}per device \(estimate.*\| total ([\d.]+) GiB$", _dry_run(capsys, args), re.M)
     return float(total)
+
+
+def _plain_blocks(markdown: str) -> list[list[str]]:
+    """The lines of every fenced block without a language (quoted output)."""
+    blocks, current, language = [], None, ""
+    for line in markdown.splitlines():
+        if line.startswith("```") and current is None:
+            current, language = [], line[3:]
+        elif line.startswith("```"):
+            if not language:
+                blocks.append(current)
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def test_the_parallelism_tutorial_quotes_what_its_dry_runs_print(capsys, tmp_path):
+    """Every line of dry-run output that parallelism.md quotes is printed, as it stands, by one of the dry runs the
+    text names: the 8B and the 70B of its first block, the 8B at `--tp_size 2 --pp_size 2` and the 70B at micro
+    batch 4."""
+    markdown = (ROOT / "tutorials" / "parallelism.md").read_text()
+    llama_8b, llama_70b = ([word for word in words if word not in ("llmtrain", "--dry_run")]
+                           + ["--out_dir", str(tmp_path / "out")] for words in shell_commands(markdown)[:2])
+    assert "llama-3-8b" in llama_8b and "llama-3-70b" in llama_70b
+    micro_4 = _dry_run(capsys, [*llama_70b, "--train.micro_batch_size", "4"])
+    printed = set("\n".join([_dry_run(capsys, llama_8b), _dry_run(capsys, llama_70b), micro_4,
+                             _dry_run(capsys, [*llama_8b, "--tp_size", "2", "--pp_size", "2"])]).splitlines())
+    quoted = [line for block in _plain_blocks(markdown) for line in block]
+    assert len(quoted) >= 10
+    stale = [line for line in quoted if line not in printed]
+    assert not stale, "parallelism.md quotes lines that no dry run prints:\n" + "\n".join(stale)
+    (stated,) = re.findall(r"micro batch 4 .*\n?.* needs ([\d.]+) GiB per device as it stands", markdown)
+    assert f"total {stated} GiB" in micro_4
 
 
 def test_the_out_of_memory_tables_are_the_dry_runs(capsys, tmp_path):
