@@ -76,6 +76,30 @@ def test_short_benchmark_reports_sane_numbers_and_compares_with_the_baseline(tmp
     assert [p.name for p in (tmp_path / "bench").iterdir()] == ["benchmarks.jsonl"]  # the training run is gone
 
 
+@pytest.mark.slow
+def test_the_readmes_regression_check_compares_with_the_stored_baseline(tmp_path):
+    """The README's regression check, run as written in a shell without OMP_NUM_THREADS of its own, on a machine that
+    scripts/benchmark_baseline.json has a number for: it compares with that number (a command that instead records
+    a baseline of its own passes whatever the speed, and checks nothing)."""
+    import re
+    import shlex
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (command,) = re.findall(r"the regression check is its own command: `([^`]+)`", readme.replace("\n", " "))
+    words = shlex.split(command)
+    env = {name: value for name, value in os.environ.items() if name != "OMP_NUM_THREADS"}
+    while "=" in words[0]:
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    assert words[:2] == ["llmtrain", "benchmark"]
+    if not any(key.startswith(device_name("cpu") + "|") for key in json.loads(DEFAULT_BASELINE.read_text())):
+        pytest.skip(f"{DEFAULT_BASELINE.name} has no number for {device_name('cpu')}")
+    env["LLMTRAIN_CACHE_DIR"] = str(tmp_path / "cache")  # no baseline of this machine's own to fall back on
+    done = run_benchmark(*words[2:], "--out_dir", str(tmp_path / "bench"), cwd=tmp_path, env=env)
+    assert done.returncode in (0, 1), done.stderr[-3000:]  # 1: a regression, which is a comparison too
+    assert "tokens/s vs baseline: " in done.stdout and "is now the baseline" not in done.stdout, done.stdout[-2000:]
+
+
 FAR_BELOW_KEY = f"{device_name('cpu')}|llama-debug|32-true|1|32|1|False|1"
 OTHER_CPU_KEY = "Some Other CPU (64 cores)|llama-debug|32-true|1|32|1|False|1"
 

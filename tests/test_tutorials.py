@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "tutorials").glob("*.md")) + [ROOT / "README.md"]
 BASH_BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-INLINE_COMMAND = re.compile(r"(?<!`)`((?:\S*/)?llmtrain [^`\n]+)`(?!`)")
+INLINE_COMMAND = re.compile(r"(?<!`)`((?:\w+=\S* )*(?:\S*/)?llmtrain [^`\n]+)`(?!`)")
 SHELL_OPERATORS = {"&&", "||", ";", "|", "&"}
 REDIRECTS = {">", ">>", "<", "2>", "2>&1", "&>"}
 BOOLEAN_VALUES = {"true", "false", "True", "False", "yes", "no"}
