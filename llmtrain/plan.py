@@ -520,6 +520,10 @@ def model_splits(devices: int, world: int) -> list[tuple[int, int]]:
     return sorted(pairs, key=lambda pair: (pair[0] * pair[1], pair[1]))
 
 
+SYNC_EVERY_MICRO_BATCH = "--fsdp.skip_gradient_sync false"
+"""The remedy for gradients kept whole through accumulation: reduce-scatter them after every micro-batch."""
+
+
 def suggest_layout(config: Config, plan: ParallelPlan, *, seq_len: int, train: Any, fsdp: Any,
                    capacity: int) -> tuple[str, Optional[Suggestion]]:
     """A layout that fits ``capacity`` bytes: first, where the run keeps its gradients whole through accumulation,
@@ -532,11 +536,12 @@ def suggest_layout(config: Config, plan: ParallelPlan, *, seq_len: int, train: A
     even then).
     """
     remedies = [("", train, fsdp, plan.num_nodes)]
+    own_skip_sync = fsdp.skip_gradient_sync  # what a pipeline split keeps (see the NOTE below)
     if plan.grad_sync_only_last:
         # The accumulated gradients are whole on every rank; sharding them after each micro-batch costs only
         # communication, which overlaps the backward: tried first, before any split.
         fsdp = replace(fsdp, skip_gradient_sync=False)
-        flag = "--fsdp.skip_gradient_sync false"
+        flag = SYNC_EVERY_MICRO_BATCH
         candidate = _resolve_split(config, plan, seq_len=seq_len, train=train, fsdp=fsdp, num_nodes=plan.num_nodes,
                                    tp=1, pp=1)
         memory = estimate_memory(config, candidate, seq_len=seq_len) if candidate is not None else None
@@ -558,14 +563,17 @@ def suggest_layout(config: Config, plan: ParallelPlan, *, seq_len: int, train: A
     for flag, train, fsdp, num_nodes in remedies:
         added += [flag] if flag else []
         for tp, pp in model_splits(plan.devices, plan.devices * num_nodes):
-            candidate = _resolve_split(config, plan, seq_len=seq_len, train=train, fsdp=fsdp, num_nodes=num_nodes,
-                                       tp=tp, pp=pp)
+            # NOTE: --pp_size refuses --fsdp.skip_gradient_sync false (its schedule reduces once per step anyway), so a
+            # pipeline split is tried, and suggested, without that remedy.
+            flags = [remedy for remedy in added if remedy != SYNC_EVERY_MICRO_BATCH] if pp > 1 else added
+            candidate = _resolve_split(config, plan, seq_len=seq_len, train=train, num_nodes=num_nodes, tp=tp, pp=pp,
+                                       fsdp=replace(fsdp, skip_gradient_sync=own_skip_sync) if pp > 1 else fsdp)
             if candidate is None:
                 continue
             memory = estimate_memory(config, candidate, seq_len=seq_len)
             if fits(memory, capacity):
                 split = " ".join(f"--{name} {size}" for name, size in (("tp_size", tp), ("pp_size", pp)) if size > 1)
-                return " ".join(added), Suggestion(split, candidate, memory)
+                return " ".join(flags), Suggestion(split, candidate, memory)
     return " ".join(added), None
 
 
