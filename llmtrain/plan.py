@@ -526,9 +526,9 @@ SYNC_EVERY_MICRO_BATCH = "--fsdp.skip_gradient_sync false"
 
 def suggest_layout(config: Config, plan: ParallelPlan, *, seq_len: int, train: Any, fsdp: Any,
                    capacity: int) -> tuple[str, Optional[Suggestion]]:
-    """A layout that fits ``capacity`` bytes: first, where the run keeps its gradients whole through accumulation,
-    the same layout with them reduce-scattered after every micro-batch; then the first layout of
-    :func:`model_splits` that fits with the run's other flags.
+    """A layout that fits ``capacity`` bytes (a DDP run's with FSDP in DDP's place, named in the flags): first,
+    where the run keeps its gradients whole through accumulation, the same layout with them reduce-scattered
+    after every micro-batch; then the first layout of :func:`model_splits` that fits with the run's other flags.
 
     If none does, the flags that lower memory are added one after another (those gradients, activation
     checkpointing, micro batch 1, FULL_SHARD instead of HYBRID_SHARD, twice the nodes, CPU offload) until one does.
@@ -536,10 +536,16 @@ def suggest_layout(config: Config, plan: ParallelPlan, *, seq_len: int, train: A
     even then).
     """
     remedies = [("", train, fsdp, plan.num_nodes)]
+    if plan.wrapper == "ddp":
+        # NOTE: DDP keeps every state whole on every rank and splits nothing; the splits put FSDP in its place
+        # (_resolve_split), which the suggestion must then name.
+        sharding = "HYBRID_SHARD" if plan.num_nodes > 1 else "FULL_SHARD"
+        fsdp = replace(fsdp, sharding_strategy=sharding)
+        remedies = [(f"--strategy fsdp --fsdp.sharding_strategy {sharding}", train, fsdp, plan.num_nodes)]
     own_skip_sync = fsdp.skip_gradient_sync  # what a pipeline split keeps (see the NOTE below)
-    if plan.grad_sync_only_last:
+    if plan.grad_sync_only_last and plan.wrapper == "fsdp":
         # The accumulated gradients are whole on every rank; sharding them after each micro-batch costs only
-        # communication, which overlaps the backward: tried first, before any split.
+        # communication, which overlaps the backward: tried first, before any split. (DDP's are whole either way.)
         fsdp = replace(fsdp, skip_gradient_sync=False)
         flag = SYNC_EVERY_MICRO_BATCH
         candidate = _resolve_split(config, plan, seq_len=seq_len, train=train, fsdp=fsdp, num_nodes=plan.num_nodes,

@@ -236,6 +236,26 @@ def test_dry_run_suggests_a_layout_for_70b_and_none_for_8b(capsys, tmp_path):
     assert "fits         no: 85.94 GiB" in out and "suggest      --fsdp.skip_gradient_sync false: " in out
 
 
+@pytest.mark.parametrize("ddp", [["--strategy", "ddp"], ["--fsdp.sharding_strategy", "NO_SHARD"]])
+def test_dry_run_of_ddp_that_does_not_fit_names_the_sharding_it_suggests(capsys, tmp_path, ddp):
+    """DDP splits no model: the layout suggested in its place is FSDP's, and the flags say so. Appended to the
+    command, they give the estimate the suggestion printed (it named --fsdp.skip_gradient_sync false, or nothing,
+    with FSDP's figure, while DDP with them still did not fit)."""
+    import re
+
+    from llmtrain.cli import main
+
+    command = ["pretrain", "pythia-1b", "--devices", "8", "--dry_run.gpu", "L4", "--dry_run", "--out_dir",
+               str(tmp_path / "o"), "--train.global_batch_size", "256", "--train.micro_batch_size", "4", *ddp]
+    main(command)
+    out = capsys.readouterr().out
+    assert "NO_SHARD (DDP)" in out and "fits         no:" in out
+    (flags, total), = re.findall(r"suggest      .*with (--\S.*): ([\d.]+ GiB) per device", out)
+    assert flags == "--strategy fsdp --fsdp.sharding_strategy FULL_SHARD"
+    main(command + flags.split())
+    assert f"fits         yes: {total} per device" in capsys.readouterr().out
+
+
 def test_dry_run_of_lora_that_does_not_fit_suggests_no_split(capsys, tmp_path):
     from llmtrain.checkpoint.layout import CONFIG_FILE
     from llmtrain.cli import main
