@@ -133,3 +133,28 @@ def test_recipe_parses_and_resolves(recipe, capsys):
             # The same rules finetune_lora enforces when it starts.
             assert world == 1, f"{recipe}: --quantize runs on one device"
             assert not precision.is_mixed, f"{recipe}: --quantize needs a -true precision"
+
+
+QLORA_RECIPES = [recipe for recipe in RECIPES if recipe.name == "qlora.yaml" and recipe.parent.name != "debug"]
+
+
+@pytest.mark.parametrize("recipe", QLORA_RECIPES, ids=lambda p: p.parent.name)
+def test_a_qlora_recipe_quotes_the_memory_its_dry_run_estimates(recipe, capsys, tmp_path):
+    """The comment's two figures, as written and with activation checkpointing, are what `--dry_run` prints for
+    the recipe on a stand-in folder of its model (the dry run reads only the architecture)."""
+    from llmtrain.checkpoint.layout import CONFIG_FILE
+
+    comment = " ".join(line[2:] for line in recipe.read_text().splitlines() if line.startswith("# "))
+    written, checkpointed = re.search(r"estimates ([\d.]+) GiB per device as written, and ([\d.]+) GiB with "
+                                      r"`--fsdp.activation_checkpointing true`", comment).groups()
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    base_model_of(yaml.safe_load(recipe.read_text())["checkpoint_dir"]).save(model_dir / CONFIG_FILE)
+    for name in ("model.safetensors", "tokenizer.json"):
+        (model_dir / name).write_bytes(b"")
+    for stated, extra in ((written, []), (checkpointed, ["--fsdp.activation_checkpointing", "true"])):
+        main(["finetune_lora", "--config", str(recipe), str(model_dir), "--out_dir", str(tmp_path / "out"), *extra,
+              "--dry_run"])
+        (total,) = re.findall(r"^memory {7}per device \(estimate.*\| total ([\d.]+) GiB$", capsys.readouterr().out,
+                              re.M)
+        assert total == stated, (recipe, extra, total, stated)
