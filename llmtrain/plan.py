@@ -37,7 +37,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from llmtrain.checkpoint.size import checkpoint_bytes
+from llmtrain.checkpoint.size import checkpoint_bytes, final_is_separate
 from llmtrain.config import Config
 from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.flops import flops_per_token, gpu_memory_bytes, link_bytes_per_s, lookup_peak_flops, num_parameters
@@ -635,7 +635,7 @@ def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_
     memory = estimate_memory(config, plan, seq_len=seq_len, trainable_parameters=trainable_parameters,
                              quantize=quantize)
     sizes = checkpoint_bytes(config, plan.precision, trainable_parameters,
-                             separate_final=fsdp.state_dict_type == "sharded" or plan.zero is not None)
+                             separate_final=final_is_separate(fsdp.state_dict_type, plan))
     steps = _planned_steps(train, tokens_per_step)
     if plan.wrapper == "none":
         layout = "one process"

@@ -31,6 +31,12 @@ def checkpoint_bytes(config: Config, precision: Any, trainable_parameters: Optio
     return {"weights": weights, "step": step, "needed": step + weights if separate_final else step}
 
 
+def final_is_separate(state_dict_type: str, plan: Any) -> bool:
+    """Whether ``final/`` is a copy of the weights of its own: sharded (DCP) and DeepSpeed step checkpoints are not
+    the model file it holds; a full one's files are linked into it."""
+    return state_dict_type == "sharded" or plan.zero is not None
+
+
 def check_disk_space(out_dir: Path, config: Config, precision: Any, trainable_parameters: Optional[int] = None,
                      separate_final: bool = False) -> None:
     """Refuse to start when --out_dir's disk cannot hold one checkpoint (and a LoRA run's merged final/).

@@ -28,7 +28,7 @@ from llmtrain.checkpoint.checkpointer import Checkpointer, build_checkpointer
 from llmtrain.checkpoint.lora import write_lora_settings
 from llmtrain.checkpoint.resume import (check_deepspeed_resume, check_resume_lora, check_resume_model,
                                         check_resume_optimizer)
-from llmtrain.checkpoint.size import check_disk_space
+from llmtrain.checkpoint.size import check_disk_space, final_is_separate
 from llmtrain.checkpoint.state import load_training_state
 from llmtrain.distributed.launch import is_first_process, launch, plan_launch, resolve_devices
 from llmtrain.distributed.parallel_plan import DEEPSPEED_STRATEGIES, ParallelPlan, resolve_device_type
@@ -144,7 +144,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
                             streaming=getattr(flags["data"], "streaming", False),
                             data_parallel_size=plan.data_parallel_size, checkpoint=f"--resume {resume_from}")
     check_disk_space(flags["out_dir"], config, plan.precision, trainable_parameters=trainable_parameters,
-                     separate_final=flags["fsdp"].state_dict_type == "sharded" or plan.zero is not None)
+                     separate_final=final_is_separate(flags["fsdp"].state_dict_type, plan))
     flags["data"].validate()
     if tokenizer_dir is not None:  # a prepared folder's tokenizer is checked here, not after launch on every rank
         flags["data"].validate_tokenizer(Tokenizer(tokenizer_dir))
