@@ -312,3 +312,17 @@ def test_the_baseline_key_tells_apart_a_global_batch_and_a_sharding_strategy():
         {"global_batch_size": 32}, {"sharding_strategy": "NO_SHARD"}, {"sharding_strategy": "SHARD_GRAD_OP"})}
     assert len(keys) == 3 and plain not in keys
     assert baseline_key({**record, "pp_size": 2, "global_batch_size": 8}) == plain + "|pp_size 2"  # 4 × 1 rank × 2
+
+
+def test_mfu_is_taken_against_the_faster_of_the_peaks_before_and_after_the_run(tmp_path, monkeypatch):
+    """A neighbour that slows the first measurement only must not inflate MFU: the peak is measured again after
+    the run, and the faster of the two counts (whichever came first)."""
+    import llmtrain.benchmark as bench
+
+    for measured in ([(1e9, 2048), (3e9, 3072)], [(3e9, 3072), (1e9, 2048)]):
+        calls = iter(measured)
+        monkeypatch.setattr(bench, "measure_matmul_peak", lambda dtype, device: next(calls))
+        record = benchmark(out_dir=tmp_path / "bench", baseline=None, **TINY)
+        assert next(calls, None) is None  # measured twice, no more
+        assert (record["matmul_peak_flops"], record["matmul_peak_size"]) == (3e9, 3072)
+        assert record["mfu"] == pytest.approx(record["flops_per_token"] * record["tokens_per_sec_per_device"] / 3e9)
