@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 import os
 import re
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,7 +268,7 @@ class Llama2(PromptStyle):
 
 @dataclass(frozen=True)
 class Llama3(PromptStyle):
-    """Llama 3 (and 3.1, 3.2) instruct: header tokens around each role, <|eot_id|> after each turn."""
+    """Llama 3 instruct: header tokens around each role, <|eot_id|> after each turn (3.1 and later: `Llama31`)."""
 
     name: ClassVar[str] = "llama3"
     stop_texts: ClassVar[tuple[str, ...]] = ("<|eot_id|>",)
@@ -284,6 +285,26 @@ class Llama3(PromptStyle):
     @staticmethod
     def _header(role: str) -> str:
         return f"<|start_header_id|>{role}<|end_header_id|>\n\n"
+
+
+LLAMA31_DATE = "26 Jul 2024"
+"""The "Today Date" Llama 3.1's chat template writes when it is given none."""
+
+
+@dataclass(frozen=True)
+class Llama31(Llama3):
+    """Llama 3.1, 3.2 and 3.3 instruct: Llama 3's turns, opened by a system block that is always there and begins
+    with the model's knowledge cutoff and today's date, as their chat templates write it."""
+
+    date: Optional[str] = LLAMA31_DATE
+    """The "Today Date" line, e.g. "26 Jul 2024". None: the day of rendering, as Llama 3.2's template writes it."""
+
+    name: ClassVar[str] = "llama3.1"
+
+    def prefix(self, system: Optional[str], first_user: Message) -> str:
+        date = self.date if self.date is not None else time.strftime("%d %b %Y")
+        return (self._header("system") + f"Cutting Knowledge Date: December 2023\nToday Date: {date}\n\n"
+                + f"{(system or '').strip()}<|eot_id|>")
 
 
 @dataclass(frozen=True)
@@ -353,6 +374,8 @@ class TinyLlama(PromptStyle):
 
 ALIASES = {"plain": "default", "zephyr": "tinyllama", "qwen": "chatml", "qwen2.5": "chatml", "smollm2": "chatml",
            "phi-2": "phi", "phi2": "phi", "llama-2": "llama2", "llama-3": "llama3",
+           "llama-3.1": "llama3.1", "llama3.2": "llama3.1", "llama-3.2": "llama3.1", "llama3.3": "llama3.1",
+           "llama-3.3": "llama3.1",
            # NOTE: Pythia and GPT-NeoX base models have no chat format; Alpaca is the usual one to tune them with.
            "pythia": "alpaca", "gpt-neox": "alpaca"}
 """Other names users reach for."""
@@ -363,6 +386,8 @@ SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Huggin
 FAMILY_STYLES: list[tuple[str, str, dict[str, Any]]] = [
     # Debug sizes come first: "gemma-debug" is not Gemma's tokenizer or format.
     (r"-debug$", "alpaca", {}),
+    (r"^(meta-)?llama-3\.[13]", "llama3.1", {}),
+    (r"^(meta-)?llama-3\.2", "llama3.1", {"date": None}),  # its template writes the day it renders
     (r"^(meta-)?llama-3", "llama3", {}),
     (r"^llama-2", "llama2", {}),
     (r"^tiny-?llama", "tinyllama", {}),

@@ -284,7 +284,8 @@ class Replay(GPT):
         return logits
 
 
-@pytest.mark.parametrize("style", ["alpaca", "chatml", "default", "gemma", "llama3", "phi", "tinyllama"])
+@pytest.mark.parametrize("style", ["alpaca", "chatml", "default", "gemma", "llama3", "llama3.1", "phi",
+                                   "tinyllama"])
 def test_the_next_turn_holds_the_reply_as_the_model_wrote_it(loaded, style):
     """The conversation the model reads next turn begins with what it read and wrote this turn, as fine-tuning
     writes an answer out (a style that puts a space before the answer must not put a second one)."""

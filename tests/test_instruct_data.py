@@ -179,6 +179,17 @@ def test_chat_record_trains_on_every_assistant_turn(tmp_path: Path, tokenizer: T
         tokenizer.eos_id]
 
 
+def test_llama_31_system_block_is_masked(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    # Llama 3.1's template adds a system block (knowledge cutoff, date) to every conversation: part of the prompt.
+    path = write_jsonl(tmp_path / "chat.jsonl", [CHAT_RECORD])
+    data = prepared(JSON(json_path=path, val_split_fraction=0), tokenizer, 1, 1024, prompt_style="llama3.1")
+    segments = [(s.text, s.is_response) for s in PromptStyle.from_name("llama3.1").render(CHAT_RECORD["messages"])]
+    assert segments[0][0].startswith("<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date")
+    assert [t for t in samples(data)[0][1] if t != -100] == (
+        tokenizer.encode("Cow.<|eot_id|>", bos=False) + tokenizer.encode("Sheep.<|eot_id|>", bos=False)
+        + [tokenizer.eos_id])
+
+
 def test_eos_is_not_doubled_when_the_style_ends_turns_with_it(tmp_path: Path, tokenizer: Tokenizer) -> None:
     @dataclass(frozen=True)
     class EndsWithEos(ChatML):  # no name: not registered

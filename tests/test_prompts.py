@@ -1,3 +1,4 @@
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,12 @@ SINGLE = {
     "llama2": "[INST] What is 2 + 2? [/INST]",
     "llama3": "<|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 2?<|eot_id|>"
               "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    # Llama 3.1's template opens every conversation with a system block: the knowledge cutoff, the date, then
+    # the system message (none here).
+    "llama3.1": "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+                "Today Date: 26 Jul 2024\n\n<|eot_id|>"
+                "<|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 2?<|eot_id|>"
+                "<|start_header_id|>assistant<|end_header_id|>\n\n",
     "mistral": "[INST] What is 2 + 2? [/INST]",
     "gemma": "<start_of_turn>user\nWhat is 2 + 2?<end_of_turn>\n<start_of_turn>model\n",
     "phi": "Instruct: What is 2 + 2?\nOutput:",
@@ -43,6 +50,12 @@ MULTI_TURN = {
               "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>"
               "<|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 2?<|eot_id|>"
               "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "llama3.1": "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+                "Today Date: 26 Jul 2024\n\nBe brief.<|eot_id|>"
+                "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+                "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>"
+                "<|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 2?<|eot_id|>"
+                "<|start_header_id|>assistant<|end_header_id|>\n\n",
     "mistral": "[INST] Be brief.\n\nHi [/INST]Hello!</s>[INST] What is 2 + 2? [/INST]",
     "gemma": "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
              "<start_of_turn>user\nWhat is 2 + 2?<end_of_turn>\n<start_of_turn>model\n",
@@ -178,8 +191,8 @@ def test_malformed_conversations_are_rejected(messages: list, error: str) -> Non
 
 @pytest.mark.parametrize("name, style, system", [
     ("Meta-Llama-3-8B-Instruct", "llama3", None),
-    ("Llama-3.1-8B", "llama3", None),
-    ("Llama-3.2-1B-Instruct", "llama3", None),
+    ("Llama-3.1-8B", "llama3.1", None),
+    ("Llama-3.2-1B-Instruct", "llama3.1", None),
     ("Llama-2-7b-chat-hf", "llama2", None),
     ("Qwen2.5-0.5B-Instruct", "chatml", "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."),
     ("SmolLM2-135M-Instruct", "chatml", "You are a helpful AI assistant named SmolLM, trained by Hugging Face"),
@@ -196,6 +209,22 @@ def test_malformed_conversations_are_rejected(messages: list, error: str) -> Non
 def test_from_config_picks_the_family_style(name: str, style: str, system: str) -> None:
     picked = PromptStyle.from_config(Config.from_name(name))
     assert (picked.name, picked.system) == (style, system)
+
+
+def test_llama_31_and_32_date_their_system_block(tmp_path: Path) -> None:
+    # 3.1's template writes a fixed date unless given one; 3.2's writes the day it renders.
+    assert PromptStyle.from_config(Config.from_name("Llama-3.1-70B-Instruct")).date == "26 Jul 2024"
+    llama32 = PromptStyle.from_config(Config.from_name("Llama-3.2-3B-Instruct"))
+    assert llama32.date is None and f"Today Date: {time.strftime('%d %b %Y')}\n\n<|eot_id|>" in llama32.apply("Hi")
+    assert PromptStyle.from_name("llama3.1", date="01 Jan 2025").apply("Hi").startswith(
+        "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+        "Today Date: 01 Jan 2025\n\n<|eot_id|>")
+    save_prompt_style(llama32, tmp_path)
+    assert load_prompt_style(tmp_path) == llama32
+    assert PromptStyle.from_name("Llama-3.2").name == "llama3.1"
+    # Meta's first 3.1 repositories were named Meta-Llama-3.1-*.
+    custom = Config(name="my-model", hf_config={"org": "meta-llama", "name": "Meta-Llama-3.1-8B-Instruct"})
+    assert PromptStyle.from_config(custom).name == "llama3.1"
 
 
 def test_from_config_of_a_custom_model_and_unknown_names() -> None:

@@ -56,7 +56,8 @@ class InstructDataModule(DataModule):
     """
 
     prompt_style: Optional[str] = None
-    """Prompt style (alpaca, chatml, llama2, llama3, mistral, gemma, phi, tinyllama, default). None: the model's own."""
+    """Prompt style (alpaca, chatml, llama2, llama3, llama3.1, mistral, gemma, phi, tinyllama, default).
+    None: the model's own."""
     mask_prompt: bool = True
     """Compute the loss on the responses only: prompt tokens get the label the loss skips (-100, IGNORE_INDEX)."""
 
