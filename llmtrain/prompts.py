@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import re
 import time
@@ -30,7 +31,7 @@ from typing import Any, ClassVar, NamedTuple, Optional, Union
 
 import yaml
 
-from llmtrain.checkpoint.layout import PROMPT_STYLE_FILE
+from llmtrain.checkpoint.layout import CHAT_TEMPLATE_FILE, PROMPT_STYLE_FILE, TOKENIZER_CONFIG_FILE
 
 """Written beside the weights, so that generation and further fine-tuning use the style a model was tuned with."""
 
@@ -119,11 +120,15 @@ class PromptStyle:
             segments.append(Segment(text, False))
         return segments
 
+    def end_of_turn_texts(self) -> tuple[str, ...]:
+        """The markers that end an assistant turn (`stop_texts`)."""
+        return self.stop_texts
+
     def stop_tokens(self, tokenizer: Any) -> tuple[list[int], ...]:
         """Token sequences that end generation: the eos token (and any other that generation_config.json lists)
         and this style's end-of-turn markers."""
         stops = [[token_id] for token_id in tokenizer.stop_ids]
-        for text in self.stop_texts:
+        for text in self.end_of_turn_texts():
             token_id = tokenizer.token_to_id(text)
             ids = [token_id] if token_id is not None else tokenizer.encode(text, bos=False)
             if ids and ids not in stops:
@@ -372,6 +377,72 @@ class TinyLlama(PromptStyle):
         return f"{content}</s>"
 
 
+@dataclass(frozen=True)
+class ChatTemplate(PromptStyle):
+    """A checkpoint's own chat template (Jinja), rendered as transformers' `apply_chat_template` renders it.
+
+    The prompt and response segments come from rendering the conversation up to each assistant message
+    (with the generation prompt) and through it: the difference is the response.
+    """
+
+    template: str = ""
+    """The Jinja source, as chat_template.jinja or tokenizer_config.json's chat_template holds it."""
+    special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
+    """bos_token, eos_token, ...: the special tokens' text, which the template may write."""
+
+    name: ClassVar[str] = "chat_template"
+
+    def __post_init__(self) -> None:
+        if not self.template:
+            raise ValueError("the chat_template style is a checkpoint's own chat template (its chat_template.jinja or "
+                             "tokenizer_config.json's chat_template), used when the checkpoint has one; it cannot be "
+                             f"named: pass one of {sorted(set(self.registry) - {self.name})}")
+
+    def render(self, messages: list[Message]) -> list[Segment]:
+        split_turns(messages)  # the same conversations as every other style, with the same errors
+        messages = [{"role": m["role"], "content": user_content(m) if m["role"] == "user" else m["content"]}
+                    for m in messages]
+        if self.system is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system}, *messages]
+        segments: list[Segment] = []
+        done = ""
+        for end, message in enumerate(messages):
+            if message["role"] == "assistant":
+                prompt, full = self._render(messages[:end], True), self._render(messages[:end + 1], False)
+                segments += [Segment(self._after(done, prompt), False), Segment(self._after(prompt, full), True)]
+                done = full
+        if messages[-1]["role"] != "assistant":
+            segments.append(Segment(self._after(done, self._render(messages, True)), False))
+        return segments
+
+    def end_of_turn_texts(self) -> tuple[str, ...]:
+        """What the template writes after an assistant's answer (<|im_end|>, <|eot_id|>, ...), if anything."""
+        probe = "PROBE"
+        answer = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": probe}])[-1].text
+        marker = answer.partition(probe)[2].strip()
+        return (marker,) if marker else ()
+
+    def _render(self, messages: list[Message], add_generation_prompt: bool) -> str:
+        from jinja2 import TemplateError
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        try:
+            (text,), _ = render_jinja_template([messages], chat_template=self.template,
+                                               add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except TemplateError as error:
+            raise ValueError(f"the checkpoint's chat template refuses the conversation: {error}") from error
+        # The tokenizer adds the leading bos (see the module's docstring).
+        return text.removeprefix(self.special_tokens.get("bos_token") or "")
+
+    @staticmethod
+    def _after(earlier: str, later: str) -> str:
+        if not later.startswith(earlier):
+            raise ValueError("the checkpoint's chat template writes a conversation's earlier turns differently once "
+                             "later ones follow, so its prompts cannot be told from its responses: pass a built-in "
+                             "--prompt_style")
+        return later[len(earlier):]
+
+
 ALIASES = {"plain": "default", "zephyr": "tinyllama", "qwen": "chatml", "qwen2.5": "chatml", "smollm2": "chatml",
            "phi-2": "phi", "phi2": "phi", "llama-2": "llama2", "llama-3": "llama3",
            "llama-3.1": "llama3.1", "llama3.2": "llama3.1", "llama-3.2": "llama3.1", "llama3.3": "llama3.1",
@@ -494,3 +565,31 @@ def load_prompt_style(checkpoint_dir: Union[Path, str]) -> PromptStyle:
 
 def has_prompt_style(checkpoint_dir: Union[Path, str]) -> bool:
     return (Path(checkpoint_dir) / PROMPT_STYLE_FILE).is_file()
+
+
+def read_chat_template(checkpoint_dir: Union[Path, str]) -> Optional[ChatTemplate]:
+    """The directory's own chat template as a style, or None: chat_template.jinja, else tokenizer_config.json's
+    chat_template (its "default" one where it holds several), as transformers reads them."""
+    from llmtrain.tokenizer import read_special_tokens
+
+    checkpoint_dir = Path(checkpoint_dir)
+    template = None
+    if (checkpoint_dir / CHAT_TEMPLATE_FILE).is_file():
+        template = (checkpoint_dir / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    elif (checkpoint_dir / TOKENIZER_CONFIG_FILE).is_file():
+        template = json.loads((checkpoint_dir / TOKENIZER_CONFIG_FILE).read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(template, list):  # named ones: [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            template = next((named.get("template") for named in template
+                             if isinstance(named, dict) and named.get("name") == "default"), None)
+    if not isinstance(template, str) or not template.strip():
+        return None
+    return ChatTemplate(template=template, special_tokens=read_special_tokens(checkpoint_dir))
+
+
+def checkpoint_prompt_style(checkpoint_dir: Union[Path, str, None], config: Any) -> PromptStyle:
+    """The style a model directory is prompted in: its prompt_style.yaml (written by fine-tuning), else its own chat
+    template (which transformers' apply_chat_template would use), else its family's (`PromptStyle.from_config`)."""
+    if checkpoint_dir is not None and has_prompt_style(checkpoint_dir):
+        return load_prompt_style(checkpoint_dir)
+    template = read_chat_template(checkpoint_dir) if checkpoint_dir is not None else None
+    return template if template is not None else PromptStyle.from_config(config)

@@ -190,15 +190,25 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Union[Pa
     return Tokenizer(out_dir)
 
 
-def _read_special_token_settings(directory: Path) -> dict:
-    """bos/eos tokens (as strings), their ids and add_bos_token; the first file that says wins."""
-    settings: dict = {}
+def read_special_tokens(directory: Union[Path, str]) -> dict[str, str]:
+    """The text of the special tokens a tokenizer folder names (bos_token, eos_token, unk_token, pad_token), as
+    transformers hands them to a chat template; the first file that says wins."""
+    tokens: dict[str, str] = {}
     for name in (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE):
-        data = _read_json(directory / name)
-        for key in ("bos_token", "eos_token"):
+        data = _read_json(Path(directory) / name)
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
             token = _token_content(data.get(key))
             if token is not None:
-                settings.setdefault(key, token)
+                tokens.setdefault(key, token)
+    return tokens
+
+
+def _read_special_token_settings(directory: Path) -> dict:
+    """bos/eos tokens (as strings), their ids and add_bos_token; the first file that says wins."""
+    settings: dict = {key: token for key, token in read_special_tokens(directory).items()
+                      if key in ("bos_token", "eos_token")}
+    for name in (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE):
+        data = _read_json(directory / name)
         if data.get("add_bos_token") is not None:
             settings.setdefault("add_bos_token", data["add_bos_token"])
     generation = _read_json(directory / GENERATION_CONFIG_FILE)

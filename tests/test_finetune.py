@@ -133,6 +133,19 @@ def test_full_finetune_on_user_json(tmp_path, base_model):
     assert len(losses(out_dir)) == 3
 
 
+def test_a_checkpoints_chat_template_is_the_style_it_is_tuned_and_saved_in(tmp_path, base_model):
+    base = tmp_path / "base"
+    shutil.copytree(base_model, base)
+    template = ("{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (base / "chat_template.jinja").write_text(template)
+    out_dir = tmp_path / "out"
+    main(finetune_args("finetune_full", base, out_dir, "--train.max_steps", "1"))
+    style = yaml.safe_load((out_dir / "final" / "prompt_style.yaml").read_text())
+    assert (style["name"], style["template"]) == ("chat_template", template)
+    assert (out_dir / "final" / "chat_template.jinja").read_text() == template
+
+
 def test_no_validation_set_trains_without_validating(tmp_path, base_model):
     """--data.num_val 0 is "no validation": the run trains, writes final/ and logs no validation loss."""
     out_dir = tmp_path / "no-val"

@@ -273,7 +273,11 @@ def test_command_line_parses_the_flags(model_dir, capsys):
 def test_load_model_dir_reads_the_prompt_style_and_names_missing_files(model_dir, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(model_dir, copy)
-    save_prompt_style("chatml", copy)
+    # A checkpoint's own chat template is the one transformers would prompt it with, whatever its family's is.
+    (copy / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                                              "{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert load_model_dir(copy)[3].apply("Hi") == "<user>Hi<assistant>"
+    save_prompt_style("chatml", copy)  # what fine-tuning wrote wins
     assert isinstance(load_model_dir(copy)[3], ChatML)
     for name in ("tokenizer.json", "model.safetensors", "model_config.yaml"):
         (copy / name).unlink()

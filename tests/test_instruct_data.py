@@ -12,7 +12,7 @@ from llmtrain.data import (
 )
 from llmtrain.data.builtin_instruct import TASK_NAMES, TASKS, check, generate_tasks, solve
 from llmtrain.data.instruct import pad_multiple, padded_width
-from llmtrain.prompts import ChatML, PromptStyle
+from llmtrain.prompts import ChatML, ChatTemplate, PromptStyle
 from llmtrain.tokenizer import BPE_EOS_TOKEN, Tokenizer
 
 ALPACA_RECORDS = [
@@ -188,6 +188,21 @@ def test_llama_31_system_block_is_masked(tmp_path: Path, tokenizer: Tokenizer) -
     assert [t for t in samples(data)[0][1] if t != -100] == (
         tokenizer.encode("Cow.<|eot_id|>", bos=False) + tokenizer.encode("Sheep.<|eot_id|>", bos=False)
         + [tokenizer.eos_id])
+
+
+def test_a_chat_template_trains_on_the_answers_only(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<bot>' + m['content'] + eos_token }}"
+                "{% else %}{{ '<' + m['role'] + '>' + m['content'] }}{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<bot>' }}{% endif %}")
+    style = ChatTemplate(template=template, special_tokens={"bos_token": "<|bos|>", "eos_token": BPE_EOS_TOKEN})
+    path = write_jsonl(tmp_path / "chat.jsonl", [CHAT_RECORD])
+    data = prepared(JSON(json_path=path, val_split_fraction=0), tokenizer, 1, 1024, prompt_style=style)
+    ids, labels = samples(data)[0]
+    assert tokenizer.decode(ids) == ("<|bos|><system>You answer in one word.<user>Which animal says moo?<bot>Cow."
+                                     "<|endoftext|><user>And which one says baa?<bot>Sheep.")
+    # The template's own eos ends each answer, and none is added after the last.
+    assert [t for t in labels if t != -100] == (tokenizer.encode("Cow.", bos=False) + [tokenizer.eos_id]
+                                                + tokenizer.encode("Sheep.", bos=False) + [tokenizer.eos_id])
 
 
 def test_eos_is_not_doubled_when_the_style_ends_turns_with_it(tmp_path: Path, tokenizer: Tokenizer) -> None:

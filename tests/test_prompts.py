@@ -1,3 +1,5 @@
+import json
+import shutil
 import time
 from pathlib import Path
 
@@ -5,7 +7,8 @@ import pytest
 
 from llmtrain.config import Config
 from llmtrain.prompts import (
-    PROMPT_STYLE_FILE, Alpaca, ChatML, PromptStyle, Segment, has_prompt_style, load_prompt_style, save_prompt_style,
+    PROMPT_STYLE_FILE, Alpaca, ChatML, ChatTemplate, PromptStyle, Segment, checkpoint_prompt_style, has_prompt_style,
+    load_prompt_style, read_chat_template, save_prompt_style,
 )
 from llmtrain.tokenizer import BPE_EOS_TOKEN, Tokenizer
 
@@ -72,7 +75,8 @@ def tokenizer(tiny_tokenizer) -> Tokenizer:
 
 
 def test_registry_holds_every_style() -> None:
-    assert set(PromptStyle.registry) == set(SINGLE) == set(MULTI_TURN)
+    # chat_template is a checkpoint's own template, not a format of its own.
+    assert set(PromptStyle.registry) - {"chat_template"} == set(SINGLE) == set(MULTI_TURN)
 
 
 @pytest.mark.parametrize("name", sorted(SINGLE))
@@ -283,3 +287,80 @@ def test_a_custom_style_registers_and_round_trips(tmp_path: Path) -> None:
         assert load_prompt_style(tmp_path) == Shout(system="s")
     finally:
         PromptStyle.registry.pop("test-shout")
+
+
+# A format of no family (so no built-in style writes it), written for these tests: bos once, role markers, eos after
+# each answer, messages trimmed.
+OWN_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{{ '@bot: ' + message['content'] | trim + eos_token + '\n' }}"
+    "{% else %}{{ '@' + message['role'] + ': ' + message['content'] | trim + '\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '@bot:' }}{% endif %}")
+
+
+def with_chat_template(tokenizer: Tokenizer, directory: Path, template: str, jinja_file: bool = False) -> Path:
+    """A copy of the tokenizer's folder whose tokenizer_config.json (or chat_template.jinja) holds `template`."""
+    shutil.copytree(tokenizer.checkpoint_dir, directory)
+    if jinja_file:
+        (directory / "chat_template.jinja").write_text(template)
+    else:
+        settings = json.loads((directory / "tokenizer_config.json").read_text())
+        (directory / "tokenizer_config.json").write_text(json.dumps({**settings, "chat_template": template}))
+    return directory
+
+
+def test_a_checkpoints_own_chat_template_renders_as_transformers_does(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    transformers = pytest.importorskip("transformers")
+    directory = with_chat_template(tokenizer, tmp_path / "model", OWN_TEMPLATE)
+    # A model of no zoo family would be prompted in Alpaca's format, which it never saw.
+    style = checkpoint_prompt_style(directory, Config(name="my-model"))
+    assert isinstance(style, ChatTemplate)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    padded = [{"role": "user", "content": " Hi there \n"}, {"role": "assistant", "content": "\n Hello! \n"},
+              {"role": "user", "content": "What is 2 + 2? "}]
+    for messages in (CONVERSATION, padded, CONVERSATION + [{"role": "assistant", "content": "4"}]):
+        expected = hf_tokenizer.apply_chat_template(messages, tokenize=False,
+                                                    add_generation_prompt=messages[-1]["role"] == "user")
+        assert style.apply(messages) == expected.removeprefix("<|bos|>")  # the tokenizer adds the bos
+    # The responses are what follows each generation prompt, through the eos: what fine-tuning trains on.
+    assert [(s.text, s.is_response) for s in style.render(CONVERSATION + [{"role": "assistant", "content": "4"}])] == [
+        ("@system: Be brief.\n@user: Hi\n@bot:", False), (" Hello!<|endoftext|>\n", True),
+        ("@user: What is 2 + 2?\n@bot:", False), (" 4<|endoftext|>\n", True)]
+    assert style.apply("Sort.", input="3, 1") == "@user: Sort.\n\n3, 1\n@bot:"
+    refuses = ChatTemplate(template="{{ raise_exception('System role not supported') }}")
+    with pytest.raises(ValueError, match="chat template refuses the conversation: System role not supported"):
+        refuses.apply("Hi", system="Be brief.")
+
+
+def test_a_checkpoints_chat_template_stops_on_its_end_of_turn_token(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    chatml = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+              "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    style = read_chat_template(with_chat_template(tokenizer, tmp_path / "model", chatml))
+    assert style.apply(CONVERSATION) == MULTI_TURN["chatml"]
+    assert style.stop_tokens(tokenizer) == ChatML().stop_tokens(tokenizer)
+    assert read_chat_template(with_chat_template(tokenizer, tmp_path / "own", OWN_TEMPLATE)).stop_tokens(tokenizer) == (
+        [tokenizer.eos_id],)  # it ends an answer with eos: no other marker
+
+
+def test_which_style_a_checkpoint_gets(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    qwen = Config.from_name("Qwen2.5-0.5B-Instruct")
+    assert checkpoint_prompt_style(tokenizer.checkpoint_dir, qwen) == PromptStyle.from_config(qwen)  # no template
+    assert checkpoint_prompt_style(None, qwen) == PromptStyle.from_config(qwen)
+    directory = with_chat_template(tokenizer, tmp_path / "model", OWN_TEMPLATE)
+    assert checkpoint_prompt_style(directory, qwen).template == OWN_TEMPLATE  # the checkpoint's own, as transformers
+    # chat_template.jinja wins over tokenizer_config.json's, as in transformers; a list holds named templates.
+    (directory / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert checkpoint_prompt_style(directory, qwen).apply("Hi") == "Hi"
+    (directory / "chat_template.jinja").unlink()
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    settings["chat_template"] = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": OWN_TEMPLATE}]
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+    style = checkpoint_prompt_style(directory, qwen)
+    assert style.template == OWN_TEMPLATE and style.special_tokens["eos_token"] == "<|endoftext|>"
+    # What fine-tuning saved wins, and a template style saves and loads whole.
+    save_prompt_style(style, directory)
+    assert load_prompt_style(directory) == style
+    save_prompt_style("llama3", directory)
+    assert checkpoint_prompt_style(directory, qwen) == PromptStyle.from_name("llama3")
+    with pytest.raises(ValueError, match="chat_template style is a checkpoint's own chat template"):
+        PromptStyle.from_name("chat_template")

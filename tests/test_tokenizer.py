@@ -74,6 +74,10 @@ def test_reload_save_and_fingerprint(tokenizer: Tokenizer, tmp_path: Path) -> No
     no_bos = copy_with_config(tokenizer.checkpoint_dir, tmp_path / "no_bos",
                               tokenizer_config_json={"bos_token": BPE_BOS_TOKEN, "add_bos_token": False})
     assert Tokenizer(no_bos).fingerprint != tokenizer.fingerprint  # bos settings are part of the key
+    # A chat template travels with the tokenizer, as transformers saves it: the checkpoint is prompted the same way.
+    (no_bos / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    Tokenizer(no_bos).save(tmp_path / "with_template")
+    assert (tmp_path / "with_template" / "chat_template.jinja").read_text() == "{{ messages[0]['content'] }}"
 
 
 def test_special_tokens_from_each_config_file(trained_dir: Path, tmp_path: Path) -> None:

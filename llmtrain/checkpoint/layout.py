@@ -49,7 +49,10 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
-TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE, GENERATION_CONFIG_FILE)
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+"""Where transformers keeps a tokenizer's chat template (older folders: tokenizer_config.json's chat_template)."""
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE, GENERATION_CONFIG_FILE,
+                   CHAT_TEMPLATE_FILE)
 """What ``Tokenizer.save`` copies into a checkpoint (generation_config.json: the ids that end generation)."""
 
 FINAL_DIR = "final"

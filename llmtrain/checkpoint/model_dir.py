@@ -11,7 +11,7 @@ from llmtrain.checkpoint import layout
 from llmtrain.checkpoint.weights import check_weights_match, load_weights, tied_twins
 from llmtrain.config import Config
 from llmtrain.model import GPT
-from llmtrain.prompts import PromptStyle, has_prompt_style, load_prompt_style
+from llmtrain.prompts import PromptStyle, checkpoint_prompt_style
 from llmtrain.quantize import QuantizeMode
 from llmtrain.tokenizer import Tokenizer
 
@@ -54,14 +54,13 @@ def load_model_dir(checkpoint_dir: Path, device: torch.device | str = "cpu", dty
 def read_model_dir(checkpoint_dir: Path) -> tuple[Config, Tokenizer, PromptStyle]:
     """Config, tokenizer and prompt style of a model directory: all but the weights, in a moment.
 
-    The prompt style is the directory's prompt_style.yaml (written by fine-tuning), else the one
-    the model's family uses.
+    The prompt style is `checkpoint_prompt_style`'s: prompt_style.yaml, else the directory's chat template, else
+    the one the model's family uses.
     """
     checkpoint_dir = check_model_dir(checkpoint_dir)
     config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
     tokenizer = Tokenizer(checkpoint_dir)
-    prompt_style = (load_prompt_style(checkpoint_dir) if has_prompt_style(checkpoint_dir)
-                    else PromptStyle.from_config(config))
+    prompt_style = checkpoint_prompt_style(checkpoint_dir, config)
     return config, tokenizer, prompt_style
 
 

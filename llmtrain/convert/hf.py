@@ -46,7 +46,7 @@ SAFETENSORS_FILE = layout.MODEL_FILE  # transformers' single weights file has th
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 HF_WEIGHT_LAYOUTS = ((SAFETENSORS_INDEX, SAFETENSORS_FILE), ("pytorch_model.bin.index.json", "pytorch_model.bin"))
 """(index, single file) of each weights layout transformers writes, the preferred first."""
-EXTRA_FILES = (GENERATION_CONFIG_FILE, "chat_template.jinja", "tokenizer.model")
+EXTRA_FILES = (GENERATION_CONFIG_FILE, layout.CHAT_TEMPLATE_FILE, "tokenizer.model")
 """Files copied unchanged in both directions, besides the tokenizer files that `Tokenizer.save` copies."""
 
 

@@ -49,7 +49,7 @@ def setup_full(checkpoint_dir: Path, prompt_style: Optional[str] = None, **flags
         checkpoint_dir: The model to start from: a llmtrain model directory (`final/`, `step-*/`) or a
             transformers folder (config.json + safetensors), which is converted on the fly.
         prompt_style: How prompts are formatted (alpaca, chatml, llama3, ...). Default: the checkpoint's own
-            prompt_style.yaml, else the model family's.
+            prompt_style.yaml, else its chat template (as transformers would use it), else the model family's.
     """
     flags = with_defaults(setup_full, flags)
     _finetune("finetune_full", checkpoint_dir, prompt_style, flags, lora=None, quantize=None)
@@ -84,7 +84,7 @@ def setup_lora(
         checkpoint_dir: The model to start from: a llmtrain model directory (`final/`, `step-*/`) or a
             transformers folder (config.json + safetensors), which is converted on the fly.
         prompt_style: How prompts are formatted (alpaca, chatml, llama3, ...). Default: the checkpoint's own
-            prompt_style.yaml, else the model family's.
+            prompt_style.yaml, else its chat template (as transformers would use it), else the model family's.
         quantize: QLoRA: keep the frozen base weights in bitsandbytes layers (bnb.nf4, bnb.nf4-dq, bnb.fp4,
             bnb.fp4-dq, bnb.int8-training); adapters train in the precision's dtype. One device only (--devices
             auto means one).

@@ -369,14 +369,12 @@ def _connect_data(spec: RunSpec, tokenizer: Any, micro_batch_size: int) -> Any:
     if not isinstance(spec.data, InstructDataModule):
         spec.data.connect(tokenizer, micro_batch_size, spec.seq_len, spec.seed)
         return None
-    from llmtrain.prompts import PromptStyle, has_prompt_style, load_prompt_style
+    from llmtrain.prompts import PromptStyle, checkpoint_prompt_style
 
     if spec.prompt_style is not None:
         style = PromptStyle.from_name(spec.prompt_style)
-    elif spec.initial_checkpoint_dir is not None and has_prompt_style(spec.initial_checkpoint_dir):
-        style = load_prompt_style(spec.initial_checkpoint_dir)
     else:
-        style = PromptStyle.from_config(spec.config)
+        style = checkpoint_prompt_style(spec.initial_checkpoint_dir, spec.config)
     spec.data.connect(tokenizer, micro_batch_size, spec.seq_len, spec.seed, prompt_style=style,
                       pad_multiple=pad_multiple(spec.compile is True,
                                                 spec.plan.tp if spec.plan.sequence_parallel else 1))
