@@ -142,7 +142,8 @@ class FSDPArgs:
     `selective:N` every Nth block's; `op` every block, but the outputs of its matmuls and attention are kept and
     only the cheap operators between them (norms, RoPE, activations) run again. false: store everything."""
     cpu_offload: bool = False
-    """Keep sharded parameters, gradients and optimizer state in CPU memory."""
+    """Keep sharded parameters, gradients and optimizer state in CPU memory, copied to the GPU to compute. GPU runs
+    only: a CPU run has them in host memory already and refuses the flag."""
     state_dict_type: Literal["full", "sharded"] = "full"
     """Checkpoint format: `full` (rank 0 writes model.safetensors) or `sharded` (every rank writes its shard)."""
     skip_gradient_sync: bool = True

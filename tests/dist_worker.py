@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -89,11 +89,19 @@ class Recorder:
 
 def layout(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] = None,
            precision: str = "32-true", num_nodes: int = 1, micro_batch_size: int = 1) -> ParallelPlan:
-    """The parallel plan of this process group, resolved from flags as a recipe does."""
+    """The parallel plan of this process group, resolved from flags as a recipe does.
+
+    The flags refuse ``cpu_offload`` on a CPU run, where it would do nothing; these tests have no GPU, so they ask
+    for it all the same to run FSDP's offload path (its policy, checkpoints of offloaded state) for real: the plan
+    is resolved without it and gets it afterwards.
+    """
     train_args = TrainArgs(global_batch_size=GLOBAL_BATCH, micro_batch_size=micro_batch_size, max_steps=MAX_STEPS,
                            lr_warmup_steps=2, max_norm=1.0)
-    return ParallelPlan.resolve(devices=runtime.world_size // num_nodes, num_nodes=num_nodes, train=train_args,
-                                precision=precision, strategy=strategy, fsdp=fsdp, accelerator=runtime.device.type)
+    offload = fsdp is not None and fsdp.cpu_offload
+    plan = ParallelPlan.resolve(devices=runtime.world_size // num_nodes, num_nodes=num_nodes, train=train_args,
+                                precision=precision, strategy=strategy, accelerator=runtime.device.type,
+                                fsdp=replace(fsdp, cpu_offload=False) if offload else fsdp)
+    return replace(plan, cpu_offload=True) if offload else plan
 
 
 def build(runtime: Runtime, *, config: Optional[Config] = None, **layout_args):
@@ -116,6 +124,15 @@ def mesh_ndim(model: torch.nn.Module, plan: ParallelPlan) -> int:
     if isinstance(parameter, DTensor):
         return parameter.device_mesh.ndim
     return 1 if plan.wrapper == "ddp" else 0
+
+
+def offload_policies(model: torch.nn.Module) -> list[str]:
+    """The offload policies FSDP's units with parameters really apply (``OffloadPolicy`` is none)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    groups = [unit._get_fsdp_state()._fsdp_param_group for unit in units]
+    return sorted({type(group.offload_policy).__name__ for group in groups if group is not None})
 
 
 def fsdp_units(model: torch.nn.Module) -> list[list[str]]:
@@ -193,7 +210,8 @@ def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] 
             "mesh_ndim": mesh_ndim(model, info), "wrapper": info.wrapper,
             "sharding_strategy": info.sharding_strategy, "autocast_enabled": not info.mixed_precision_policy,
             "weights": gather_full_model_state(model),
-            "grad_accum_steps": plan.grad_accum_steps, "fsdp_units": fsdp_units(model)}
+            "grad_accum_steps": plan.grad_accum_steps, "fsdp_units": fsdp_units(model),
+            "offload_policies": offload_policies(model)}
 
 
 def initial_weights(runtime: Runtime, **build_args) -> dict:

@@ -93,6 +93,14 @@ def test_two_ranks_match_single_process(two, single, scenario, wrapper, mesh):
 
 
 @pytest.mark.multiproc
+def test_cpu_offload_scenario_runs_fsdps_offload_policy(two):
+    """The flags refuse --fsdp.cpu_offload on a CPU run (it would do nothing); the CPU tests still run FSDP's
+    offload path for real, its plan resolved without the flag and given it afterwards (dist_worker.layout)."""
+    assert two["cpu_offload"]["offload_policies"] == ["CPUOffloadPolicy"]
+    assert two["full_shard"]["offload_policies"] == ["OffloadPolicy"]
+
+
+@pytest.mark.multiproc
 def test_the_dry_runs_shared_memory_figure_is_what_the_slots_took(two):
     """FULL_SHARD on 2 CPU processes maps two slots per kind of collective; the dry run's figure is their total."""
     shared = two["shared_memory_bytes"]
@@ -243,10 +251,10 @@ def test_checkpoint_format_needs_a_marker(tmp_path):
 
 
 # ------------------------------------------------------------------------- options, no processes
-def resolve(strategy: str, fsdp: FSDPArgs, world_size: int, num_nodes: int) -> ParallelPlan:
+def resolve(strategy: str, fsdp: FSDPArgs, world_size: int, num_nodes: int, device_type: str = "cpu") -> ParallelPlan:
     return ParallelPlan.resolve(devices=world_size // num_nodes, num_nodes=num_nodes, strategy=strategy, fsdp=fsdp,
                                 train=TrainArgs(global_batch_size=64, micro_batch_size=1), precision="32-true",
-                                device_type="cpu")
+                                device_type=device_type)
 
 
 def test_strategy_resolution():
@@ -257,8 +265,10 @@ def test_strategy_resolution():
     assert resolve("fsdp", FSDPArgs("SHARD_GRAD_OP"), world_size=2, num_nodes=1).sharding_strategy == "SHARD_GRAD_OP"
     with pytest.raises(ValueError, match="--strategy ddp contradicts"):
         resolve("ddp", FSDPArgs("FULL_SHARD"), world_size=2, num_nodes=1)
-    with pytest.raises(ValueError, match="cpu_offload"):
-        resolve("auto", FSDPArgs("NO_SHARD", cpu_offload=True), world_size=2, num_nodes=1)
+    with pytest.raises(ValueError, match="--fsdp.cpu_offload needs a sharded strategy"):
+        resolve("auto", FSDPArgs("NO_SHARD", cpu_offload=True), world_size=2, num_nodes=1, device_type="cuda")
+    with pytest.raises(ValueError, match="--fsdp.cpu_offload needs a sharded strategy"):
+        resolve("ddp", FSDPArgs(cpu_offload=True), world_size=2, num_nodes=1, device_type="cuda")
     with pytest.raises(ValueError, match="--fsdp.sharding_strategy"):
         FSDPArgs(sharding_strategy="ZERO3")
 
@@ -273,7 +283,7 @@ def test_plan_lays_out_the_mesh_and_the_batch():
     single = resolve("auto", FSDPArgs(), world_size=1, num_nodes=1)
     assert single.wrapper == "none" and single.mesh_shape() == {} and not single.uses_process_group
     assert "one process" in single.describe() and "global batch 64, grad accumulation 64" in single.describe()
-    one_fsdp = resolve("fsdp", FSDPArgs(cpu_offload=True), world_size=1, num_nodes=1)
+    one_fsdp = resolve("fsdp", FSDPArgs(cpu_offload=True), world_size=1, num_nodes=1, device_type="cuda")
     assert one_fsdp.wrapper == "fsdp" and one_fsdp.uses_process_group and one_fsdp.cpu_offload
 
 

@@ -27,8 +27,11 @@ HANG_GUARD_S = 300  # a bad flag is refused in a few seconds; this only stops a 
 BAD_ON_TWO_DEVICES = [
     (["--train.micro_batch_size", "16"], "--train.global_batch_size 16 is not divisible"),
     (["--strategy", "ddp", "--fsdp.sharding_strategy", "FULL_SHARD"], "--strategy ddp contradicts"),
-    (["--strategy", "ddp", "--fsdp.cpu_offload", "true"], "--fsdp.cpu_offload needs a sharded strategy"),
-    (["--fsdp.sharding_strategy", "NO_SHARD", "--fsdp.cpu_offload", "true"], "--fsdp.cpu_offload needs a sharded"),
+    (["--fsdp.cpu_offload", "true"], "--fsdp.cpu_offload true on a CPU run (--accelerator auto, and this machine "
+                                     "sees no CUDA device)"),
+    (["--accelerator", "cpu", "--fsdp.cpu_offload", "true"], "--fsdp.cpu_offload true on a CPU run (--accelerator "
+                                                             "cpu): offloading"),
+    (["--fsdp.cpu_offload", "true", "--dry_run"], "--fsdp.cpu_offload true on a CPU run"),
     (["--strategy", "fsdp", "--fsdp.sharding_strategy", "NO_SHARD"], "--strategy fsdp contradicts"),
     (["--fsdp.sharding_strategy", "HYBRID_SHARD"], "needs --num_nodes 2 or more"),
     (["--num_nodes", "2"], "--num_nodes 2 needs a launcher on every node"),
@@ -44,7 +47,7 @@ BAD_ON_TWO_DEVICES = [
 BAD_ON_ONE_PROCESS = [
     (["--fsdp.sharding_strategy", "HYBRID_SHARD"], "--fsdp.sharding_strategy HYBRID_SHARD"),
     (["--fsdp.sharding_strategy", "FULL_SHARD"], "--fsdp.sharding_strategy FULL_SHARD needs --devices 2 or more"),
-    (["--fsdp.cpu_offload", "true"], "--fsdp.cpu_offload True needs --devices 2 or more"),
+    (["--strategy", "fsdp", "--fsdp.cpu_offload", "true"], "--fsdp.cpu_offload true on a CPU run"),
     (["--fsdp.skip_gradient_sync", "false"], "--fsdp.skip_gradient_sync False needs --devices 2 or more"),
     (["--strategy", "ddp"], "--strategy ddp needs several processes"),
 ]
@@ -173,6 +176,20 @@ def test_single_device_fsdp_is_real_fsdp():
     assert (one.wrapper, one.sharding_strategy, one.cpu_offload, one.uses_process_group) == (
         "fsdp", "FULL_SHARD", True, True)
     assert one.mixed_precision_policy  # FSDP casts: fit() must not autocast on top
+
+
+def test_cpu_offload_is_for_gpu_runs():
+    """On a CPU run everything is in host memory already: the flag would do nothing, so it is refused by name (the
+    command-line tables above show it refused before any worker starts, and by the dry run)."""
+    with pytest.raises(ValueError, match="--fsdp.cpu_offload needs a sharded strategy"):
+        plan(devices=2, strategy="ddp", cpu_offload=True)
+    with pytest.raises(ValueError, match="--fsdp.cpu_offload True needs --devices 2 or more"):
+        plan(cpu_offload=True)
+    with pytest.raises(ValueError, match=r"--fsdp.cpu_offload true on a CPU run \(--accelerator cpu\).*Drop "
+                                         "--fsdp.cpu_offload"):
+        ParallelPlan.resolve(devices=2, num_nodes=1, fsdp=FSDPArgs(cpu_offload=True), accelerator="cpu",
+                             train=TrainArgs(global_batch_size=64, micro_batch_size=2), precision="32-true")
+    assert plan(devices=2, cpu_offload=True).cpu_offload
 
 
 def test_gradient_sync_is_skipped_only_where_it_means_something():

@@ -276,11 +276,11 @@ def refuse_cuda(monkeypatch) -> None:
 
 
 def test_a_cpu_run_on_a_gpu_node_never_calls_into_cuda(tmp_path, tiny_model_file, monkeypatch):
-    """--accelerator cpu where CUDA is available: FSDP with CPU offload, a step and its checkpoint."""
+    """--accelerator cpu where CUDA is available: FSDP, a step and its checkpoint."""
     refuse_cuda(monkeypatch)
     out_dir = tmp_path / "cpu"
     main(tiny_args(tiny_model_file, out_dir, "--accelerator", "cpu", "--strategy", "fsdp", "--devices", "1",
-                   "--fsdp.cpu_offload", "true", "--train.max_steps", "1", "--eval.final_validation", "false"))
+                   "--train.max_steps", "1", "--eval.final_validation", "false"))
     assert sorted(train_losses(out_dir)) == [1]
     assert "cuda" not in torch.load(out_dir / "step-00000001" / "training_state.pt", weights_only=True)["rng"][0]
 

@@ -266,7 +266,7 @@ OOM_PRETRAIN_ROWS = {
     "reduce-scatter the gradients after every micro-batch": ["--fsdp.skip_gradient_sync", "false"],
     "all three: checkpointing, micro batch 1, gradients sharded": [
         "--fsdp.activation_checkpointing", "true", "--train.micro_batch_size", "1", "--fsdp.skip_gradient_sync", "false"],
-    "keep weights, gradients and moments in host memory": ["--fsdp.cpu_offload", "true"],
+    "keep weights, gradients and moments in host memory": ["--fsdp.cpu_offload", "true", "--accelerator", "cuda"],
     "train in bf16 throughout": ["--precision", "bf16-true"],
     "shard weights after forward (the default)": [],
     "more devices": [],

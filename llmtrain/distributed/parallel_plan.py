@@ -237,6 +237,8 @@ class ParallelPlan:
         if zero is not None:
             raise ValueError(f"--deepspeed.config is for --strategy deepspeed or deepspeed_stage_N, not --strategy "
                              f"{strategy}: pass one of those, or drop --deepspeed.config")
+        if fsdp.cpu_offload and device_type == "cpu":
+            raise ValueError(_offload_on_cpu("--fsdp.cpu_offload true", accelerator, "Drop --fsdp.cpu_offload"))
         dp_world = world // (tp * pp)
         wrapper, sharding = _wrapper(strategy, fsdp, dp_world, num_nodes)
         if wrapper == "ddp" and (tp > 1 or pp > 1):
@@ -388,6 +390,16 @@ def resolve_device_type(accelerator: str, *, here: bool = True) -> DeviceType:
         raise ValueError(f"--accelerator {accelerator}: this machine sees no CUDA device; use --accelerator cpu or "
                          "auto, or check CUDA_VISIBLE_DEVICES and the driver")
     return "cuda"
+
+
+def _offload_on_cpu(what: str, accelerator: str, fix: str) -> str:
+    """Why ``what``, an offload to host memory, is refused on a CPU run, and ``fix``."""
+    where = ("--accelerator cpu" if accelerator == "cpu" else
+             f"--accelerator {accelerator}, and this machine sees no CUDA device")
+    return (f"{what} on a CPU run ({where}): offloading keeps training state (parameters, gradients, optimizer "
+            "state) in host memory instead of the GPU's, but a CPU run holds all of it in host memory already, so it "
+            f"would do nothing. {fix}, or run on GPUs (--accelerator cuda; a dry run plans for one with "
+            "--dry_run.gpu NAME)")
 
 
 def _wrapper(strategy: str, fsdp: FSDPArgs, world: int, num_nodes: int) -> tuple[Wrapper, Optional[str]]:

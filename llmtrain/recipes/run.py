@@ -111,8 +111,9 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
                   zero=_zero_from_file(flags))
     profile = flags["profile"] if flags["profile"].requested else None
     if dry.requested:
-        plan = ParallelPlan.resolve(**layout, device_type=dry.device_type or resolve_device_type(
-            flags["accelerator"], here=False), gpu=dry.gpu, strict_batch=False)
+        plan = ParallelPlan.resolve(**layout, accelerator=flags["accelerator"], device_type=dry.device_type or
+                                    resolve_device_type(flags["accelerator"], here=False), gpu=dry.gpu,
+                                    strict_batch=False)
         _check_model_split(plan, config, seq_len, lora=lora, quantize=quantize)
         if profile is not None:
             _check_profile_window(profile, _with_batch(train, plan), seq_len)
