@@ -800,11 +800,14 @@ def _describe_split_costs(config: Config, plan: ParallelPlan, seq_len: int, dry:
 
 def _describe_zero_stages(config: Config, plan: ParallelPlan, *, seq_len: int,
                           trainable_parameters: Optional[int]) -> list[str]:
-    """Memory per device under each DeepSpeed strategy, for the same run: what another stage would save."""
+    """Memory per device under each DeepSpeed strategy, for the same run: what another stage would save (on a CPU
+    run, which refuses offloading, the stages without it)."""
     from llmtrain.distributed.parallel_plan import DEEPSPEED_STRATEGIES
 
     lines = []
     for name, zero in DEEPSPEED_STRATEGIES.items():
+        if plan.device_type == "cpu" and zero.offload_optimizer:
+            continue
         memory = estimate_memory(config, replace(plan, zero=zero), seq_len=seq_len,
                                  trainable_parameters=trainable_parameters)
         mark = " (this run)" if zero == plan.zero else ""

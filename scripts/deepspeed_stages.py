@@ -4,7 +4,8 @@
         [--seq_len 128] [--steps 6] [--warmup 2] [--rounds 2] [--results out/benchmark/deepspeed.jsonl]
 
 Every round runs `llmtrain benchmark` (the real pretrain recipe) once per strategy, in the same order: FSDP
-(FULL_SHARD), then deepspeed_stage_1, _2, _2_offload, _3, _3_offload, all at the same micro and global batch.
+(FULL_SHARD), then deepspeed_stage_1, _2, _2_offload, _3, _3_offload, all at the same micro and global batch
+(on a machine without a GPU not the _offload ones, which a CPU run refuses: they would save nothing there).
 It prints the median over rounds of each one's tokens/s per process, its ratio to FSDP's, and rank 0's peak
 memory (on a CPU: the process's peak resident set, which includes building the model and torch itself), and
 appends every record to --results. Needs the deepspeed extra (./scripts/install.sh installs it).
@@ -18,6 +19,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = ("fsdp", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3",
@@ -35,9 +38,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--results", type=Path, default=ROOT / "out" / "benchmark" / "deepspeed.jsonl")
     args = parser.parse_args()
-    measured: dict[str, list[dict]] = {name: [] for name in STRATEGIES}
+    strategies = STRATEGIES if torch.cuda.is_available() else [name for name in STRATEGIES if "offload" not in name]
+    measured: dict[str, list[dict]] = {name: [] for name in strategies}
     for round_index in range(args.rounds):
-        for strategy in STRATEGIES:
+        for strategy in strategies:
             command = [sys.executable, "-m", "llmtrain", "benchmark", "--model", args.model, "--devices",
                        str(args.devices), "--strategy", strategy, "--micro_batch_size", str(args.micro_batch_size),
                        "--seq_len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),

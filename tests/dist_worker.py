@@ -24,7 +24,7 @@ from llmtrain.config import Config
 from llmtrain.args import FSDPArgs
 from llmtrain.checkpoint.checkpointer import build_checkpointer
 from llmtrain.checkpoint.weights import gather_full_model_state
-from llmtrain.distributed.parallel_plan import ParallelPlan
+from llmtrain.distributed.parallel_plan import DEEPSPEED_STRATEGIES, ParallelPlan
 from llmtrain.distributed import shared_memory
 from llmtrain.distributed.parallelize import materialize, parallelize
 from llmtrain.distributed.runtime import Runtime
@@ -91,17 +91,21 @@ def layout(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs]
            precision: str = "32-true", num_nodes: int = 1, micro_batch_size: int = 1) -> ParallelPlan:
     """The parallel plan of this process group, resolved from flags as a recipe does.
 
-    The flags refuse ``cpu_offload`` on a CPU run, where it would do nothing; these tests have no GPU, so they ask
-    for it all the same to run FSDP's offload path (its policy, checkpoints of offloaded state) for real: the plan
-    is resolved without it and gets it afterwards.
+    The flags refuse offloading (``cpu_offload``, the ``deepspeed_*_offload`` strategies) on a CPU run, where it would
+    do nothing; these tests have no GPU, so they ask for it all the same to run FSDP's and DeepSpeed's offload paths
+    (FSDP's policy, DeepSpeed's host optimizer, checkpoints of offloaded state) for real: the plan is resolved
+    without it and gets it afterwards.
     """
     train_args = TrainArgs(global_batch_size=GLOBAL_BATCH, micro_batch_size=micro_batch_size, max_steps=MAX_STEPS,
                            lr_warmup_steps=2, max_norm=1.0)
     offload = fsdp is not None and fsdp.cpu_offload
+    zero = DEEPSPEED_STRATEGIES.get(strategy)
+    zero_offload = zero is not None and zero.offload_optimizer
     plan = ParallelPlan.resolve(devices=runtime.world_size // num_nodes, num_nodes=num_nodes, train=train_args,
-                                precision=precision, strategy=strategy, accelerator=runtime.device.type,
+                                precision=precision, accelerator=runtime.device.type,
+                                strategy=f"deepspeed_stage_{zero.stage}" if zero_offload else strategy,
                                 fsdp=replace(fsdp, cpu_offload=False) if offload else fsdp)
-    return replace(plan, cpu_offload=True) if offload else plan
+    return replace(plan, cpu_offload=offload, zero=zero if zero_offload else plan.zero)
 
 
 def build(runtime: Runtime, *, config: Optional[Config] = None, **layout_args):

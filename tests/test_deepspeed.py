@@ -299,13 +299,13 @@ def test_auto_values_and_extra_zero_keys_are_accepted(tmp_path):
     user = read_config(path)
     train = TrainArgs(global_batch_size=16, micro_batch_size=2, max_norm=0.5)
     plan = ParallelPlan.resolve(devices=2, num_nodes=1, train=train, precision="bf16-mixed", strategy="deepspeed",
-                                accelerator="cpu", zero=zero_settings(user, path))
+                                device_type="cuda", zero=zero_settings(user, path))
     config = build_config(plan, train, user, path)
     assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"],
             config["gradient_accumulation_steps"], config["gradient_clipping"]) == (16, 2, 4, 0.5)
     assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
     assert config["zero_optimization"] == {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 5e7,
-                                           "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+                                           "offload_optimizer": {"device": "cpu", "pin_memory": True}}
     assert config["communication_data_type"] == "fp32" and "optimizer" not in config
     assert user["train_batch_size"] == "auto"  # the user's dict is not changed
 

@@ -3,6 +3,7 @@ on a device (pure arithmetic, no deepspeed import)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -47,11 +48,15 @@ def test_each_strategy_name_resolves_to_its_zero_stage_over_every_rank():
     (dict(fsdp=FSDPArgs(state_dict_type="sharded")), "--fsdp.state_dict_type sharded configures FSDP"),
     (dict(precision="bf16-true"), "--precision bf16-true"),
     (dict(precision="16-mixed", device_type="cpu"), "DeepSpeed's CPU accelerator has no fp16"),
+    (dict(strategy="deepspeed_stage_3_offload", accelerator="cpu", device_type=None),
+     "--strategy deepspeed_stage_3_offload on a CPU run (--accelerator cpu): offloading"),
+    (dict(strategy="deepspeed", zero=ZeroSettings(2, offload_optimizer=True), device_type="cpu"),
+     "--deepspeed.config's zero_optimization offload on a CPU run"),
 ], ids=["no stage", "stage contradicts", "config without deepspeed", "tensor parallel", "fsdp offload",
-        "fsdp checkpoint format", "bf16-true", "fp16 on a cpu"])
+        "fsdp checkpoint format", "bf16-true", "fp16 on a cpu", "offload strategy on a cpu", "offload file on a cpu"])
 def test_what_deepspeed_cannot_honour_is_refused_by_flag(overrides, words):
     arguments = {"strategy": "deepspeed_stage_2", **overrides}
-    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(words)):
         zero_plan(**arguments)
 
 
@@ -78,6 +83,17 @@ def test_each_stage_divides_what_it_partitions(llama_8b):
     assert abs(totals[3] - fsdp.total) < 2 * GiB
     whole = estimate_memory(llama_8b, zero_plan("fsdp", fsdp=FSDPArgs(sharding_strategy="FULL_SHARD")), seq_len=2048)
     assert whole.gradients - fsdp.gradients > 0.9 * 4 * num_parameters(llama_8b)  # with it: fp32, whole
+
+
+def test_a_cpu_dry_run_lists_only_the_stages_it_can_run(capsys, tmp_path):
+    """A CPU run refuses offloading (it would do nothing there): its dry run offers no offload strategy's savings."""
+    from llmtrain.plan import DryRunArgs, dry_run
+
+    dry_run(recipe="pretrain", config=Config.from_name("tiny-llama-1.1b"), plan=zero_plan("deepspeed_stage_2",
+            device_type="cpu"), train=TrainArgs(global_batch_size=256, micro_batch_size=1, max_steps=1000),
+            seq_len=2048, dry=DryRunArgs(enabled=True), fsdp=FSDPArgs(), out_dir=tmp_path)
+    listed = re.findall(r"--strategy (\S+) ", capsys.readouterr().out)
+    assert listed == ["deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"]
 
 
 def test_lora_under_zero_keeps_optimizer_state_for_the_adapters_only(llama_8b):

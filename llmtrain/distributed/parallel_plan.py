@@ -233,7 +233,8 @@ class ParallelPlan:
         if strategy.startswith("deepspeed"):
             return cls._resolve_deepspeed(strategy, zero, devices=devices, num_nodes=num_nodes, train=train,
                                           precision=precision, fsdp=fsdp, device_type=device_type, split=split,
-                                          strict_batch=strict_batch, batch_defaults=batch_defaults)
+                                          strict_batch=strict_batch, batch_defaults=batch_defaults,
+                                          accelerator=accelerator)
         if zero is not None:
             raise ValueError(f"--deepspeed.config is for --strategy deepspeed or deepspeed_stage_N, not --strategy "
                              f"{strategy}: pass one of those, or drop --deepspeed.config")
@@ -275,7 +276,8 @@ class ParallelPlan:
     @classmethod
     def _resolve_deepspeed(cls, strategy: str, zero: Optional[ZeroSettings], *, devices: int, num_nodes: int,
                            train: TrainArgs, precision: Precision, fsdp: FSDPArgs, device_type: DeviceType,
-                           split: dict, strict_batch: bool, batch_defaults: BatchDefaults) -> "ParallelPlan":
+                           split: dict, strict_batch: bool, batch_defaults: BatchDefaults,
+                           accelerator: str) -> "ParallelPlan":
         """A DeepSpeed ZeRO plan: every rank a data-parallel one; the flags it cannot honour refused by name."""
         named = DEEPSPEED_STRATEGIES.get(strategy)
         if named is None and zero is None:
@@ -285,6 +287,12 @@ class ParallelPlan:
             raise ValueError(f"--strategy {strategy} means {named.describe()}, but --deepspeed.config says "
                              f"{zero.describe()}: pass --strategy deepspeed to take the file's settings, or change it")
         zero = zero or named
+        if device_type == "cpu" and (zero.offload_optimizer or zero.offload_parameters):
+            if named is not None and named.offload_optimizer:
+                raise ValueError(_offload_on_cpu(f"--strategy {strategy}", accelerator,
+                                                 f"Use --strategy deepspeed_stage_{zero.stage}"))
+            raise ValueError(_offload_on_cpu("--deepspeed.config's zero_optimization offload", accelerator,
+                                             'Set the "device" of its offload_optimizer and offload_param to "none"'))
         if split["tp"] > 1 or split["pp"] > 1:
             raise ValueError(f"--strategy {strategy} is data parallelism (ZeRO) alone: drop --tp_size and --pp_size, "
                              "or use --strategy fsdp for tensor and pipeline parallelism")
