@@ -375,3 +375,26 @@ def test_the_out_of_memory_tables_are_the_dry_runs(capsys, tmp_path):
                 "--out_dir", str(tmp_path / "out")]
     for name, (command, *flags) in OOM_FINETUNE_ROWS.items():
         close(rows[name][2].split()[0].rstrip(":"), [command, str(model_dir), *finetune, *flags], f"row {name!r}")
+
+
+def test_the_torchrun_rendezvous_wait_is_torchruns_own():
+    """multi_gpu_and_multi_node.md's wait for a missing node under torchrun is the timeout that torchrun gives its
+    rendezvous for the two-node command of that page, and `--rdzv-conf timeout=N` replaces it."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import create_rdzv_handler
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    def wait_s(extra: list[str]) -> float:
+        args = get_args_parser().parse_args(["--nnodes", "2", "--node_rank", "0", "--nproc_per_node", "2",
+                                             "--master_addr", "127.0.0.1", "--master_port", "29500", *extra,
+                                             "-m", "llmtrain", "pretrain"])
+        config, _, _ = config_from_args(args)
+        parameters = RendezvousParameters(config.rdzv_backend, config.rdzv_endpoint, config.run_id, config.min_nodes,
+                                          config.max_nodes, **config.rdzv_configs)
+        return create_rdzv_handler(parameters).timeout.total_seconds()
+
+    markdown = " ".join((ROOT / "tutorials" / "multi_gpu_and_multi_node.md").read_text().split())
+    (stated, flag_s) = re.findall(r"under torchrun its own rendezvous waits, (\d+) seconds unless "
+                                  r"`--rdzv-conf timeout=(\d+)`", markdown)[0]
+    assert wait_s([]) == int(stated), f"the tutorial says {stated} s; torchrun waits {wait_s([]):g} s"
+    assert wait_s(["--rdzv-conf", f"timeout={flag_s}"]) == int(flag_s)
