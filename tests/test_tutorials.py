@@ -343,9 +343,6 @@ def test_the_parallelism_tutorial_quotes_what_its_dry_runs_print(capsys, tmp_pat
 def test_the_out_of_memory_tables_are_the_dry_runs(capsys, tmp_path):
     """Every per-device figure of out_of_memory.md is what `--dry_run` prints for that row's flags (to the
     figure's last digit): the tables rank the flags by the estimate, so they must move with it."""
-    from llmtrain.checkpoint.layout import CONFIG_FILE
-    from llmtrain.config import Config
-
     markdown = (ROOT / "tutorials" / "out_of_memory.md").read_text()
     rows = _table_rows(markdown)
     # The starting point: the first command of the first block.
@@ -366,15 +363,32 @@ def test_the_out_of_memory_tables_are_the_dry_runs(capsys, tmp_path):
         (stated,) = re.findall(rf"{name}`? \(([\d.]+) GiB\)", markdown)
         close(stated, base + flags, f"the figure for {name}")
 
+    for name, (command, *flags) in OOM_FINETUNE_ROWS.items():
+        close(rows[name][2].split()[0].rstrip(":"), [command, *_oom_finetune(tmp_path), *flags], f"row {name!r}")
+
+
+def _oom_finetune(tmp_path: Path) -> list[str]:
+    """A Llama-3.1-8B model directory and the flags of out_of_memory.md's fine-tuning table."""
+    from llmtrain.checkpoint.layout import CONFIG_FILE
+    from llmtrain.config import Config
+
     model_dir = tmp_path / "model"
-    model_dir.mkdir()
+    model_dir.mkdir(exist_ok=True)
     Config.from_name("Llama-3.1-8B").save(model_dir / CONFIG_FILE)
     for name in ("model.safetensors", "tokenizer.json"):
         (model_dir / name).write_bytes(b"")  # a dry run reads only the architecture
-    finetune = ["--train.micro_batch_size", "1", "--train.max_seq_length", "2048", "--precision", "bf16-true",
-                "--out_dir", str(tmp_path / "out")]
-    for name, (command, *flags) in OOM_FINETUNE_ROWS.items():
-        close(rows[name][2].split()[0].rstrip(":"), [command, str(model_dir), *finetune, *flags], f"row {name!r}")
+    return [str(model_dir), "--train.micro_batch_size", "1", "--train.max_seq_length", "2048", "--precision",
+            "bf16-true", "--out_dir", str(tmp_path / "out")]
+
+
+def test_the_out_of_memory_lora_sizes_are_the_dry_runs(capsys, tmp_path):
+    """The trainable parameters that out_of_memory.md gives for the 8B's adapters, without and with --lora_mlp, are
+    what `finetune_lora --dry_run` prints."""
+    markdown = " ".join((ROOT / "tutorials" / "out_of_memory.md").read_text().split())
+    (stated,) = re.findall(r"`--lora_mlp true` takes this 8B's from ([\d.]+M) to ([\d.]+M) trainable", markdown)
+    printed = tuple(re.search(r"^model .*, ([\d.]+M) trainable$", _dry_run(capsys, ["finetune_lora", *_oom_finetune(
+        tmp_path), *flags]), re.M)[1] for flags in ([], ["--lora_mlp", "true"]))
+    assert stated == printed, f"out_of_memory.md says {stated}; the dry runs print {printed}"
 
 
 def test_the_torchrun_rendezvous_wait_is_torchruns_own():
