@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import re
 import shlex
 from functools import lru_cache
@@ -367,16 +368,21 @@ def test_the_out_of_memory_tables_are_the_dry_runs(capsys, tmp_path):
         close(rows[name][2].split()[0].rstrip(":"), [command, *_oom_finetune(tmp_path), *flags], f"row {name!r}")
 
 
-def _oom_finetune(tmp_path: Path) -> list[str]:
-    """A Llama-3.1-8B model directory and the flags of out_of_memory.md's fine-tuning table."""
+def _model_dir(model_dir: Path, model_name: str) -> Path:
+    """A model directory of a zoo architecture, enough for a dry run (it reads only the architecture)."""
     from llmtrain.checkpoint.layout import CONFIG_FILE
     from llmtrain.config import Config
 
-    model_dir = tmp_path / "model"
-    model_dir.mkdir(exist_ok=True)
-    Config.from_name("Llama-3.1-8B").save(model_dir / CONFIG_FILE)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    Config.from_name(model_name).save(model_dir / CONFIG_FILE)
     for name in ("model.safetensors", "tokenizer.json"):
-        (model_dir / name).write_bytes(b"")  # a dry run reads only the architecture
+        (model_dir / name).write_bytes(b"")
+    return model_dir
+
+
+def _oom_finetune(tmp_path: Path) -> list[str]:
+    """A Llama-3.1-8B model directory and the flags of out_of_memory.md's fine-tuning table."""
+    model_dir = _model_dir(tmp_path / "model", "Llama-3.1-8B")
     return [str(model_dir), "--train.micro_batch_size", "1", "--train.max_seq_length", "2048", "--precision",
             "bf16-true", "--out_dir", str(tmp_path / "out")]
 
@@ -389,6 +395,27 @@ def test_the_out_of_memory_lora_sizes_are_the_dry_runs(capsys, tmp_path):
     printed = tuple(re.search(r"^model .*, ([\d.]+M) trainable$", _dry_run(capsys, ["finetune_lora", *_oom_finetune(
         tmp_path), *flags]), re.M)[1] for flags in ([], ["--lora_mlp", "true"]))
     assert stated == printed, f"out_of_memory.md says {stated}; the dry runs print {printed}"
+
+
+def test_the_finetuning_tutorial_quotes_its_commands_dry_runs(capsys, tmp_path, monkeypatch):
+    """The per-device memory that finetune_on_your_own_json.md gives for its LoRA and QLoRA commands (and the LoRA
+    command at micro batch 1) is what `--dry_run` prints for them, run where their model folders and data exist."""
+    markdown = (ROOT / "tutorials" / "finetune_on_your_own_json.md").read_text()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_data.json").write_text(json.dumps([{"instruction": "What is 12 + 30?", "output": "42"}]))
+    commands = {}
+    for words in shell_commands(markdown):
+        if words[:2] == ["llmtrain", "finetune_lora"] and words[2].startswith("checkpoints/"):
+            _model_dir(tmp_path / words[2], words[2].rsplit("/", 1)[1])
+            commands["qlora" if "--quantize" in words else "lora"] = [*words[1:], "--out_dir", str(tmp_path / "out")]
+    prose = " ".join(markdown.split())
+    ((lora, lora_micro_1),) = re.findall(r"micro batch 4 of 2,048 tokens: ([\d.]+) GiB per device by `--dry_run`, "
+                                         r"a 24 GB GPU; ([\d.]+) GiB at `--train.micro_batch_size 1`", prose)
+    (qlora,) = re.findall(r"a 7-8B model trains on a 24 GB GPU \(([\d.]+) GiB per device by `--dry_run`\)", prose)
+    for stated, args in ((lora, commands["lora"]), (lora_micro_1, [*commands["lora"], "--train.micro_batch_size", "1"]),
+                         (qlora, commands["qlora"])):
+        assert float(stated) == _estimate_gib(capsys, args), f"finetune_on_your_own_json.md: {' '.join(args)}"
+    assert float(qlora) <= 0.9 * 24  # the dry run fits a plan in 90% of a GPU (an L4: 24 GiB)
 
 
 def test_the_torchrun_rendezvous_wait_is_torchruns_own():
