@@ -48,6 +48,24 @@ class Segment(NamedTuple):
     """True for an assistant turn (the text the loss covers when the prompt is masked)."""
 
 
+class JinjaTurns(NamedTuple):
+    """A style's turns as Jinja expressions, for `PromptStyle.chat_template`. They read `system` (None in a format
+    without a system role), `first_user` (the first user message), `message` (the user message), `text` (its
+    content, the system message merged in where the format has no system role), `content` (`text` with its `input`)
+    and `answer` (an assistant message's content)."""
+
+    prefix: str
+    """Text before the first user turn (`PromptStyle.prefix`)."""
+    user: str
+    """A user turn, without the header that opens the assistant's reply."""
+    header: str
+    """The header that opens the assistant's reply (`PromptStyle.user` ends with it)."""
+    assistant: str
+    """An assistant turn (`PromptStyle.assistant`)."""
+    merge_system: str = r"merged_system + '\n\n' + text"
+    """The first user message's text in a format without a system role (`PromptStyle.merge_system`)."""
+
+
 @dataclass(frozen=True)
 class PromptStyle:
     """Base of every style. Subclasses set `name` and the four pieces of a turn, and are registered by name."""
@@ -86,6 +104,10 @@ class PromptStyle:
     def merge_system(self, system: str, content: str) -> str:
         """The first user message of a format without a system role."""
         return f"{system}\n\n{content}"
+
+    def jinja_turns(self) -> JinjaTurns:
+        """The four pieces of a turn as Jinja expressions (see `JinjaTurns`), for `chat_template`."""
+        raise ValueError(f"the {self.name or type(self).__name__!r} prompt style has no Jinja form")
 
     # ------------------------------------------------------------------------------ shared machinery
     def apply(self, prompt: Prompt, *, input: str = "", system: Optional[str] = None) -> str:
@@ -134,6 +156,56 @@ class PromptStyle:
             if ids and ids not in stops:
                 stops.append(ids)
         return tuple(stops)
+
+    def chat_template(self, bos: bool) -> str:
+        """This style as a Jinja chat template: transformers' `apply_chat_template` renders what `apply` renders.
+
+        `bos`: whether the template opens with the bos token. transformers encodes a rendered chat without adding
+        special tokens, so it must where llmtrain's tokenizer adds one (`Tokenizer.add_bos`).
+        A conversation that ends with a user message gets the assistant's header only with `add_generation_prompt`.
+        """
+        turns = self.jinja_turns()
+        merge = "" if self.supports_system else (
+            "{%- set merged_system = system -%}\n{%- set system = none -%}\n")
+        merged_text = "" if self.supports_system else (
+            "    {%- if loop.first and merged_system is not none -%}\n"
+            f"      {{%- set text = {turns.merge_system} -%}}\n"
+            "    {%- endif -%}\n")
+        return (
+            f"{{#- llmtrain's {self.name!r} prompt style -#}}\n"
+            "{%- if messages and messages[0]['role'] == 'system' -%}\n"
+            "  {%- set system = messages[0]['content'] -%}\n"
+            "  {%- set loop_messages = messages[1:] -%}\n"
+            "{%- else -%}\n"
+            f"  {{%- set system = {_jinja_string(self.system) if self.system is not None else 'none'} -%}}\n"
+            "  {%- set loop_messages = messages -%}\n"
+            "{%- endif -%}\n"
+            "{%- for message in loop_messages -%}\n"
+            "  {%- if message['role'] != ['user', 'assistant'][loop.index0 % 2] -%}\n"
+            "    {{- raise_exception('after an optional system message, user and assistant messages must alternate, "
+            "user first') -}}\n"
+            "  {%- endif -%}\n"
+            "{%- endfor -%}\n"
+            "{%- if not loop_messages -%}\n"
+            "  {{- raise_exception('the conversation has no user message') -}}\n"
+            "{%- endif -%}\n"
+            + ("{{- bos_token -}}\n" if bos else "")
+            + merge
+            + "{%- set first_user = loop_messages[0] -%}\n"
+            f"{{{{- {turns.prefix} -}}}}\n"
+            "{%- for message in loop_messages -%}\n"
+            "  {%- if message['role'] == 'user' -%}\n"
+            "    {%- set text = message['content'] -%}\n"
+            + merged_text
+            + "    {%- set content = text + ('\\n\\n' + message['input'] if message['input'] else '') -%}\n"
+            f"    {{%- if not loop.first -%}}{{{{- {_jinja_string(self.separator)} -}}}}{{%- endif -%}}\n"
+            f"    {{{{- {turns.user} -}}}}\n"
+            f"    {{%- if not loop.last or add_generation_prompt -%}}{{{{- {turns.header} -}}}}{{%- endif -%}}\n"
+            "  {%- else -%}\n"
+            "    {%- set answer = message['content'] -%}\n"
+            f"    {{{{- {turns.assistant} -}}}}\n"
+            "  {%- endif -%}\n"
+            "{%- endfor -%}\n")
 
     # ------------------------------------------------------------------------------ construction
     @classmethod
@@ -193,6 +265,13 @@ class Default(PromptStyle):
     def user(self, message: Message, turn: int) -> str:
         return user_content(message)
 
+    def jinja_turns(self) -> JinjaTurns:
+        plain = "(system is none and loop_messages|length <= 2)"
+        return JinjaTurns(prefix=r"'System: ' + system + '\n\n' if system is not none else ''",
+                          user=rf"content if {plain} else 'User: ' + content + '\n\n'",
+                          header=f"'' if {plain} else 'Assistant:'",
+                          assistant=f"answer if {plain} else {JINJA_SPACE_BEFORE}")
+
 
 @dataclass(frozen=True)
 class _Transcript(PromptStyle):
@@ -234,6 +313,14 @@ class Alpaca(PromptStyle):
             text += f"### Input:\n{message['input']}\n\n"
         return text + "### Response:\n"
 
+    def jinja_turns(self) -> JinjaTurns:
+        preamble = (f"{_jinja_string(ALPACA_PREAMBLE_WITH_INPUT)} if first_user['input'] "
+                    f"else {_jinja_string(ALPACA_PREAMBLE)}")
+        return JinjaTurns(prefix=rf"(system if system is not none else ({preamble})) + '\n\n'",
+                          user=r"'### Instruction:\n' + text + '\n\n' + "
+                               r"('### Input:\n' + message['input'] + '\n\n' if message['input'] else '')",
+                          header=r"'### Response:\n'", assistant="answer")
+
 
 @dataclass(frozen=True)
 class ChatML(PromptStyle):
@@ -251,6 +338,11 @@ class ChatML(PromptStyle):
 
     def assistant(self, content: str) -> str:
         return f"{content}<|im_end|>"
+
+    def jinja_turns(self) -> JinjaTurns:
+        return JinjaTurns(prefix=r"'<|im_start|>system\n' + system + '<|im_end|>\n' if system is not none else ''",
+                          user=r"'<|im_start|>user\n' + content + '<|im_end|>\n'",
+                          header=r"'<|im_start|>assistant\n'", assistant="answer + '<|im_end|>'")
 
 
 @dataclass(frozen=True)
@@ -270,6 +362,11 @@ class Llama2(PromptStyle):
     def assistant(self, content: str) -> str:
         return f" {content.strip()} </s>"
 
+    def jinja_turns(self) -> JinjaTurns:
+        return JinjaTurns(prefix="''", user="'[INST] ' + content|trim + ' [/INST]'", header="''",
+                          assistant="' ' + answer|trim + ' </s>'",
+                          merge_system=r"'<<SYS>>\n' + merged_system + '\n<</SYS>>\n\n' + text")
+
 
 @dataclass(frozen=True)
 class Llama3(PromptStyle):
@@ -287,9 +384,19 @@ class Llama3(PromptStyle):
     def assistant(self, content: str) -> str:
         return f"{content.strip()}<|eot_id|>"
 
+    def jinja_turns(self) -> JinjaTurns:
+        header = self._jinja_header
+        return JinjaTurns(prefix=f"{header('system')} + system|trim + '<|eot_id|>' if system is not none else ''",
+                          user=f"{header('user')} + content|trim + '<|eot_id|>'", header=header("assistant"),
+                          assistant="answer|trim + '<|eot_id|>'")
+
     @staticmethod
     def _header(role: str) -> str:
         return f"<|start_header_id|>{role}<|end_header_id|>\n\n"
+
+    @classmethod
+    def _jinja_header(cls, role: str) -> str:
+        return _jinja_string(cls._header(role))
 
 
 LLAMA31_DATE = "26 Jul 2024"
@@ -311,6 +418,13 @@ class Llama31(Llama3):
         return (self._header("system") + f"Cutting Knowledge Date: December 2023\nToday Date: {date}\n\n"
                 + f"{(system or '').strip()}<|eot_id|>")
 
+    def jinja_turns(self) -> JinjaTurns:
+        # NOTE: transformers gives templates strftime_now, which Llama 3.2's own template uses for the date.
+        date = _jinja_string(self.date) if self.date is not None else "strftime_now('%d %b %Y')"
+        prefix = (f"{self._jinja_header('system')} + 'Cutting Knowledge Date: December 2023\\nToday Date: ' + {date}"
+                  r" + '\n\n' + (system or '')|trim + '<|eot_id|>'")
+        return super().jinja_turns()._replace(prefix=prefix)
+
 
 @dataclass(frozen=True)
 class Mistral(PromptStyle):
@@ -324,6 +438,10 @@ class Mistral(PromptStyle):
 
     def assistant(self, content: str) -> str:
         return f"{content}</s>"
+
+    def jinja_turns(self) -> JinjaTurns:
+        return JinjaTurns(prefix="''", user="'[INST] ' + content + ' [/INST]'", header="''",
+                          assistant="answer + '</s>'")
 
 
 @dataclass(frozen=True)
@@ -340,6 +458,10 @@ class Gemma(PromptStyle):
 
     def assistant(self, content: str) -> str:
         return f"{content.strip()}<end_of_turn>"
+
+    def jinja_turns(self) -> JinjaTurns:
+        return JinjaTurns(prefix="''", user=r"'<start_of_turn>user\n' + content|trim + '<end_of_turn>\n'",
+                          header=r"'<start_of_turn>model\n'", assistant="answer|trim + '<end_of_turn>'")
 
 
 @dataclass(frozen=True)
@@ -358,6 +480,10 @@ class Phi(PromptStyle):
     def assistant(self, content: str) -> str:
         return space_before(content)
 
+    def jinja_turns(self) -> JinjaTurns:
+        return JinjaTurns(prefix=r"system + '\n' if system else ''", user=r"'Instruct: ' + content + '\n'",
+                          header="'Output:'", assistant=JINJA_SPACE_BEFORE)
+
 
 @dataclass(frozen=True)
 class TinyLlama(PromptStyle):
@@ -375,6 +501,11 @@ class TinyLlama(PromptStyle):
 
     def assistant(self, content: str) -> str:
         return f"{content}</s>"
+
+    def jinja_turns(self) -> JinjaTurns:
+        return JinjaTurns(prefix=r"'<|system|>\n' + system + '</s>\n' if system is not none else ''",
+                          user=r"'<|user|>\n' + content + '</s>\n'", header=r"'<|assistant|>\n'",
+                          assistant="answer + '</s>'")
 
 
 @dataclass(frozen=True)
@@ -414,6 +545,15 @@ class ChatTemplate(PromptStyle):
         if messages[-1]["role"] != "assistant":
             segments.append(Segment(self._after(done, self._render(messages, True)), False))
         return segments
+
+    def chat_template(self, bos: bool) -> str:
+        """The template itself (it writes its own bos); a `system` default goes before conversations without one."""
+        if self.system is None:
+            return self.template
+        system = f"{{'role': 'system', 'content': {_jinja_string(self.system)}}}"
+        return ("{%- if not messages or messages[0]['role'] != 'system' -%}\n"
+                f"  {{%- set messages = [{system}] + messages -%}}\n"
+                "{%- endif %}" + self.template)
 
     def end_of_turn_texts(self) -> tuple[str, ...]:
         """What the template writes after an assistant's answer (<|im_end|>, <|eot_id|>, ...), if anything."""
@@ -538,6 +678,15 @@ def user_content(message: Message) -> str:
     return f"{message['content']}\n\n{message['input']}" if message.get("input") else message["content"]
 
 
+JINJA_SPACE_BEFORE = "' ' + (answer[1:] if answer.startswith(' ') else answer)"
+"""`space_before` in Jinja."""
+
+
+def _jinja_string(text: str) -> str:
+    """`text` as a Jinja string literal (a JSON string is one: Jinja reads its escapes as Python does)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 # ------------------------------------------------------------------------------------------ files
 def save_prompt_style(style: Union[PromptStyle, str], checkpoint_dir: Union[Path, str]) -> Path:
     """Write `prompt_style.yaml` into `checkpoint_dir` atomically; returns its path."""
@@ -593,3 +742,25 @@ def checkpoint_prompt_style(checkpoint_dir: Union[Path, str, None], config: Any)
         return load_prompt_style(checkpoint_dir)
     template = read_chat_template(checkpoint_dir) if checkpoint_dir is not None else None
     return template if template is not None else PromptStyle.from_config(config)
+
+
+CHAT_TEMPLATE_PROBES: tuple[list[Message], ...] = (
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": " Hi "}, {"role": "assistant", "content": " Hello! "}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "What is 2 + 2?"}],
+)
+"""Conversations on which a style's chat template must render what the style renders."""
+
+
+def checked_chat_template(style: PromptStyle, special_tokens: dict[str, str], bos: bool) -> str:
+    """`style.chat_template(bos)`, once transformers' rendering of it gives the style's prompts and responses on
+    `CHAT_TEMPLATE_PROBES`; raises ValueError naming the style where it does not (or where it has no Jinja form)."""
+    template = style.chat_template(bos)
+    if isinstance(style, ChatTemplate):
+        return template  # the checkpoint's own, as transformers renders it already
+    as_rendered = ChatTemplate(template=template, special_tokens=special_tokens)
+    for messages in CHAT_TEMPLATE_PROBES:
+        if as_rendered.render(messages) != style.render(messages):
+            raise ValueError(f"the {style.name!r} prompt style's chat template renders {messages} differently")
+    return template

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -19,6 +21,9 @@ from llmtrain.config import MODEL_ZOO, Config
 from llmtrain.convert import ADAPTERS, adapter_for_config, ensure_model_dir, from_hf, read_hf_config, to_hf
 from llmtrain.convert.adapters import architecture_differences, config_from_hf, zoo_config
 from llmtrain.model import GPT
+from llmtrain.prompts import (
+    QWEN_SYSTEM, Alpaca, ChatML, ChatTemplate, PromptStyle, read_chat_template, save_prompt_style,
+)
 from llmtrain.tokenizer import TOKENIZER_FILES, Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -337,6 +342,112 @@ def test_token_ids_and_generation_config(tmp_path, llama_dirs):
     (trained / "generation_config.json").unlink()
     generation = transformers.GenerationConfig.from_pretrained(to_hf(trained, tmp_path / "trained_hf"))
     assert (generation.bos_token_id, generation.eos_token_id) == (tokenizer.bos_id, tokenizer.eos_id)
+
+
+# ---- chat template ---------------------------------------------------------------------------------
+
+BASE_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                 "'<|im_end|>\\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+"""A base model's chat template (ChatML), which its tokenizer files carry into every checkpoint tuned from it."""
+
+CHATS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": " Hi there \n"}, {"role": "assistant", "content": "\n Hello! \n"},
+     {"role": "user", "content": "What is 2 + 2? "}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": " Hello!"}, {"role": "user", "content": "What is 2 + 2?"},
+     {"role": "assistant", "content": "4"}],
+]
+"""One turn, a system message, several turns; awaiting an answer, or finished."""
+
+
+def tuned_checkpoint(directory: Path, ours_dir: Path, style, base_template: bool = True) -> Path:
+    """A copy of `ours_dir` fine-tuned (as far as its files go) with `style`, from a base with a template or not."""
+    shutil.copytree(ours_dir, directory)
+    if base_template:
+        _edit_json(directory / layout.TOKENIZER_CONFIG_FILE, chat_template=BASE_TEMPLATE)
+    save_prompt_style(style, directory)
+    return directory
+
+
+@pytest.mark.parametrize("style", [*(PromptStyle.from_name(name) for name in sorted(PromptStyle.registry)
+                                     if name != "chat_template"),
+                                   PromptStyle.from_name("chatml", system=QWEN_SYSTEM),
+                                   PromptStyle.from_name("llama3.1", date=None)], ids=repr)
+def test_a_tuned_models_chat_template_is_its_prompt_style(tmp_path, llama_dirs, style):
+    _, ours_dir = llama_dirs
+    tuned = tuned_checkpoint(tmp_path / "tuned", ours_dir, style)
+    out = to_hf(tuned, tmp_path / "hf")
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    tokenizer = Tokenizer(tuned)
+    assert tokenizer.add_bos
+    for messages in CHATS:
+        prompt = style.apply(messages)
+        awaiting = messages[-1]["role"] == "user"
+        rendered = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=awaiting)
+        # The template writes the bos token that llmtrain's tokenizer adds, as transformers encodes without it.
+        assert rendered == "<|bos|>" + prompt
+        ids = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=awaiting,
+                                               return_dict=False)
+        assert list(ids) == tokenizer.encode(prompt)
+        if awaiting:  # without the generation prompt: the same, less the header of the assistant's reply
+            bare = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+            assert rendered.startswith(bare)
+    # transformers' own layout: the template in chat_template.jinja, none left in tokenizer_config.json.
+    assert "chat_template" not in json.loads((out / layout.TOKENIZER_CONFIG_FILE).read_text())
+    assert read_chat_template(out).render(CHATS[-1]) == style.render(CHATS[-1])  # converting back keeps it
+
+
+def test_a_chat_template_without_a_base_template_or_of_the_checkpoint_itself(tmp_path, llama_dirs):
+    _, ours_dir = llama_dirs
+    # A base with no template: the export gets the style's.
+    out = to_hf(tuned_checkpoint(tmp_path / "alpaca", ours_dir, Alpaca(), base_template=False), tmp_path / "hf")
+    assert transformers.AutoTokenizer.from_pretrained(out).apply_chat_template(
+        CHATS[0], tokenize=False, add_generation_prompt=True) == "<|bos|>" + Alpaca().apply(CHATS[0])
+    # Tuned in the base's own template: written back unchanged.
+    own = tuned_checkpoint(tmp_path / "own", ours_dir, ChatTemplate(template=BASE_TEMPLATE))
+    assert (to_hf(own, tmp_path / "own_hf") / layout.CHAT_TEMPLATE_FILE).read_text() == BASE_TEMPLATE
+    # A model never fine-tuned (no prompt_style.yaml) keeps its tokenizer's template.
+    base = Path(shutil.copytree(ours_dir, tmp_path / "base"))
+    _edit_json(base / layout.TOKENIZER_CONFIG_FILE, chat_template=BASE_TEMPLATE)
+    assert read_chat_template(to_hf(base, tmp_path / "base_hf")).template == BASE_TEMPLATE
+
+
+def test_a_style_without_a_jinja_form_exports_no_template(tmp_path, llama_dirs, capsys):
+    _, ours_dir = llama_dirs
+
+    @dataclass(frozen=True)
+    class Shout(PromptStyle):  # a user's own style, which has no Jinja form
+        name: ClassVar[str] = "test-shout"
+
+        def user(self, message, turn):
+            return message["content"].upper() + "\n"
+
+    try:
+        out = to_hf(tuned_checkpoint(tmp_path / "shout", ours_dir, Shout()), tmp_path / "hf")
+    finally:
+        PromptStyle.registry.pop("test-shout")
+    warning = capsys.readouterr().err
+    assert "'test-shout' prompt style has no Jinja form; the converted model has no chat template" in warning
+    # Not the base's template, which the model was not tuned on.
+    with pytest.raises(ValueError, match="chat_template is not set"):
+        transformers.AutoTokenizer.from_pretrained(out).apply_chat_template(CHATS[0], tokenize=False)
+
+    @dataclass(frozen=True)
+    class Human(ChatML):  # a built-in style changed: the Jinja form it inherits renders ChatML's turns
+        name: ClassVar[str] = "test-human"
+
+        def user(self, message, turn):
+            return f"<|im_start|>human\n{message['content']}<|im_end|>\n<|im_start|>assistant\n"
+
+    try:
+        out = to_hf(tuned_checkpoint(tmp_path / "human", ours_dir, Human()), tmp_path / "human_hf")
+    finally:
+        PromptStyle.registry.pop("test-human")
+    assert "'test-human' prompt style's chat template renders" in capsys.readouterr().err
+    assert not (out / layout.CHAT_TEMPLATE_FILE).exists()
 
 
 # ---- ensure_model_dir -----------------------------------------------------------------------------

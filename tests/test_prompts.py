@@ -153,6 +153,42 @@ def test_conversation_renders_as_the_family_chat_template(name: str, tokenizer: 
         assert PromptStyle.from_name(name).apply(messages) == expected.removeprefix(bos)
 
 
+# Styles with a default system message or a date of their own, besides every registered one.
+STYLE_VARIANTS = [ChatML(system="You are Qwen."), PromptStyle.from_name("default", system="Note: \"x\" \\ é"),
+                  PromptStyle.from_name("llama3.1", date=None), PromptStyle.from_name("alpaca", system="Be kind.")]
+
+
+@pytest.mark.parametrize("style", [PromptStyle.from_name(name) for name in sorted(SINGLE)] + STYLE_VARIANTS, ids=repr)
+def test_chat_template_renders_as_the_style(style: PromptStyle) -> None:
+    pytest.importorskip("transformers")
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    def render(messages: list, bos: bool, add_generation_prompt: bool = True) -> str:
+        (text,), _ = render_jinja_template([messages], chat_template=style.chat_template(bos), bos_token="<s>",
+                                           add_generation_prompt=add_generation_prompt)
+        return text
+
+    padded = [{"role": "user", "content": " Hi there \n"}, {"role": "assistant", "content": "\n Hello! \n"},
+              {"role": "user", "content": "What is 2 + 2? "}]
+    with_input = [{"role": "user", "content": "Sort the numbers.", "input": "3, 1, 2"},
+                  {"role": "assistant", "content": " 1, 2, 3"}, {"role": "user", "content": "Reverse them."}]
+    finished = CONVERSATION + [{"role": "assistant", "content": "4"}]
+    for messages in ([{"role": "user", "content": "What is 2 + 2?"}], CONVERSATION, padded, with_input, finished,
+                     finished[1:3]):
+        assert render(messages, bos=False) == style.apply(messages)
+        assert render(messages, bos=True) == "<s>" + style.apply(messages)
+        # Without the generation prompt: the user's turn, less the header of the assistant's reply.
+        assert style.apply(messages).startswith(render(messages, bos=False, add_generation_prompt=False))
+    assert render(finished, bos=False, add_generation_prompt=False) == style.apply(finished)
+    # As ChatTemplate reads it back, the prompts and responses (what fine-tuning masks and trains on) are the same.
+    assert ChatTemplate(template=style.chat_template(False)).render(finished) == style.render(finished)
+    for messages, error in [([{"role": "assistant", "content": "Hi"}], "user and assistant messages must alternate"),
+                            ([{"role": "system", "content": "s"}], "no user message")]:
+        with pytest.raises(TemplateError, match=error):
+            render(messages, bos=False)
+
+
 def test_segments_split_prompt_from_response() -> None:
     finished = CONVERSATION + [{"role": "assistant", "content": "4"}]
     assert ChatML().render(finished) == [
@@ -327,6 +363,11 @@ def test_a_checkpoints_own_chat_template_renders_as_transformers_does(tmp_path: 
         ("@system: Be brief.\n@user: Hi\n@bot:", False), (" Hello!<|endoftext|>\n", True),
         ("@user: What is 2 + 2?\n@bot:", False), (" 4<|endoftext|>\n", True)]
     assert style.apply("Sort.", input="3, 1") == "@user: Sort.\n\n3, 1\n@bot:"
+    # Exported to transformers, it renders the same, a default system message included.
+    for own in (style, ChatTemplate(template=OWN_TEMPLATE, special_tokens=style.special_tokens, system="Be brief.")):
+        hf_tokenizer.chat_template = own.chat_template(bos=True)
+        expected = hf_tokenizer.apply_chat_template(CONVERSATION[1:], tokenize=False, add_generation_prompt=True)
+        assert own.apply(CONVERSATION[1:]) == expected.removeprefix("<|bos|>")
     refuses = ChatTemplate(template="{{ raise_exception('System role not supported') }}")
     with pytest.raises(ValueError, match="chat template refuses the conversation: System role not supported"):
         refuses.apply("Hi", system="Be brief.")

@@ -197,6 +197,7 @@ def to_hf(checkpoint_dir: Path, output_dir: Path, dtype: Optional[DTypeName] = N
         _copy_files(checkpoint_dir, tmp, EXTRA_FILES)
         if tokenizer is not None:
             tokenizer.save(tmp)
+            _write_chat_template(checkpoint_dir, tmp, tokenizer)
         _publish(tmp, output_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -428,6 +429,38 @@ def _tokenizer_or_none(directory: Path):
         print(f"warning: {directory} has no {layout.TOKENIZER_FILE}; the converted model has no tokenizer", file=sys.stderr)
         return None
     return Tokenizer(directory)
+
+
+def _write_chat_template(checkpoint_dir: Path, directory: Path, tokenizer) -> None:
+    """The chat template of the prompt style the model was fine-tuned with (its prompt_style.yaml), as
+    chat_template.jinja, where transformers reads and writes it; not the template that came with the tokenizer
+    files, which is the base model's. A checkpoint without prompt_style.yaml keeps its tokenizer's template."""
+    from llmtrain.prompts import checked_chat_template, has_prompt_style, load_prompt_style
+    from llmtrain.tokenizer import read_special_tokens
+
+    if not has_prompt_style(checkpoint_dir):
+        return
+    style = load_prompt_style(checkpoint_dir)
+    special_tokens = read_special_tokens(directory)
+    # NOTE: transformers encodes a rendered chat without special tokens, so the template writes the bos token
+    # where llmtrain's tokenizer adds one.
+    bos = tokenizer.add_bos and "bos_token" in special_tokens
+    try:
+        template = checked_chat_template(style, special_tokens, bos)
+    except ValueError as error:
+        template = None
+        print(f"warning: {checkpoint_dir / layout.PROMPT_STYLE_FILE}: {error}; the converted model has no chat "
+              "template, so transformers' apply_chat_template refuses it: write its prompts as llmtrain's "
+              f"{style.name!r} style does", file=sys.stderr)
+    config_path = directory / layout.TOKENIZER_CONFIG_FILE
+    if config_path.is_file():
+        tokenizer_config = json.loads(config_path.read_text(encoding="utf-8"))
+        if tokenizer_config.pop("chat_template", None) is not None:
+            _write_json(config_path, tokenizer_config)
+    if template is None:
+        (directory / layout.CHAT_TEMPLATE_FILE).unlink(missing_ok=True)
+    else:
+        (directory / layout.CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
 
 
 def _copy_files(source: Path, target: Path, names: tuple[str, ...]) -> None:
