@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+import tokenizers
 import torch
 from safetensors import safe_open
 
@@ -22,7 +23,8 @@ from llmtrain.convert import ADAPTERS, adapter_for_config, ensure_model_dir, fro
 from llmtrain.convert.adapters import architecture_differences, config_from_hf, zoo_config
 from llmtrain.model import GPT
 from llmtrain.prompts import (
-    QWEN_SYSTEM, Alpaca, ChatML, ChatTemplate, PromptStyle, read_chat_template, save_prompt_style,
+    QWEN_SYSTEM, Alpaca, ChatML, ChatTemplate, PromptStyle, checkpoint_prompt_style, read_chat_template,
+    save_prompt_style,
 )
 from llmtrain.tokenizer import TOKENIZER_FILES, Tokenizer
 
@@ -413,6 +415,34 @@ def test_a_chat_template_without_a_base_template_or_of_the_checkpoint_itself(tmp
     base = Path(shutil.copytree(ours_dir, tmp_path / "base"))
     _edit_json(base / layout.TOKENIZER_CONFIG_FILE, chat_template=BASE_TEMPLATE)
     assert read_chat_template(to_hf(base, tmp_path / "base_hf")).template == BASE_TEMPLATE
+
+
+def test_transformers_generate_ends_a_reply_at_the_styles_end_of_turn_token(tmp_path, llama_dirs):
+    _, ours_dir = llama_dirs
+    tuned = tuned_checkpoint(tmp_path / "tuned", ours_dir, ChatML())
+    hf_tokenizer = tokenizers.Tokenizer.from_file(str(tuned / layout.TOKENIZER_FILE))
+    hf_tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])  # as ChatML models have them: one token each
+    hf_tokenizer.save(str(tuned / layout.TOKENIZER_FILE))
+    tokenizer = Tokenizer(tuned)
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    assert ChatML().stop_tokens(tokenizer) == ([tokenizer.eos_id], [im_end])  # where llmtrain's generate stops
+    out = to_hf(tuned, tmp_path / "hf")
+    assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == [tokenizer.eos_id, im_end]
+
+    class Writes(transformers.LogitsProcessor):  # a model that answers with <|im_end|> and would then go on
+        def __call__(self, input_ids, scores):
+            scores[:] = -float("inf")
+            scores[:, im_end if input_ids.shape[1] == prompt.shape[1] else 5] = 0.0
+            return scores
+
+    prompt = torch.tensor([tokenizer.encode(ChatML().apply("Hi"))])
+    reply = load_transformers(out).generate(prompt, max_new_tokens=4, do_sample=False,
+                                            logits_processor=transformers.LogitsProcessorList([Writes()]))
+    assert reply[0, prompt.shape[1]:].tolist() == [im_end]
+    # Converted back, llmtrain stops there too, as before.
+    back = from_hf(out, tmp_path / "back")
+    assert checkpoint_prompt_style(back, Config.from_file(back / layout.CONFIG_FILE)).stop_tokens(
+        Tokenizer(back)) == ([tokenizer.eos_id], [im_end])
 
 
 def test_a_style_without_a_jinja_form_exports_no_template(tmp_path, llama_dirs, capsys):

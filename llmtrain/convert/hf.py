@@ -197,7 +197,7 @@ def to_hf(checkpoint_dir: Path, output_dir: Path, dtype: Optional[DTypeName] = N
         _copy_files(checkpoint_dir, tmp, EXTRA_FILES)
         if tokenizer is not None:
             tokenizer.save(tmp)
-            _write_chat_template(checkpoint_dir, tmp, tokenizer)
+            _write_chat_format(checkpoint_dir, tmp, tokenizer)
         _publish(tmp, output_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -431,16 +431,23 @@ def _tokenizer_or_none(directory: Path):
     return Tokenizer(directory)
 
 
-def _write_chat_template(checkpoint_dir: Path, directory: Path, tokenizer) -> None:
-    """The chat template of the prompt style the model was fine-tuned with (its prompt_style.yaml), as
-    chat_template.jinja, where transformers reads and writes it; not the template that came with the tokenizer
-    files, which is the base model's. A checkpoint without prompt_style.yaml keeps its tokenizer's template."""
-    from llmtrain.prompts import checked_chat_template, has_prompt_style, load_prompt_style
+def _write_chat_format(checkpoint_dir: Path, directory: Path, tokenizer) -> None:
+    """The chat format of the prompt style the model was fine-tuned with (its prompt_style.yaml), as transformers
+    reads it: the chat template and the tokens that end a turn. A checkpoint without one keeps its tokenizer's."""
+    from llmtrain.prompts import has_prompt_style, load_prompt_style
+
+    if has_prompt_style(checkpoint_dir):
+        style = load_prompt_style(checkpoint_dir)
+        _write_chat_template(checkpoint_dir, directory, style, tokenizer)
+        _write_stop_tokens(directory, style, tokenizer)
+
+
+def _write_chat_template(checkpoint_dir: Path, directory: Path, style, tokenizer) -> None:
+    """The style's chat template as chat_template.jinja, where transformers reads and writes it; not the template
+    that came with the tokenizer files, which is the base model's."""
+    from llmtrain.prompts import checked_chat_template
     from llmtrain.tokenizer import read_special_tokens
 
-    if not has_prompt_style(checkpoint_dir):
-        return
-    style = load_prompt_style(checkpoint_dir)
     special_tokens = read_special_tokens(directory)
     # NOTE: transformers encodes a rendered chat without special tokens, so the template writes the bos token
     # where llmtrain's tokenizer adds one.
@@ -461,6 +468,21 @@ def _write_chat_template(checkpoint_dir: Path, directory: Path, tokenizer) -> No
         (directory / layout.CHAT_TEMPLATE_FILE).unlink(missing_ok=True)
     else:
         (directory / layout.CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
+
+
+def _write_stop_tokens(directory: Path, style, tokenizer) -> None:
+    """The style's end-of-turn tokens (<|im_end|>, <|eot_id|>, ...) among generation_config.json's eos_token_id,
+    after the eos token, so that transformers' generate ends a reply where llmtrain's generate and chat do."""
+    path = directory / GENERATION_CONFIG_FILE
+    generation = json.loads(path.read_text()) if path.is_file() else {"_from_model_config": True}
+    eos = generation.get("eos_token_id")
+    eos = list(eos) if isinstance(eos, list) else [eos] if eos is not None else []
+    # NOTE: a marker of several tokens cannot be listed; transformers' stop_strings needs the tokenizer passed in.
+    stop_ids = [ids[0] for ids in style.stop_tokens(tokenizer) if len(ids) == 1]
+    stop_ids = list(dict.fromkeys(eos + stop_ids))
+    if stop_ids != eos:
+        generation["eos_token_id"] = stop_ids[0] if len(stop_ids) == 1 else stop_ids
+        _write_json(path, generation)
 
 
 def _copy_files(source: Path, target: Path, names: tuple[str, ...]) -> None:
