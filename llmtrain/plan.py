@@ -40,7 +40,8 @@ import torch
 from llmtrain.checkpoint.size import checkpoint_bytes, final_is_separate
 from llmtrain.config import Config
 from llmtrain.distributed.parallel_plan import ParallelPlan
-from llmtrain.flops import flops_per_token, gpu_memory_bytes, link_bytes_per_s, lookup_peak_flops, num_parameters
+from llmtrain.flops import (flops_per_token, gpu_has_bf16, gpu_memory_bytes, link_bytes_per_s, lookup_peak_flops,
+                            num_parameters)
 from llmtrain.train.loop import plan_horizon
 
 GiB = 2**30
@@ -705,6 +706,9 @@ def _describe_time(config: Config, plan: ParallelPlan, dry: DryRunArgs, seq_len:
     mfu = dry.mfu if dry.mfu is not None else DryRunArgs.DEFAULT_MFU
     if per_device is None and dry.gpu is not None:
         peak = lookup_peak_flops(dry.gpu, plan.precision.compute_dtype)
+        if peak is None and plan.precision.compute_dtype == torch.bfloat16 and gpu_has_bf16(dry.gpu) is False:
+            raise ValueError(f"--dry_run.gpu {dry.gpu!r} has no bfloat16 units, so --precision {plan.precision.name} "
+                             "would run emulated there, far slower: pass --precision 16-mixed or 32-true")
         if peak is None:
             raise ValueError(f"--dry_run.gpu {dry.gpu!r}: its peak FLOP/s is unknown; pass --dry_run.tokens_per_sec")
         per_device = mfu * peak / flops_per_token(config, seq_len)

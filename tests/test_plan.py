@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from llmtrain.args import FSDPArgs, TrainArgs
+from llmtrain.cli import main
 from llmtrain.config import Config
 from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.plan import activation_bytes_per_token, estimate_memory
@@ -195,6 +196,17 @@ def test_dry_run_mfu_needs_the_gpu_it_is_assumed_on():
     with pytest.raises(ValueError, match="--dry_run.mfu is the utilization assumed on --dry_run.gpu"):
         DryRunArgs(mfu=0.9)
     assert DryRunArgs(mfu=0.9, gpu="H100").requested
+
+
+def test_a_dry_run_for_a_gpu_without_bfloat16_says_so_and_names_the_precisions_it_has(tmp_path):
+    """A V100 has no bf16 units: its time estimate is refused for that reason, not for an unknown peak."""
+    with pytest.raises(ValueError, match="'V100' has no bfloat16 units, so --precision bf16-true would run emulated"
+                                         ".*pass --precision 16-mixed or 32-true"):
+        main(["pretrain", "llama-debug", "--precision", "bf16-true", "--dry_run", "--dry_run.gpu", "V100",
+              "--out_dir", str(tmp_path / "out")])
+    with pytest.raises(ValueError, match="'NoSuchGPU': its peak FLOP/s is unknown"):
+        main(["pretrain", "llama-debug", "--precision", "bf16-true", "--dry_run", "--dry_run.gpu", "NoSuchGPU",
+              "--out_dir", str(tmp_path / "out")])
 
 
 def test_dry_run_says_what_one_process_writes_for_each_checkpoint_format(tmp_path):

@@ -46,7 +46,8 @@ def setup(
         data: The pretraining data module, as for pretrain, e.g. `--data TextFiles --data.train_data_path DIR`.
         out_dir: The prepared folder. Under several nodes, every node must see it (a shared filesystem).
         tokenizer_dir: Folder with tokenizer.json and tokenizer_config.json. Built-in data brings its own.
-        shard_tokens: Most tokens in one shard file (default 2**23: 16 MiB of uint16 ids).
+        shard_tokens: Most tokens in one shard file (default 2**23: 16 MiB of uint16 ids, or 32 MiB of uint32 ones
+            for a vocabulary over 65,536).
         unit_bytes: About how much text one work unit holds (default 16 MiB): the grain of the work handed to a
             process, and of a resume. Each unit's tokens start a new shard.
         num_workers: Processes that tokenize on each rank (default: the available cores shared by the ranks of
