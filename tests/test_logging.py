@@ -1,14 +1,17 @@
 """Every metrics sink carries the CSV's names and values; the console is a bar on a terminal and plain
 lines in batch logs."""
 
+import contextlib
 import csv
 import fcntl
 import os
 import pty
+import signal
 import struct
 import subprocess
 import sys
 import termios
+import threading
 from pathlib import Path
 
 import pytest
@@ -95,6 +98,46 @@ def test_wandb_offline_logs_the_csv_metrics_under_the_same_names(tmp_path, monke
     assert {"loss", "lr", "val_loss", "tokens_per_sec"} <= set(logged)
     for key, values in expected.items():
         assert logged[key] == pytest.approx(values, rel=1e-5), key
+
+
+def wandb_service_pids() -> list[int]:
+    """This process's wandb-core children (the service that writes the .wandb file)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            name, rest = stat.read_text().rsplit(")", 1)
+            if name.endswith("(wandb-core") and int(rest.split()[1]) == os.getpid():
+                pids.append(int(stat.parent.name))
+    return pids
+
+
+def test_wandb_run_file_is_complete_when_the_logger_closes(tmp_path, monkeypatch):
+    """The service gets no CPU for a second once the run is finished, as on a loaded machine: the run file
+    must not wait for it to catch up after close()."""
+    from wandb.sdk.lib.service.service_connection import ServiceConnection
+
+    from llmtrain.train.loggers import WandbLogger
+
+    inform_finish = ServiceConnection.inform_finish
+
+    def starved(self, run_id):  # the last message of run.finish(); the service writes the file when it handles it
+        pids = wandb_service_pids()
+        assert pids, "no wandb-core child to starve"
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        threading.Timer(1.0, lambda: [os.kill(pid, signal.SIGCONT) for pid in pids]).start()
+        inform_finish(self, run_id)
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setattr(ServiceConnection, "inform_finish", starved)
+    logger = WandbLogger(tmp_path / "run")
+    for step in (1, 2, 3):
+        logger.log({"step": step, "loss": 1.0 / step, "lr": 0.1 * step})
+    logger.close()
+    run_files = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 1
+    assert wandb_history(run_files[0]) == {"loss": {1: 1.0, 2: 0.5, 3: pytest.approx(1 / 3)},
+                                           "lr": {1: 0.1, 2: 0.2, 3: pytest.approx(0.3)}}
 
 
 def test_tensorboard_scalars_have_the_csv_names_and_values(tmp_path):

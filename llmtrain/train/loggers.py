@@ -92,7 +92,14 @@ class WandbLogger:
         self.run.log(_numbers(metrics), step=int(metrics["step"]))
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # NOTE: finish() returns before wandb's service has written the run's .wandb file: the service keeps
+        # the records in memory until it closes the run, on its own time, and the one wait for it is wandb's
+        # atexit hook (which a worker's os._exit skips). On a loaded machine a reader of out_dir right after
+        # close() found the header and no records; teardown returns once the service has closed the run.
+        wandb.teardown()
 
 
 def _numbers(metrics: dict) -> dict:
