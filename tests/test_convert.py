@@ -499,6 +499,35 @@ def test_ensure_model_dir_converts_once(tmp_path, llama_dirs):
 # ---- bad input ------------------------------------------------------------------------------------
 
 
+# config.json fields that change what transformers computes and that llmtrain does not implement:
+# (case, field, value, the error's words).
+UNSUPPORTED_FIELDS = [
+    ("gemma", "use_bidirectional_attention", True, "use_bidirectional_attention=true"),
+    ("llama", "rope_parameters", rope(rope_type="linear", factor=2.0), "RoPE type 'linear' is not supported"),
+    ("phi", "qk_layernorm", True, "qk_layernorm=true"),
+]
+
+
+@pytest.mark.parametrize("case, field, value, message", UNSUPPORTED_FIELDS)
+def test_a_field_that_changes_the_model_and_llmtrain_lacks_is_refused(case, field, value, message, tmp_path):
+    """from_hf must refuse it, not convert a model that silently computes something else."""
+    idx = tokens()
+    logits = []
+    for name, changes in (("plain", {}), ("changed", {field: value})):
+        hf_config = type(HF_CASES[case]())(**{**HF_CASES[case]().to_dict(), **changes})
+        torch.manual_seed(0)
+        # NOTE: transformers' default attention (sdpa): eager attention ignores use_bidirectional_attention.
+        hf = getattr(transformers, type(hf_config).__name__.replace("Config", "ForCausalLM"))(hf_config).eval()
+        with torch.no_grad():
+            for param in hf.parameters():
+                param.normal_(0.0, 0.1)
+            logits.append(hf(idx).logits)
+        hf.save_pretrained(tmp_path / name)
+    assert not torch.allclose(logits[0], logits[1], atol=1e-5), f"{field}={value!r} does not change the model"
+    with pytest.raises(ValueError, match=f"changed/config.json: {message}"):
+        from_hf(tmp_path / "changed", tmp_path / "out")
+
+
 def _edit_json(path: Path, **changes) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 

@@ -341,6 +341,9 @@ def _read_gemma(hf: HFConfig) -> dict[str, Any]:
                          "the tanh-approximated GELU")
     if hf.get("attention_bias"):
         raise ValueError(f"{hf.path}: attention_bias=true is not supported for GemmaForCausalLM")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"{hf.path}: use_bidirectional_attention=true (every token attends to the whole sequence) "
+                         "is not supported for GemmaForCausalLM; llmtrain's attention is causal")
     return {}
 
 
