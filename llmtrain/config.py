@@ -207,12 +207,13 @@ def _llama(name: str, org: str, hf_name: Optional[str] = None, **fields: Any) ->
                 mlp_class_name="LLaMAMLP", **fields)
 
 
-def _with_variants(base: dict, *suffixes: str) -> list[dict]:
-    """The base model plus fine-tuned variants with the same architecture (e.g. `-Instruct`)."""
+def _with_variants(base: dict, *suffixes: str, **variant_fields: Any) -> list[dict]:
+    """The base model plus fine-tuned variants with the same architecture (e.g. `-Instruct`);
+    `variant_fields` are those whose published values differ in the variants' config.json."""
     variants = [base]
     for suffix in suffixes:
         name = base["name"] + suffix
-        variants.append({**base, "name": name, "hf_config": _hf(base["hf_config"]["org"], name)})
+        variants.append({**base, **variant_fields, "name": name, "hf_config": _hf(base["hf_config"]["org"], name)})
     return variants
 
 
@@ -292,6 +293,8 @@ _MISTRAL = [
 
 # Qwen2.5: Llama layout plus a bias on q/k/v; the three small models tie embeddings.
 # NOTE: block_size is the native 32K context; the 7B+ models reach 128K only with YaRN, not implemented.
+# norm_eps is the base model's: every -Instruct model's config.json says rms_norm_eps 1e-6, where the
+# 14B, 32B and 72B base models say 1e-5.
 _QWEN_25_SHAPES = {
     #        n_layer n_embd n_head groups interm. vocab   tied   norm_eps
     "0.5B": (24, 896, 14, 2, 4864, 151936, True, 1e-6),
@@ -310,7 +313,7 @@ _QWEN_25 = [
                n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_query_groups=groups,
                intermediate_size=intermediate, tie_embeddings=tied, norm_eps=eps,
                attn_bias=True, rope_base=1000000.0),
-        "-Instruct",
+        "-Instruct", norm_eps=1e-6,
     )
 ]
 

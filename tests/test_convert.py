@@ -216,6 +216,46 @@ def test_every_zoo_config_survives_config_json(name):
     assert zoo_config(read, hints=[config.hf_config.get("name", name)]).name == name
 
 
+def _qwen25_instruct(n_layer: int, n_embd: int, n_head: int, groups: int, intermediate: int) -> dict:
+    return dict(architectures=["Qwen2ForCausalLM"], hidden_act="silu", hidden_size=n_embd,
+                intermediate_size=intermediate, max_position_embeddings=32768, max_window_layers=70,
+                num_attention_heads=n_head, num_hidden_layers=n_layer, num_key_value_heads=groups, rms_norm_eps=1e-6,
+                rope_theta=1000000.0, sliding_window=131072, tie_word_embeddings=False, use_sliding_window=False,
+                vocab_size=152064)
+
+
+# The architecture fields of published config.json files (the Hugging Face Hub's, as of their last revision).
+PUBLISHED_CONFIGS = {
+    "Qwen2.5-14B-Instruct": _qwen25_instruct(48, 5120, 40, 8, 13824),
+    "Qwen2.5-32B-Instruct": _qwen25_instruct(64, 5120, 40, 8, 27648),
+    "Qwen2.5-72B-Instruct": _qwen25_instruct(80, 8192, 64, 8, 29568),
+    "Qwen2.5-72B": {**_qwen25_instruct(80, 8192, 64, 8, 29568), "rms_norm_eps": 1e-5, "max_window_layers": 80,
+                    "max_position_embeddings": 131072},
+    "Llama-3.2-1B": dict(architectures=["LlamaForCausalLM"], hidden_act="silu", hidden_size=2048, head_dim=64,
+                         intermediate_size=8192, max_position_embeddings=131072, num_attention_heads=32,
+                         num_hidden_layers=16, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+                         rope_scaling=dict(factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0,
+                                           original_max_position_embeddings=8192, rope_type="llama3"),
+                         tie_word_embeddings=True, vocab_size=128256),
+    "Mistral-7B-v0.1": dict(architectures=["MistralForCausalLM"], hidden_act="silu", hidden_size=4096,
+                            intermediate_size=14336, max_position_embeddings=32768, num_attention_heads=32,
+                            num_hidden_layers=32, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=10000.0,
+                            sliding_window=4096, tie_word_embeddings=False, vocab_size=32000),
+    "phi-2": dict(architectures=["PhiForCausalLM"], hidden_act="gelu_new", hidden_size=2560, intermediate_size=10240,
+                  layer_norm_eps=1e-5, max_position_embeddings=2048, num_attention_heads=32, num_hidden_layers=32,
+                  num_key_value_heads=32, partial_rotary_factor=0.4, qk_layernorm=False, rope_theta=10000.0,
+                  tie_word_embeddings=False, vocab_size=51200),
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED_CONFIGS)
+def test_zoo_entries_agree_with_their_published_config_json(name):
+    _, published = config_from_hf(PUBLISHED_CONFIGS[name], Path(name) / "config.json")
+    assert not architecture_differences(Config.from_name(name), published)
+    with_name = config_from_hf({**PUBLISHED_CONFIGS[name], "_name_or_path": f"org/{name}"}, Path("config.json"))[1]
+    assert zoo_config(with_name, hints=[name]).name == name
+
+
 def test_hub_organization_picks_the_published_architecture():
     assert adapter_for_config(Config.from_name("Mistral-7B-v0.3")).architecture == "MistralForCausalLM"
     assert adapter_for_config(Config.from_name("Llama-2-7b-hf")).architecture == "LlamaForCausalLM"
