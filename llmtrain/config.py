@@ -133,6 +133,10 @@ class Config:
             missing = [key for key in _ROPE_SCALING_KEYS if key not in self.rope_scaling]
             if missing:
                 raise ValueError(f"{where}: rope_scaling is missing {missing}; it needs {list(_ROPE_SCALING_KEYS)}")
+            unknown = sorted(set(self.rope_scaling) - set(_ROPE_SCALING_KEYS))
+            if unknown:
+                raise ValueError(f"{where}: rope_scaling has unknown keys {unknown}; llmtrain implements Llama 3.1's "
+                                 f"RoPE scaling only, which takes exactly {list(_ROPE_SCALING_KEYS)}")
         if self.shared_attention_norm and not self.parallel_residual:
             raise ValueError(f"{where}: shared_attention_norm needs parallel_residual=True")
         if self.norm_unit_offset and self.norm_class_name != "RMSNorm":

@@ -112,6 +112,8 @@ def test_derived_sizes():
         (dict(vocab_size=100, padded_vocab_size=64), "padded_vocab_size 64 is smaller than vocab_size 100"),
         (dict(shared_attention_norm=True), "shared_attention_norm needs parallel_residual"),
         (dict(rope_scaling={"factor": 8.0}), "rope_scaling is missing"),
+        (dict(rope_scaling=dict(rope_type="linear", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                original_max_seq_len=8192)), r"rope_scaling has unknown keys \['rope_type'\]"),
         (dict(rotary_percentage=0.0), "rotary_percentage must be in"),
         (dict(n_layer=0), "n_layer must be positive"),
     ],
