@@ -594,6 +594,12 @@ def test_bad_transformers_folders(tmp_path, llama_dirs):
     with pytest.raises(FileNotFoundError, match="holds no transformers weights"):
         from_hf(no_weights, tmp_path / "out")
 
+    unscaled = Path(shutil.copytree(hf_dir, tmp_path / "unscaled"))
+    _edit_json(unscaled / "config.json", rope_parameters=rope(rope_type="llama3", factor=8.0))
+    with pytest.raises(ValueError, match=r"unscaled/config.json: the 'llama3' RoPE scaling lacks \['low_freq_factor', "
+                                         r"'high_freq_factor', 'original_max_position_embeddings'\]"):
+        from_hf(unscaled, tmp_path / "out")
+
     with pytest.raises(FileExistsError, match="not empty"):
         from_hf(hf_dir, hf_dir)
 

@@ -36,6 +36,7 @@ IGNORED_HF_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$|\.attention\.(bias
 _GELU_FROM_HF = {"gelu": "none", "gelu_python": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh",
                  "gelu_fast": "tanh"}
 _SILU = ("silu", "swish")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 class HFConfig:
@@ -69,6 +70,10 @@ class HFConfig:
         if rope_type == "default":
             return float(base), None, float(partial)
         if rope_type == "llama3":
+            missing = [key for key in _LLAMA3_ROPE_KEYS if key not in params]
+            if missing:
+                raise ValueError(f"{self.path}: the 'llama3' RoPE scaling lacks {missing}; it needs "
+                                 f"{list(_LLAMA3_ROPE_KEYS)}")
             scaling = dict(factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
                            high_freq_factor=float(params["high_freq_factor"]),
                            original_max_seq_len=int(params["original_max_position_embeddings"]))
