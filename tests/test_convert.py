@@ -594,6 +594,13 @@ def test_bad_transformers_folders(tmp_path, llama_dirs):
     with pytest.raises(FileNotFoundError, match="holds no transformers weights"):
         from_hf(no_weights, tmp_path / "out")
 
+    # transformers 5 writes rope_parameters; a rope_scaling added next to it (as model cards say) is what it reads.
+    rescaled = Path(shutil.copytree(hf_dir, tmp_path / "rescaled"))
+    _edit_json(rescaled / "config.json", rope_scaling={"rope_type": "linear", "factor": 4.0})
+    assert transformers.AutoConfig.from_pretrained(rescaled).rope_parameters["rope_type"] == "linear"
+    with pytest.raises(ValueError, match=r"rescaled/config.json: RoPE type 'linear' is not supported"):
+        from_hf(rescaled, tmp_path / "out")
+
     unscaled = Path(shutil.copytree(hf_dir, tmp_path / "unscaled"))
     _edit_json(unscaled / "config.json", rope_parameters=rope(rope_type="llama3", factor=8.0))
     with pytest.raises(ValueError, match=r"unscaled/config.json: the 'llama3' RoPE scaling lacks \['low_freq_factor', "

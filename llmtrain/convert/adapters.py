@@ -62,7 +62,9 @@ class HFConfig:
         """RoPE base, llama3 scaling (or None) and the fraction of each head that rotates."""
         # transformers 5 gathers everything under rope_parameters; the Hub layout spreads it over
         # rope_theta (rotary_emb_base), rope_scaling and partial_rotary_factor (rotary_pct).
-        params = {**(self.values.get("rope_scaling") or {}), **(self.values.get("rope_parameters") or {})}
+        # NOTE: as transformers 5 reads a file with both, a rope_scaling replaces rope_parameters whole (e.g. the
+        # YaRN scaling that Qwen2.5's model card says to add to config.json, in a folder transformers 5 saved).
+        params = self.values.get("rope_scaling") or self.values.get("rope_parameters") or {}
         base = params.get("rope_theta", self.get("rope_theta") or self.get("rotary_emb_base") or 10000.0)
         partial = params.get("partial_rotary_factor",
                              self.get("partial_rotary_factor") or self.get("rotary_pct") or 1.0)
