@@ -289,8 +289,9 @@ def _llmtrain(*argv: str) -> subprocess.CompletedProcess:
 
 
 def test_resume_refuses_adapters_other_than_this_runs_lora_settings(tmp_path):
-    """Without the check, --lora_query false resumed silently without the trained query adapters, and
-    finetune_full resuming a LoRA checkpoint failed in the optimizer load with a traceback."""
+    """Without the check, --lora_query false resumed silently without the trained query adapters, --quantize
+    resumed LoRA adapters on a 4-bit base they were not trained on, and finetune_full resuming a LoRA checkpoint
+    failed in the optimizer load with a traceback."""
     os.environ.setdefault("LLMTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     model_file = tmp_path / "tiny-128.yaml"  # instructions need a longer context
     model_file.write_text(yaml.safe_dump({**TINY, "block_size": 128}))
@@ -310,6 +311,8 @@ def test_resume_refuses_adapters_other_than_this_runs_lora_settings(tmp_path):
             ("finetune_lora", ["--lora_query", "false"], "holds other adapters than this run's (checkpoint vs run: "
                                                          "--lora_query true vs false)"),
             ("finetune_lora", ["--lora_r", "4", "--lora_mlp", "true"], "--lora_r 8 vs 4; --lora_mlp false vs true"),
+            # QLoRA's adapters went on training against the full-precision base (and final/ merged them into it).
+            ("finetune_lora", ["--quantize", "bnb.nf4"], "(checkpoint vs run: no --quantize vs --quantize bnb.nf4)"),
             ("finetune_full", [], "holds LoRA adapters")):
         resumed = finetune(recipe, "--train.max_steps", "4", "--resume", "auto", *extra)
         assert resumed.returncode == 2, resumed.stdout + resumed.stderr

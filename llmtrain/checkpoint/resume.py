@@ -235,11 +235,13 @@ LORA_SHAPE_FIELDS = ("lora_r", "lora_alpha", "lora_query", "lora_key", "lora_val
 """The --lora_* settings that decide which adapters exist and what they add (lora_dropout only regularises)."""
 
 
-def check_resume_lora(checkpoint_dir: Path, lora: Any) -> None:
-    """Refuse to resume a checkpoint whose adapters differ from this run's ``lora`` settings (None: no LoRA). A
-    whole model's state resumed by finetune_lora, adapters resumed by finetune_full, other layers or another rank
-    failed in the load with a traceback; a dropped layer lost its trained adapter silently, another lora_alpha
-    rescaled every adapter. Called in the launching process, before any worker starts."""
+def check_resume_lora(checkpoint_dir: Path, lora: Any, quantize: Optional[str] = None) -> None:
+    """Refuse to resume a checkpoint whose adapters differ from this run's ``lora`` settings (None: no LoRA) or were
+    trained on another base than this run's ``quantize`` gives. A whole model's state resumed by finetune_lora,
+    adapters resumed by finetune_full, other layers or another rank failed in the load with a traceback; a dropped
+    layer lost its trained adapter silently, another lora_alpha rescaled every adapter, and QLoRA adapters resumed
+    without --quantize (or LoRA ones with it) went on training against a base they were not trained on, into whose
+    merge final/ then folded them. Called in the launching process, before any worker starts."""
     path = Path(checkpoint_dir) / layout.LORA_SETTINGS_FILE  # every LoRA checkpoint has it, no other one does
     if lora is None and path.is_file():
         raise ValueError(f"--resume {checkpoint_dir} holds LoRA adapters (see {path}): resume it with finetune_lora "
@@ -253,9 +255,12 @@ def check_resume_lora(checkpoint_dir: Path, lora: Any) -> None:
                          f"run's {layout.FINAL_DIR}/ with finetune_lora and another --out_dir")
     from llmtrain.checkpoint.lora import read_lora_settings
 
-    saved = read_lora_settings(checkpoint_dir)[0]
+    saved, _, saved_quantize = read_lora_settings(checkpoint_dir)
     differences = [f"--{name} {_flag(getattr(saved, name))} vs {_flag(getattr(lora, name))}"
                    for name in LORA_SHAPE_FIELDS if getattr(saved, name) != getattr(lora, name)]
+    if saved_quantize != quantize:
+        differences.append(" vs ".join(f"--quantize {mode}" if mode else "no --quantize"
+                                       for mode in (saved_quantize, quantize)))
     if differences:
         raise ValueError(f"--resume {checkpoint_dir} holds other adapters than this run's (checkpoint vs run: "
                          f"{'; '.join(differences)}): resume with the --lora_* settings in {path}, or start a new "

@@ -139,7 +139,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
                                zero_stage=plan.zero.stage if plan.zero else None,
                                bf16=plan.precision.name == "bf16-mixed")
         check_resume_model(resume_from, config)
-        check_resume_lora(resume_from, lora)
+        check_resume_lora(resume_from, lora, quantize)
         check_resume_optimizer(resume_from, hyperparameters["optimizer"])
         check_stream_resume(load_training_state(resume_from, mmap=True)["data"],
                             streaming=getattr(flags["data"], "streaming", False),
