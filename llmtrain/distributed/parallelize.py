@@ -164,7 +164,8 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
     pin_memory = mesh.device_type == "cuda"
     offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else OffloadPolicy()
     options = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
-    tied = model.lm_head is not None and model.wte is not None and model.lm_head.weight is model.wte.weight
+    # NOTE: getattr: a head with LoRA adapters (--lora_head) has no weight of its own, and is never tied.
+    tied = model.wte is not None and getattr(model.lm_head, "weight", None) is model.wte.weight
     if model.wte is not None and not tied:
         fully_shard(model.wte, reshard_after_forward=reshard_after_forward, **options)
     for block in transformer_blocks(model):
