@@ -107,6 +107,20 @@ def test_lora_trains_only_adapters_and_final_is_the_merge(tmp_path, base_model):
     assert (tmp_path / "merged" / "prompt_style.yaml").is_file()
 
 
+def test_merge_lora_of_a_bf16_run_is_its_final(tmp_path, base_model):
+    """Under --precision bf16-true the adapters trained against the base in bf16, and final/ merged them into that;
+    merge_lora merged the same step into the base in fp32, a model twice the size with other weights."""
+    out_dir = tmp_path / "lora"
+    main(finetune_args("finetune_lora", base_model, out_dir, "--train.max_steps", "2", "--precision", "bf16-true"))
+    main(["merge_lora", str(out_dir / "step-00000002"), "--out_dir", str(tmp_path / "merged")])
+    final = load_file(str(out_dir / "final" / "model.safetensors"))
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert {tensor.dtype for tensor in final.values()} == {torch.bfloat16}
+    assert sorted(merged) == sorted(final)
+    for name in final:
+        assert merged[name].dtype == torch.bfloat16 and torch.equal(merged[name], final[name]), name
+
+
 @pytest.mark.parametrize("recipe", ["finetune_full", "finetune_lora"])
 def test_resume_continues_the_loss_curve_exactly(tmp_path, base_model, recipe):
     full = tmp_path / "full"

@@ -127,7 +127,8 @@ def _merged_from_state(model: torch.nn.Module, full_state: dict[str, torch.Tenso
 def merged_lora_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """A LoRA checkpoint's adapters merged into the base model that ``lora.yaml`` names, on the CPU.
 
-    QLoRA adapters were trained against the quantized base: they are merged into exactly that (dequantized).
+    Adapters were trained against the base in their own dtype (``--precision bf16-true``: bf16; QLoRA: the quantized
+    base, dequantized to the compute dtype): they are merged into exactly that, as ``final/`` of their run was.
     """
     from safetensors.torch import load_file  # NOTE: lazy, as everywhere a CLI path may not need it
 
@@ -140,10 +141,11 @@ def merged_lora_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
         # NOTE: QLoRA checkpoints written before 2026-11-26's fix also hold bitsandbytes' quantization state
         # (absmax, quant_map, ...): the adapters are what merges.
         adapters = {name: tensor for name, tensor in adapters.items() if is_lora_parameter(name)}
-        model = build_quantized_model_from_dir(base_dir, config, quantize,
-                                               compute_dtype=next(iter(adapters.values())).dtype)
+    dtype = next(iter(adapters.values())).dtype  # the dtype the run held its weights in (bf16-true: bf16)
+    if quantize:
+        model = build_quantized_model_from_dir(base_dir, config, quantize, compute_dtype=dtype)
     else:
-        model = build_model_from_dir(base_dir, config)
+        model = build_model_from_dir(base_dir, config, dtype=dtype)
     apply_lora(model, lora)
     try:
         load_lora_state_dict(model, adapters)
