@@ -574,3 +574,23 @@ def test_a_rewind_sets_the_abandoned_branch_aside_for_resume_auto(tmp_path):
     assert files.set_aside_newer(tmp_path, first) == [tmp_path / "rewound" / f"{second.name}.1"]
     assert not again.exists() and resolve_resume("auto", tmp_path, None) == first
     assert files.set_aside_newer(tmp_path / "elsewhere", first) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_weight_files_get_the_mode_the_umask_gives_every_other_file(tmp_path, umask):
+    """safetensors writes its files 0600; a checkpoint's and an export's weights must be as readable as the
+    JSON beside them, or a colleague can read the folder but not load the model."""
+    from llmtrain.benchmark import write_random_model_dir
+    from llmtrain.convert.hf import to_hf
+    from llmtrain.data import BuiltinStories
+
+    previous = os.umask(umask)
+    try:
+        base = write_random_model_dir(tmp_path / "base", "llama-debug", BuiltinStories().default_tokenizer())
+        to_hf(base, tmp_path / "hf")
+    finally:
+        os.umask(previous)
+    modes = {path.relative_to(tmp_path).as_posix(): oct(path.stat().st_mode & 0o777)
+             for path in tmp_path.rglob("*") if path.is_file()}
+    assert {"base/model.safetensors", "hf/model.safetensors"} <= set(modes)
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes

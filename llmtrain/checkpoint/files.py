@@ -179,9 +179,30 @@ def model_weights_for_saving(state_dict: dict[str, torch.Tensor]) -> dict[str, t
 
 
 def save_weights(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    save_safetensors(model_weights_for_saving(state_dict), path)
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``tensors`` as a safetensors file, readable by whom the process's umask lets read its other files.
+
+    NOTE: safetensors (0.8) writes its files with mode 0600 whatever the umask, so a checkpoint's weights were
+    private while its JSON and YAML files beside them were not: a colleague on a shared cluster could read the
+    folder but not load the model.
+    """
     from safetensors.torch import save_file  # NOTE: lazy, as in every CLI path that may not save at all
 
-    save_file(model_weights_for_saving(state_dict), str(path), metadata=SAFETENSORS_METADATA)
+    save_file(tensors, str(path), metadata=SAFETENSORS_METADATA)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask sets it, racing with threads that create files)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0o022
+    line = next((line for line in status.splitlines() if line.startswith("Umask:")), None)
+    return int(line.split()[1], 8) if line is not None else 0o022
 
 
 SAFETENSORS_METADATA = {"format": "pt"}

@@ -281,8 +281,6 @@ def _read_sharded(dcp_dir: Path) -> dict[str, "torch.Tensor"]:
 def _write_hf_weights(directory: Path, adapter: Adapter, config: Config, weights: _Weights,
                       dtype: Optional["torch.dtype"], max_shard_bytes: int) -> None:
     """The weights as transformers tensors, in shards of at most max_shard_bytes (plus an index) or one file."""
-    from safetensors.torch import save_file
-
     hf_layout = adapter.hf_layout(list(weights.shapes))
     sizes = {hf_name: sum(_numel(weights.shapes[part]) for part in parts) * (dtype or weights.dtypes[parts[0]]).itemsize
              for hf_name, parts in hf_layout.items()}
@@ -302,7 +300,7 @@ def _write_hf_weights(directory: Path, adapter: Adapter, config: Config, weights
         tensors = {hf_name: _cast(adapter.fuse(config, [weights.load(part) for part in hf_layout[hf_name]]),
                                   dtype).contiguous()
                    for hf_name in shard}
-        save_file(tensors, str(directory / file_name), metadata={"format": "pt"})
+        files.save_safetensors(tensors, directory / file_name)
         del tensors
     if len(shards) > 1:
         weight_map = {hf_name: file_name for file_name, shard in zip(file_names, shards) for hf_name in shard}
