@@ -316,6 +316,17 @@ def test_no_sample_left_to_learn_from_is_an_error(tmp_path: Path, tokenizer: Tok
                             max_seq_length=2048))
 
 
+def test_no_validation_sample_left_to_score_is_an_error(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    """Every validation prompt longer than the sequence: the run logged val_loss 0 (perplexity 1), a loss over no
+    tokens, at every evaluation."""
+    write_json(tmp_path / "train.json", ALPACA_RECORDS)
+    write_json(tmp_path / "val.json", [{"instruction": "A very long question, " * 40, "output": "Short."}] * 4)
+    with pytest.raises(ValueError, match="no validation sample keeps a response token .* raise --train.max_seq_length"):
+        prepared(JSON(json_path=tmp_path, prompt_style="default"), tokenizer, max_seq_length=48)
+    assert len(prepared(JSON(json_path=tmp_path, prompt_style="default"), tokenizer,
+                        max_seq_length=2048).val_dataloader()) == 2
+
+
 # ------------------------------------------------------------------------------------- loaders
 
 

@@ -111,10 +111,12 @@ class InstructDataModule(DataModule):
                 conversations, self.resolved_prompt_style, tokenizer, self.max_seq_length, self.mask_prompt,
                 pad_multiple=self._pad_multiple)
             self._samples[split] = samples
-            if split == "train" and not any((labels != IGNORE_INDEX).any() for labels in samples.labels):
-                raise ValueError(f"{name}: no training sample keeps a response token to learn from within "
-                                 f"--train.max_seq_length {self.max_seq_length} (their prompts are longer): raise "
-                                 "--train.max_seq_length")
+            if not any((labels != IGNORE_INDEX).any() for labels in samples.labels):
+                # NOTE: validation too: a loss over no tokens would be logged as val_loss 0 (perplexity 1).
+                what = "training sample keeps a response token to learn from" if split == "train" else \
+                    "validation sample keeps a response token to score"
+                raise ValueError(f"{name}: no {what} within --train.max_seq_length {self.max_seq_length} (their "
+                                 "prompts are longer): raise --train.max_seq_length")
             if truncated:
                 lost = f" ({emptied} of them kept no response token to learn from)" if emptied else ""
                 notes.append(f"{truncated} of {len(conversations)} {split} samples{lost}")
