@@ -214,12 +214,13 @@ def _read_special_token_settings(directory: Path) -> dict:
     generation = _read_json(directory / GENERATION_CONFIG_FILE)
     for key in ("bos_token_id", "eos_token_id"):
         value = generation.get(key)
-        if isinstance(value, list):  # several stop tokens: the first is the canonical one, all of them stop
-            if key == "eos_token_id":
-                settings["stop_token_ids"] = [token_id for token_id in value if isinstance(token_id, int)]
-            value = value[0] if value else None
-        if isinstance(value, int):
-            settings[key] = value
+        values = value if isinstance(value, list) else [value]
+        # NOTE: transformers' generate stops on generation_config's eos_token_id (all of them, when a list) even where
+        # tokenizer_config.json names another eos token; the first is the canonical one.
+        if key == "eos_token_id":
+            settings["stop_token_ids"] = [token_id for token_id in values if isinstance(token_id, int)]
+        if values and isinstance(values[0], int):
+            settings[key] = values[0]
     return settings
 
 

@@ -105,6 +105,10 @@ def test_special_tokens_from_each_config_file(trained_dir: Path, tmp_path: Path)
     assert tokenizer.stop_ids == saved.stop_ids == (eos_id, 7)
     assert Alpaca().stop_tokens(saved) == ([eos_id], [7])
     assert Tokenizer(trained_dir).stop_ids == (eos_id,)
+    # One eos_token_id that is not tokenizer_config.json's eos: transformers' generate stops on it, so it stops here too.
+    other_eos = copy_with_config(trained_dir, tmp_path / "other_eos", tokenizer_config_json={
+        "bos_token": BPE_BOS_TOKEN, "eos_token": BPE_EOS_TOKEN}, generation_config_json={"eos_token_id": 7})
+    assert (Tokenizer(other_eos).eos_id, Tokenizer(other_eos).stop_ids) == (eos_id, (eos_id, 7))
 
     nothing = copy_with_config(trained_dir, tmp_path / "nothing")
     assert (Tokenizer(nothing).bos_id, Tokenizer(nothing).eos_id, Tokenizer(nothing).add_bos) == (None, None, False)
