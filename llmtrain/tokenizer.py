@@ -17,6 +17,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from llmtrain.checkpoint.layout import (
     GENERATION_CONFIG_FILE,
+    SENTENCEPIECE_FILE,
     SPECIAL_TOKENS_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
@@ -36,6 +37,9 @@ class Tokenizer:
         self.checkpoint_dir = Path(checkpoint_dir)
         tokenizer_path = self.checkpoint_dir / TOKENIZER_FILE
         if not tokenizer_path.is_file():
+            sentencepiece_only = sentencepiece_only_message(self.checkpoint_dir)
+            if sentencepiece_only:
+                raise FileNotFoundError(sentencepiece_only)
             what = "directory" if not self.checkpoint_dir.is_dir() else "file"
             missing = self.checkpoint_dir if what == "directory" else tokenizer_path
             raise FileNotFoundError(
@@ -188,6 +192,18 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Union[Pa
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return Tokenizer(out_dir)
+
+
+def sentencepiece_only_message(directory: Union[Path, str]) -> Optional[str]:
+    """Why `directory` has no usable tokenizer although it holds one (a SentencePiece tokenizer.model alone), and
+    the fix; None for any other directory."""
+    directory = Path(directory)
+    if (directory / TOKENIZER_FILE).is_file() or not (directory / SENTENCEPIECE_FILE).is_file():
+        return None
+    return (f"{directory} holds a SentencePiece {SENTENCEPIECE_FILE} but no {TOKENIZER_FILE}, the only tokenizer file "
+            f"llmtrain reads; write one with transformers in the folder the model was downloaded to "
+            f"(AutoTokenizer.from_pretrained(FOLDER).save_pretrained(FOLDER), with the sentencepiece package installed), "
+            f"or pass --tokenizer_dir DIR with the model's {TOKENIZER_FILE}")
 
 
 def read_special_tokens(directory: Union[Path, str]) -> dict[str, str]:

@@ -125,6 +125,24 @@ def test_missing_tokenizer_names_path_and_flag(tmp_path: Path) -> None:
     assert str(tmp_path / "tokenizer.json") in str(error.value)
 
 
+def test_sentencepiece_only_folder_is_refused_not_replaced(tmp_path: Path) -> None:
+    """A model folder with only tokenizer.model (older Llama 2, Mistral, Gemma uploads) has a tokenizer llmtrain
+    cannot read: say so, and never train its weights on a data module's own vocabulary instead."""
+    from llmtrain.recipes.build import resolve_tokenizer
+
+    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x0b<sentencepiece proto>")
+    with pytest.raises(FileNotFoundError, match="SentencePiece tokenizer.model but no tokenizer.json") as error:
+        Tokenizer(tmp_path)
+    assert "save_pretrained" in str(error.value) and "--tokenizer_dir" in str(error.value)
+
+    class DataWithItsOwnTokenizer:
+        def default_tokenizer(self):
+            raise AssertionError("the data module's tokenizer replaced the model's")
+
+    with pytest.raises(ValueError, match=f"{tmp_path} holds a SentencePiece tokenizer.model"):
+        resolve_tokenizer(None, DataWithItsOwnTokenizer(), None, tmp_path)
+
+
 def test_retraining_replaces_an_existing_folder(trained_dir: Path, tmp_path: Path) -> None:
     out_dir = tmp_path / "tok"
     first = train_bpe_tokenizer(iter(CORPUS[:2]), vocab_size=300, out_dir=out_dir)

@@ -50,6 +50,8 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+SENTENCEPIECE_FILE = "tokenizer.model"
+"""A SentencePiece model (older Llama 2, Mistral and Gemma folders); llmtrain reads only tokenizer.json."""
 """Where transformers keeps a tokenizer's chat template (older folders: tokenizer_config.json's chat_template)."""
 TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE, GENERATION_CONFIG_FILE,
                    CHAT_TEMPLATE_FILE)

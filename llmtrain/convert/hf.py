@@ -46,7 +46,7 @@ SAFETENSORS_FILE = layout.MODEL_FILE  # transformers' single weights file has th
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 HF_WEIGHT_LAYOUTS = ((SAFETENSORS_INDEX, SAFETENSORS_FILE), ("pytorch_model.bin.index.json", "pytorch_model.bin"))
 """(index, single file) of each weights layout transformers writes, the preferred first."""
-EXTRA_FILES = (GENERATION_CONFIG_FILE, layout.CHAT_TEMPLATE_FILE, "tokenizer.model")
+EXTRA_FILES = (GENERATION_CONFIG_FILE, layout.CHAT_TEMPLATE_FILE, layout.SENTENCEPIECE_FILE)
 """Files copied unchanged in both directions, besides the tokenizer files that `Tokenizer.save` copies."""
 
 
@@ -424,7 +424,10 @@ def _tokenizer_or_none(directory: Path):
     from llmtrain.tokenizer import Tokenizer
 
     if not (directory / layout.TOKENIZER_FILE).is_file():
-        print(f"warning: {directory} has no {layout.TOKENIZER_FILE}; the converted model has no tokenizer", file=sys.stderr)
+        from llmtrain.tokenizer import sentencepiece_only_message
+
+        why = sentencepiece_only_message(directory) or f"{directory} has no {layout.TOKENIZER_FILE}"
+        print(f"warning: {why}; the converted model has no tokenizer", file=sys.stderr)
         return None
     return Tokenizer(directory)
 

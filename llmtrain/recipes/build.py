@@ -16,7 +16,7 @@ from llmtrain.lora import LoRAArgs, apply_lora, mark_only_lora_trainable, reset_
 from llmtrain.model import GPT
 from llmtrain.checkpoint.model_dir import build_quantized_model_from_dir
 from llmtrain.checkpoint.weights import load_weights
-from llmtrain.tokenizer import Tokenizer
+from llmtrain.tokenizer import Tokenizer, sentencepiece_only_message
 
 
 def resolve_tokenizer(tokenizer_dir: Optional[Path], data: Any, *fallback_dirs: Optional[Path]):
@@ -26,6 +26,11 @@ def resolve_tokenizer(tokenizer_dir: Optional[Path], data: Any, *fallback_dirs: 
     for directory in fallback_dirs:
         if directory is not None and (Path(directory) / "tokenizer.json").is_file():
             return Tokenizer(directory)
+        # NOTE: the model's own tokenizer, unreadable, must not give way to the data module's: the weights
+        # would train on another vocabulary's ids.
+        sentencepiece_only = sentencepiece_only_message(directory) if directory is not None else None
+        if sentencepiece_only:
+            raise ValueError(sentencepiece_only)
     own = data.default_tokenizer() if data is not None else None
     if own is None:
         raise ValueError(f"--data {type(data).__name__} needs a tokenizer: pass --tokenizer_dir DIR "
