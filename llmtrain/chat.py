@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal, Optional, Sequence, TextIO
 import torch
 
 from llmtrain.checkpoint.model_dir import check_model_dir
-from llmtrain.generate import (PromptTooLongError, check_sampling, decode_completion, generate,
+from llmtrain.generate import (PromptTooLongError, check_sampling, decode_completion, generate, strip_stop,
                                load_for_generation)
 from llmtrain.quantize import QuantizeMode
 from llmtrain.train.precision import PrecisionName
@@ -179,9 +179,13 @@ class Chat:
 class TextStream:
     """The text of a completion as its tokens arrive: `push` returns the part that is safe to print now.
 
-    Each push decodes the whole completion (after the prompt, as `decode_completion` does) and
-    returns what was not printed yet, holding back what may still change: a trailing "\\ufffd" (a
-    character whose bytes span several tokens) and tokens that may be the start of a stop sequence.
+    Each push decodes the tokens not yet printed whole, after the prompt and the printed ones (as
+    `decode_completion` does), and returns their text, holding back what may still change: a trailing
+    "\\ufffd" (a character whose bytes span several tokens) and tokens that may be the start of a stop
+    sequence.
+
+    NOTE: printed tokens are never decoded again: a byte-fallback decoder (Llama 2, Mistral, Gemma) turns a whole
+    run of byte tokens into "\\ufffd"s once one of them is invalid, which would rewrite text already on the screen.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop_tokens: Sequence[Sequence[int]] = (),
@@ -192,28 +196,33 @@ class TextStream:
         self.printed = ""
         """What push and finish have returned so far."""
         self.text = ""
-        """The whole completion, without its stop sequence, once `finish` has been called."""
+        """The whole completion as printed, without its stop sequence, once `finish` has been called."""
+        self._done_ids = 0
+        """How many of `new_ids` have their whole text in `_done_text` (no character of theirs is incomplete)."""
+        self._done_text = ""
 
     def push(self, token_id: int) -> str:
         self.new_ids.append(token_id)
-        settled = self.new_ids[:len(self.new_ids) - self._stop_prefix_length()]
-        text = self._decode(settled).rstrip("\ufffd")
-        return self._advance(text)
+        return self._advance(len(self.new_ids) - self._stop_prefix_length(), final=False)
 
     def finish(self) -> str:
         """The rest of the completion, now that no token will follow."""
-        self.text = self._decode(self.new_ids)
-        return self._advance(self.text)
+        new = self._advance(len(self.new_ids), final=True)
+        self.text = self.printed
+        return new
 
-    def _decode(self, ids: list[int]) -> str:
-        return decode_completion(self.tokenizer, self.prompt_ids, ids, self.stop_tokens, self.eos_id)
-
-    def _advance(self, text: str) -> str:
-        # A decoding that rewrote what was printed already (no byte-level tokenizer does) prints nothing
-        # until it agrees again.
-        if not text.startswith(self.printed):
+    def _advance(self, end: int, final: bool) -> str:
+        settled = strip_stop(self.new_ids[:end], self.stop_tokens, self.eos_id)
+        pending = settled[self._done_ids:]
+        text = decode_completion(self.tokenizer, self.prompt_ids + settled[:self._done_ids], pending)
+        complete = final or not text.endswith("\ufffd")
+        shown = self._done_text + (text if complete else text.rstrip("\ufffd"))
+        if complete:
+            self._done_ids, self._done_text = len(settled), shown
+        # A decoding that rewrote what was printed already prints nothing until it agrees again.
+        if not shown.startswith(self.printed):
             return ""
-        new, self.printed = text[len(self.printed):], text
+        new, self.printed = shown[len(self.printed):], shown
         return new
 
     def _stop_prefix_length(self) -> int:

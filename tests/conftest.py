@@ -142,6 +142,37 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., To
     return train
 
 
+@pytest.fixture(scope="session")
+def sentencepiece_style_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """A tokenizer.json as transformers converts a Llama 2 tokenizer.model: a "▁" before the text and for each
+    space, <s> in front, and bytes as <0xNN> tokens for characters it never saw (ASCII only here)."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers, processors, trainers
+
+    hf_tokenizer = HFTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    hf_tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    hf_tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                              decoders.Strip(" ", 1, 0)])
+    byte_tokens = [f"<0x{byte:02X}>" for byte in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens],
+                                  show_progress=False)
+    hf_tokenizer.train_from_iterator(["The cat sat on the mat.", "A quick brown fox jumps over the lazy dog."] * 20,
+                                     trainer=trainer)
+    hf_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B:1",
+                                                                special_tokens=[("<s>", 1)])
+    out_dir = tmp_path_factory.mktemp("sentencepiece_style")
+    data = json.loads(hf_tokenizer.to_str())
+    # The trainer lists the byte tokens as added tokens; in a converted Llama 2 tokenizer they are plain vocabulary.
+    data["added_tokens"] = [token for token in data["added_tokens"] if token["content"] not in byte_tokens]
+    (out_dir / "tokenizer.json").write_text(json.dumps(data))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, "add_eos_token": False, "legacy": True}))
+    return Tokenizer(out_dir)
+
+
 @pytest.fixture
 def hf_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`datasets` with a cache in this test's tmp_path and no network (HFDataset on local files)."""

@@ -22,7 +22,7 @@ import torch
 
 from llmtrain.chat import PROMPT, Chat, TextStream
 from llmtrain.checkpoint.files import write_model_dir
-from llmtrain.generate import generate_text, load_for_generation, load_model_dir
+from llmtrain.generate import decode_completion, generate_text, load_for_generation, load_model_dir
 from llmtrain.model import GPT
 from llmtrain.prompts import PromptStyle
 
@@ -221,6 +221,23 @@ def test_text_stream_holds_back_split_characters_and_stop_beginnings(loaded):
     stream = TextStream(tokenizer, prompt_ids, stop_tokens=(stop,))
     pieces = [stream.push(token) for token in stop[:-1] + hay] + [stream.finish()]
     assert "".join(pieces) == stream.text == tokenizer.decode(stop[:-1] + hay)
+
+
+def test_text_stream_of_a_byte_fallback_tokenizer_drops_nothing(sentencepiece_style_tokenizer):
+    """Llama 2's tokenizer writes unseen characters as <0xNN> byte tokens, and its decoder turns a whole run of them
+    into "\\ufffd"s once one byte is invalid: a stray byte must not rewrite the printed "é", nor silence the rest."""
+    tokenizer = sentencepiece_style_tokenizer
+    prompt_ids = tokenizer.encode("The cat:")
+    e_acute, the_mat = tokenizer.encode("é", bos=False), tokenizer.encode("the mat", bos=False)
+    assert [tokenizer.processor.id_to_token(token) for token in e_acute] == ["▁", "<0xC3>", "<0xA9>"]
+    stray = e_acute[-1]  # a continuation byte with no character to continue
+    stream = TextStream(tokenizer, prompt_ids, eos_id=tokenizer.eos_id)
+    pieces = [stream.push(token) for token in e_acute + [stray] + the_mat + [tokenizer.eos_id]] + [stream.finish()]
+    assert "".join(pieces) == stream.text == " é\ufffd the mat"
+    # Without bytes, the text is the decoded completion, with the space SentencePiece writes as the "▁" of "▁the".
+    stream = TextStream(tokenizer, prompt_ids, eos_id=tokenizer.eos_id)
+    pieces = [stream.push(token) for token in the_mat + e_acute] + [stream.finish()]
+    assert "".join(pieces) == stream.text == decode_completion(tokenizer, prompt_ids, the_mat + e_acute) == " the mat é"
 
 
 class InterruptedOutput(io.StringIO):
