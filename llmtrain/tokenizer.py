@@ -51,6 +51,10 @@ class Tokenizer:
         self.processor = HFTokenizer.from_str(tokenizer_json.decode("utf-8"))
         settings = _read_special_token_settings(self.checkpoint_dir)
         self.bos_id: Optional[int] = self._resolve_id(settings.get("bos_token"), settings.get("bos_token_id"))
+        if self.bos_id is None:
+            # NOTE: with no file naming a bos token (a folder with tokenizer.json alone), transformers still adds
+            # the one the post-processor puts in front; it is this tokenizer's bos.
+            self.bos_id = self._post_processor_bos()
         self.eos_id: Optional[int] = self._resolve_id(settings.get("eos_token"), settings.get("eos_token_id"))
         self.add_bos: bool = self._default_add_bos(settings.get("add_bos_token"))
         eos_ids = [self.eos_id] if self.eos_id is not None else []
@@ -124,6 +128,11 @@ class Tokenizer:
             if resolved is not None:
                 return resolved
         return token_id
+
+    def _post_processor_bos(self) -> Optional[int]:
+        plain = self.processor.encode("a", add_special_tokens=False).ids
+        special = self.processor.encode("a", add_special_tokens=True).ids
+        return special[0] if special[1:] == plain else None
 
     def _default_add_bos(self, configured: Optional[bool]) -> bool:
         if self.bos_id is None:

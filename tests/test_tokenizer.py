@@ -110,10 +110,14 @@ def test_special_tokens_from_each_config_file(trained_dir: Path, tmp_path: Path)
         "bos_token": BPE_BOS_TOKEN, "eos_token": BPE_EOS_TOKEN}, generation_config_json={"eos_token_id": 7})
     assert (Tokenizer(other_eos).eos_id, Tokenizer(other_eos).stop_ids) == (eos_id, (eos_id, 7))
 
+    # tokenizer.json alone: its post-processor puts <|bos|> in front, and transformers' tokenizer(text) keeps it.
     nothing = copy_with_config(trained_dir, tmp_path / "nothing")
-    assert (Tokenizer(nothing).bos_id, Tokenizer(nothing).eos_id, Tokenizer(nothing).add_bos) == (None, None, False)
+    assert (Tokenizer(nothing).bos_id, Tokenizer(nothing).eos_id, Tokenizer(nothing).add_bos) == (bos_id, None, True)
+    assert Tokenizer(nothing).encode("dog") == Tokenizer(trained_dir).encode("dog")
     with pytest.raises(ValueError, match="no eos token"):
         Tokenizer(nothing).encode("dog", eos=True)
+    transformers = pytest.importorskip("transformers")
+    assert transformers.AutoTokenizer.from_pretrained(str(nothing))("dog")["input_ids"] == Tokenizer(nothing).encode("dog")
 
 
 def test_missing_tokenizer_names_path_and_flag(tmp_path: Path) -> None:
