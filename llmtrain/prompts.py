@@ -535,6 +535,19 @@ class ChatTemplate(PromptStyle):
                     for m in messages]
         if self.system is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system}, *messages]
+        try:
+            return self._segments(messages)
+        except ValueError:
+            if messages[0]["role"] != "system":
+                raise
+        # NOTE: Gemma's and Mistral's instruct templates refuse a system message (Mistral v0.3's writes it before
+        # the last user message only, so an answered prompt is not the prompt it answered): it goes before the first
+        # user message's text, as the built-in styles of formats without a system role write it.
+        system, first, *rest = messages
+        return self._segments([{"role": "user", "content": self.merge_system(system["content"], first["content"])},
+                               *rest])
+
+    def _segments(self, messages: list[Message]) -> list[Segment]:
         segments: list[Segment] = []
         done = ""
         for end, message in enumerate(messages):

@@ -373,6 +373,39 @@ def test_a_checkpoints_own_chat_template_renders_as_transformers_does(tmp_path: 
         refuses.apply("Hi", system="Be brief.")
 
 
+# mistralai/Mistral-7B-Instruct-v0.3's template without its tool calls: the system message goes before the last user
+# message only.
+MISTRAL_V03_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+    "{%- if loop.last and system_message is defined %}"
+    "{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content']|trim + eos_token }}{%- endif %}"
+    "{%- endfor %}")
+
+
+def test_a_chat_template_that_refuses_a_system_message_gets_it_in_the_first_user_message() -> None:
+    """Gemma's and Mistral's instruct templates refuse a system message (v0.3's moves it to the last user message):
+    fine-tuning on records with a system message, which their family styles merge into the first user message,
+    failed once the checkpoint's own template became its style."""
+    pytest.importorskip("transformers")
+    finished = CONVERSATION + [{"role": "assistant", "content": "4"}]
+    for name in ("gemma", "mistral"):
+        bos, eos, template = CHAT_TEMPLATES[name]
+        own = ChatTemplate(template=template, special_tokens={"bos_token": bos, "eos_token": eos})
+        assert own.apply(CONVERSATION) == PromptStyle.from_name(name).apply(CONVERSATION) == MULTI_TURN[name]
+        assert own.apply("What is 2 + 2?", system="Be brief.") == PromptStyle.from_name(name).apply(
+            "What is 2 + 2?", system="Be brief.")
+    v03 = ChatTemplate(template=MISTRAL_V03_TEMPLATE, special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    assert [(s.text, s.is_response) for s in v03.render(finished)] == [
+        ("[INST] Be brief.\n\nHi[/INST]", False), (" Hello!</s>", True),
+        ("[INST] What is 2 + 2?[/INST]", False), (" 4</s>", True)]
+    # A conversation without a system message renders as the template writes it.
+    assert v03.apply(CONVERSATION[1:]) == "[INST] Hi[/INST] Hello!</s>[INST] What is 2 + 2?[/INST]"
+
+
 def test_a_checkpoints_chat_template_stops_on_its_end_of_turn_token(tmp_path: Path, tokenizer: Tokenizer) -> None:
     chatml = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
               "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
