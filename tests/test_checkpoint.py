@@ -594,3 +594,19 @@ def test_weight_files_get_the_mode_the_umask_gives_every_other_file(tmp_path, um
              for path in tmp_path.rglob("*") if path.is_file()}
     assert {"base/model.safetensors", "hf/model.safetensors"} <= set(modes)
     assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
+def test_weights_are_saved_where_the_filesystem_refuses_chmod(tmp_path, monkeypatch):
+    """Some mounts (SMB, FUSE object stores) keep no modes and refuse chmod: the weights were written, then the
+    mode fix raised and the checkpoint save died with them."""
+    import errno
+
+    from safetensors.torch import load_file
+
+    def refuse(path, mode):
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+
+    monkeypatch.setattr(files.os, "chmod", refuse)
+    state = {"wte.weight": torch.arange(6.0).reshape(2, 3)}
+    files.save_weights(state, tmp_path / "model.safetensors")
+    assert torch.equal(load_file(str(tmp_path / "model.safetensors"))["wte.weight"], state["wte.weight"])

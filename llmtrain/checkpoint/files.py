@@ -192,7 +192,10 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file  # NOTE: lazy, as in every CLI path that may not save at all
 
     save_file(tensors, str(path), metadata=SAFETENSORS_METADATA)
-    os.chmod(path, 0o666 & ~_umask())
+    try:
+        os.chmod(path, 0o666 & ~_umask())
+    except OSError:
+        pass  # NOTE: a mount that keeps no modes (SMB, FUSE object stores) refuses chmod; the weights are written
 
 
 def _umask() -> int:
