@@ -87,6 +87,24 @@ def test_every_model_family_has_finetune_recipes():
         assert any(re.search(pattern, model.lower()) for model in models), f"no finetune recipe for {pattern!r}"
 
 
+@pytest.mark.parametrize("recipe", sorted((HUB / "finetune").rglob("*.yaml")), ids=lambda p: str(p.relative_to(HUB)))
+def test_the_prompt_style_comment_says_where_the_style_comes_from(recipe):
+    """prompt_style: null takes the checkpoint's prompt_style.yaml, else its chat template (which a transformers
+    download of these models carries), else the family's style; the comments left the chat template out."""
+    from llmtrain.prompts import PromptStyle
+
+    lines = recipe.read_text().splitlines()
+    end = next(index for index, line in enumerate(lines) if line.startswith("prompt_style:"))
+    start = max(index for index in range(end) if lines[index].startswith("# null:"))
+    comment = " ".join(line[2:] for line in lines[start:end])
+    family = PromptStyle.from_config(base_model_of(yaml.safe_load(recipe.read_text())["checkpoint_dir"])).name
+    if recipe.parent.name == "debug":
+        assert comment.startswith("null: the checkpoint's own prompt style, else its family's (alpaca"), comment
+        return
+    assert re.match(r"null: the checkpoint's own prompt_style\.yaml, else its chat template .*, else the family's: "
+                    rf"{re.escape(family)} \(", comment), comment
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(HUB)))
 def test_recipe_parses_and_resolves(recipe, capsys):
     command = command_of(recipe)
