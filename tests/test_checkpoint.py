@@ -610,3 +610,22 @@ def test_weights_are_saved_where_the_filesystem_refuses_chmod(tmp_path, monkeypa
     state = {"wte.weight": torch.arange(6.0).reshape(2, 3)}
     files.save_weights(state, tmp_path / "model.safetensors")
     assert torch.equal(load_file(str(tmp_path / "model.safetensors"))["wte.weight"], state["wte.weight"])
+
+
+def test_weights_stay_private_where_the_umask_cannot_be_read(tmp_path, monkeypatch):
+    """Without /proc (macOS, BSD) the umask was taken to be 022: under umask 077 the weights became readable by
+    everyone, where every other file of the checkpoint is the owner's only."""
+    read_text = Path.read_text
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(path)
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", no_proc)
+    previous = os.umask(0o077)
+    try:
+        files.save_weights({"wte.weight": torch.ones(2, 3)}, tmp_path / "model.safetensors")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o077 == 0

@@ -192,20 +192,24 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file  # NOTE: lazy, as in every CLI path that may not save at all
 
     save_file(tensors, str(path), metadata=SAFETENSORS_METADATA)
+    umask = _umask()
+    if umask is None:
+        return  # NOTE: left private, as safetensors wrote it, rather than opened wider than the umask may allow
     try:
-        os.chmod(path, 0o666 & ~_umask())
+        os.chmod(path, 0o666 & ~umask)
     except OSError:
         pass  # NOTE: a mount that keeps no modes (SMB, FUSE object stores) refuses chmod; the weights are written
 
 
-def _umask() -> int:
-    """This process's umask, read without changing it (os.umask sets it, racing with threads that create files)."""
+def _umask() -> Optional[int]:
+    """This process's umask, read without changing it (os.umask sets it, racing with threads that create files);
+    None where the system does not say (no /proc: macOS, BSD)."""
     try:
         status = Path("/proc/self/status").read_text()
     except OSError:
-        return 0o022
+        return None
     line = next((line for line in status.splitlines() if line.startswith("Umask:")), None)
-    return int(line.split()[1], 8) if line is not None else 0o022
+    return int(line.split()[1], 8) if line is not None else None
 
 
 SAFETENSORS_METADATA = {"format": "pt"}
