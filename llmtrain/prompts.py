@@ -212,6 +212,7 @@ class PromptStyle:
     def from_name(cls, name: str, **fields: Any) -> PromptStyle:
         """The style registered as `name` ("alpaca", "chatml", ...), with optional fields (`system=`)."""
         key = ALIASES.get(name.lower(), name.lower())
+        fields = {**ALIAS_FIELDS.get(name.lower(), {}), **fields}
         if key not in cls.registry:
             close = difflib.get_close_matches(key, list(cls.registry) + list(ALIASES), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -604,6 +605,9 @@ ALIASES = {"plain": "default", "zephyr": "tinyllama", "qwen": "chatml", "qwen2.5
            "pythia": "alpaca", "gpt-neox": "alpaca"}
 """Other names users reach for."""
 
+ALIAS_FIELDS: dict[str, dict[str, Any]] = {name: {"date": None} for name in ("llama3.2", "llama-3.2")}
+"""Fields an alias sets (those passed along win): Llama 3.2's template writes the day it renders."""
+
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -611,7 +615,7 @@ FAMILY_STYLES: list[tuple[str, str, dict[str, Any]]] = [
     # Debug sizes come first: "gemma-debug" is not Gemma's tokenizer or format.
     (r"-debug$", "alpaca", {}),
     (r"^(meta-)?llama-3\.[13]", "llama3.1", {}),
-    (r"^(meta-)?llama-3\.2", "llama3.1", {"date": None}),  # its template writes the day it renders
+    (r"^(meta-)?llama-3\.2", "llama3.2", {}),
     (r"^(meta-)?llama-3", "llama3", {}),
     (r"^llama-2", "llama2", {}),
     (r"^tiny-?llama", "tinyllama", {}),

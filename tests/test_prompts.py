@@ -267,6 +267,16 @@ def test_llama_31_and_32_date_their_system_block(tmp_path: Path) -> None:
     assert PromptStyle.from_config(custom).name == "llama3.1"
 
 
+def test_the_llama_32_names_give_llama_32s_format() -> None:
+    """--prompt_style llama3.2 rendered Llama 3.1's fixed date, not the day of rendering that Llama 3.2's template
+    writes and that a Llama-3.2 model gets by default."""
+    llama32 = PromptStyle.from_config(Config.from_name("Llama-3.2-1B-Instruct"))
+    for name in ("llama3.2", "Llama-3.2"):
+        assert PromptStyle.from_name(name) == llama32
+        assert PromptStyle.from_name(name, date="01 Jan 2025").date == "01 Jan 2025"  # a date given still counts
+    assert PromptStyle.from_name("llama3.1").date == PromptStyle.from_name("llama3.3").date == "26 Jul 2024"
+
+
 def test_from_config_of_a_custom_model_and_unknown_names() -> None:
     assert PromptStyle.from_config(Config(name="")).name == "alpaca"
     custom = Config(name="my-model", hf_config={"org": "Qwen", "name": "Qwen2.5-7B-Instruct"})
