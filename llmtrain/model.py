@@ -364,7 +364,8 @@ KVLayout = Literal["plain", "grouped", "repeat"]
 #   at 256, 0.98x at 384, 0.88x at 512; the "attention in float32" A/B in BENCHMARKS.md);
 # - and wherever float32 attention runs as block attention (below), which beats bfloat16 flash attention up to
 #   CPU_BLOCK_ATTENTION_MAX_SEQ tokens (the whole step 1.17x at 512 tokens, 1.04x at 1,024).
-# Measured on an AVX512-BF16 CPU without AMX; other CPUs keep bfloat16.
+# Measured on an AVX512-BF16 CPU without AMX; other CPUs keep bfloat16. Where bfloat16 block attention runs (below),
+# it is faster still, and a bfloat16 model keeps bfloat16 there.
 CPU_FLOAT32_ATTENTION_MAX_SEQ = 256
 CPU_MEASURED_FOR_FLOAT32_ATTENTION = (torch.cpu._is_avx512_bf16_supported()
                                       and not torch.cpu._is_amx_tile_supported())
@@ -378,12 +379,16 @@ CPU_BLOCK_ATTENTION_MAX_SEQ = 1024
 CPU_BLOCK_ATTENTION_MIN_ROWS = 256
 CPU_MEASURED_FOR_BLOCK_ATTENTION = torch.cpu._is_avx512_supported()
 
-# A bfloat16 model's training attention on a CPU with AMX tiles (which keeps bfloat16, above) runs as block attention
-# too, up to CPU_BF16_BLOCK_ATTENTION_MAX_SEQ tokens, whatever the number of rows: its bfloat16 GEMMs run on the
-# tiles, while CPU flash attention's bfloat16 backward is slow there (the whole step 1.30x at 128 tokens, 1.05-1.08x
-# at 256, 1.02-1.06x at 512, 0.90x at 1,024; BENCHMARKS.md, "bfloat16 block attention on AMX").
-CPU_BF16_BLOCK_ATTENTION_MAX_SEQ = 512
-CPU_MEASURED_FOR_BF16_BLOCK_ATTENTION = torch.cpu._is_amx_tile_supported()
+# A bfloat16 model's training attention runs as bfloat16 block attention (float32 scores and softmax) up to
+# CPU_BF16_BLOCK_ATTENTION_MAX_SEQ tokens, whatever the number of rows, on CPUs with bfloat16 dot products:
+# - with AMX tiles its GEMMs run on the tiles, while CPU flash attention's bfloat16 backward is slow there (the whole
+#   step 1.30x at 128 tokens, 1.05-1.08x at 256, 1.02-1.06x at 512, 0.90x at 1,024; BENCHMARKS.md, "bfloat16 block
+#   attention on AMX");
+# - with AVX512-BF16 and no AMX it beats the float32 block attention of an upcast copy, the rule above, at every
+#   length measured (the whole step 1.02-1.07x at 128 tokens, 1.07-1.12x at 256, 1.06x at 512, 1.11x at 1,024;
+#   BENCHMARKS.md, "bfloat16 block attention without AMX").
+CPU_BF16_BLOCK_ATTENTION_MAX_SEQ = 512 if torch.cpu._is_amx_tile_supported() else 1024
+CPU_MEASURED_FOR_BF16_BLOCK_ATTENTION = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 AttentionKernel = Literal["sdpa", "blocks"]
 
@@ -395,6 +400,8 @@ def attention_dtype(device_type: str, dtype: torch.dtype, seq_len: int, masked: 
     keep ``dtype``; the memory estimate asks for the training step it plans."""
     if device_type != "cpu" or dtype != torch.bfloat16 or not CPU_MEASURED_FOR_FLOAT32_ATTENTION:
         return dtype
+    if not masked and CPU_MEASURED_FOR_BF16_BLOCK_ATTENTION and seq_len <= CPU_BF16_BLOCK_ATTENTION_MAX_SEQ:
+        return dtype  # bfloat16 block attention
     blocks = not masked and seq_len <= CPU_BLOCK_ATTENTION_MAX_SEQ and CPU_MEASURED_FOR_BLOCK_ATTENTION
     return torch.float32 if seq_len <= CPU_FLOAT32_ATTENTION_MAX_SEQ or blocks else dtype
 

@@ -124,7 +124,7 @@ def test_attention_kernel_rule(monkeypatch, measured, bf16_measured):
     assert attention_kernel("cpu", torch.float32, 256, 4, 2, masked=True) == "sdpa"
     assert attention_kernel("cpu", torch.float32, 256, 4, 2, training=False) == "sdpa"
     assert attention_kernel("cuda", torch.float32, 256, 4, 2) == "sdpa"
-    # bfloat16 (on a CPU with AMX tiles; elsewhere bfloat16 models upcast first where it pays): up to its own
+    # bfloat16 (on a CPU with bfloat16 dot products; elsewhere bfloat16 models upcast first where it pays): up to its own
     # longest sequence, however few the rows.
     bf16_longest, bf16_blocks = model_module.CPU_BF16_BLOCK_ATTENTION_MAX_SEQ, "blocks" if bf16_measured else "sdpa"
     assert attention_kernel("cpu", torch.bfloat16, bf16_longest, 4, 2) == bf16_blocks
@@ -217,6 +217,7 @@ def test_bf16_model_attends_in_float32_blocks(monkeypatch, block_attention_on_sh
     """A bfloat16 model's training attention upcasts to float32 and runs as blocks where the rules say so, and
     trains as with float32 flash attention, up to bfloat16 rounding."""
     monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_FLOAT32_ATTENTION", True)
+    monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_BF16_BLOCK_ATTENTION", False)  # else bfloat16 blocks
     model, tokens = _model_and_tokens(n_layer=1)
     model = model.to(torch.bfloat16)
     loss, grads = _losses_and_gradients(model, tokens)
@@ -229,16 +230,19 @@ def test_bf16_model_attends_in_float32_blocks(monkeypatch, block_attention_on_sh
         assert (got.float() - want.float()).norm() <= 2e-2 * want.float().norm()
 
 
-def test_bf16_model_attends_in_bf16_blocks_on_amx(monkeypatch, block_attention_on_short_sequences):
-    """On a CPU with AMX tiles a bfloat16 model's training attention runs as bfloat16 blocks, and trains as with
-    bfloat16 flash attention, up to bfloat16 rounding."""
-    monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_FLOAT32_ATTENTION", False)
+@pytest.mark.parametrize("upcast_measured", [False, True], ids=["amx", "avx512-bf16"])
+def test_bf16_model_attends_in_bf16_blocks(monkeypatch, block_attention_on_short_sequences, upcast_measured):
+    """On a CPU with bfloat16 dot products (AMX tiles, or AVX512-BF16 where the upcast rule holds otherwise) a
+    bfloat16 model's training attention runs as bfloat16 blocks, and trains as with bfloat16 flash attention, up to
+    bfloat16 rounding."""
+    monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_FLOAT32_ATTENTION", upcast_measured)
     monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_BF16_BLOCK_ATTENTION", True)
     model, tokens = _model_and_tokens(n_layer=1)
     model = model.to(torch.bfloat16)
     loss, grads = _losses_and_gradients(model, tokens)
     assert block_attention_on_short_sequences == [(48, 32, torch.bfloat16)]
     monkeypatch.setattr(model_module, "CPU_BF16_BLOCK_ATTENTION_MAX_SEQ", 0)  # bfloat16 SDPA
+    monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_FLOAT32_ATTENTION", False)  # not on an upcast copy
     want_loss, want_grads = _losses_and_gradients(model, tokens)
     assert len(block_attention_on_short_sequences) == 1
     torch.testing.assert_close(loss, want_loss, rtol=1e-2, atol=0)

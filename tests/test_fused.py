@@ -91,22 +91,27 @@ def test_float32_model_takes_the_fused_path_where_the_rule_picks_blocks(monkeypa
 @pytest.mark.parametrize("attention_dtype", [torch.float32, torch.bfloat16])
 def test_bfloat16_model_is_as_precise_fused(monkeypatch, fused_calls, attention_dtype):
     """A bfloat16 model, with attention in float32 or in bfloat16 blocks: the fused path's loss and gradients lie
-    at least as close to the float64 model's as the modules' do (RoPE computes in float32 there)."""
+    at least as close to the float64 model's as the modules' do (RoPE computes in float32 there). One loss's error is
+    a draw of bfloat16 rounding (0.004 to 0.09 either way, by seed and CPU), so the losses are compared on the mean
+    error over several models; each gradient's error, a norm over many entries, is steady and compared per model."""
     monkeypatch.setattr(model_module, "attention_dtype", lambda device, dtype, *args, **kwargs: attention_dtype)
-    reference = _model("llama-debug", torch.float64)
-    tokens = torch.randint(0, reference.config.vocab_size, (2, 65))
-    want_loss, want_grads = _loss_and_grads(reference, tokens, False, monkeypatch)
-    model = reference.to(torch.bfloat16)
-    errors = {}
-    for fused_on in (False, True):
-        loss, grads = _loss_and_grads(model, tokens, fused_on, monkeypatch)
-        errors[fused_on] = [abs(loss.double() - want_loss).item()] + [
-            ((grads[k].double() - w).norm() / w.norm()).item() for k, w in want_grads.items()]
-    assert fused_calls == [(64, attention_dtype)] * reference.config.n_layer
-    unfused_errors, fused_errors = errors[False], errors[True]
-    assert fused_errors[0] <= 2 * unfused_errors[0] + 1e-3  # the loss
-    for got, want in zip(fused_errors[1:], unfused_errors[1:]):
-        assert got <= 1.25 * want + 1e-3
+    loss_errors = {False: [], True: []}
+    for seed in range(6):
+        reference = _model("llama-debug", torch.float64, seed=seed)
+        tokens = torch.randint(0, reference.config.vocab_size, (2, 65))
+        want_loss, want_grads = _loss_and_grads(reference, tokens, False, monkeypatch)
+        model = reference.to(torch.bfloat16)
+        grad_errors = {}
+        for fused_on in (False, True):
+            loss, grads = _loss_and_grads(model, tokens, fused_on, monkeypatch)
+            loss_errors[fused_on].append(abs(loss.double() - want_loss).item())
+            grad_errors[fused_on] = [((grads[k].double() - w).norm() / w.norm()).item() for k, w in want_grads.items()]
+        assert fused_calls[-reference.config.n_layer:] == [(64, attention_dtype)] * reference.config.n_layer
+        for got, want in zip(grad_errors[True], grad_errors[False]):
+            assert got <= 1.25 * want + 1e-3
+    assert len(fused_calls) == 6 * reference.config.n_layer
+    mean = {fused_on: sum(errors) / len(errors) for fused_on, errors in loss_errors.items()}
+    assert mean[True] <= 2 * mean[False] + 1e-3
 
 
 def test_gradients_without_an_input_gradient(monkeypatch, fused_calls):

@@ -94,6 +94,7 @@ def test_every_kv_layout_computes_the_same_attention(n_query_groups, window):
 def test_attention_dtype_per_device_dtype_and_length(monkeypatch, measured, blocks_measured):
     monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_FLOAT32_ATTENTION", measured)
     monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_BLOCK_ATTENTION", blocks_measured)
+    monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_BF16_BLOCK_ATTENTION", False)  # the upcast rule alone
     short, long = CPU_FLOAT32_ATTENTION_MAX_SEQ, CPU_FLOAT32_ATTENTION_MAX_SEQ + 1
     longest = model_module.CPU_BLOCK_ATTENTION_MAX_SEQ
     upcast = torch.float32 if measured else torch.bfloat16
@@ -107,6 +108,14 @@ def test_attention_dtype_per_device_dtype_and_length(monkeypatch, measured, bloc
     for dtype in (torch.float32, torch.float16):
         assert attention_dtype("cpu", dtype, short) == dtype
     assert attention_dtype("cuda", torch.bfloat16, short) == torch.bfloat16
+    # Where bfloat16 block attention runs (no mask, up to its own longest sequence), bfloat16 stays.
+    monkeypatch.setattr(model_module, "CPU_MEASURED_FOR_BF16_BLOCK_ATTENTION", True)
+    bf16_longest = model_module.CPU_BF16_BLOCK_ATTENTION_MAX_SEQ
+    assert attention_dtype("cpu", torch.bfloat16, short) == torch.bfloat16
+    assert attention_dtype("cpu", torch.bfloat16, bf16_longest) == torch.bfloat16
+    assert attention_dtype("cpu", torch.bfloat16, short, masked=True) == upcast
+    if bf16_longest < longest:
+        assert attention_dtype("cpu", torch.bfloat16, bf16_longest + 1) == (upcast if blocks_measured else torch.bfloat16)
 
 
 @pytest.mark.parametrize("autocast", [False, True])
