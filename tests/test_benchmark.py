@@ -248,6 +248,7 @@ def test_step_timing_counts_every_micro_batch_of_an_accumulating_step():
         _step_timing(rows, waits[:5], warmup=1, micro_batches_per_step=2)
 
 
+@pytest.mark.slow
 def test_data_wait_with_accumulation_leaves_out_the_warm_up_fetches(tmp_path, monkeypatch):
     """Two micro-batches per step: the warm-up step's two slow fetches are no part of the timed steps' wait."""
     import time

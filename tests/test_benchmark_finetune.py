@@ -41,6 +41,7 @@ def run(tmp_path, **flags) -> dict:
     return record
 
 
+@pytest.mark.slow
 def test_lora_times_the_adapters_with_their_flops_and_its_own_baseline_key(tmp_path):
     lora = LoRAArgs(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_mlp=True)
     record = run(tmp_path, recipe="finetune_lora", lora=lora)
@@ -54,6 +55,7 @@ def test_lora_times_the_adapters_with_their_flops_and_its_own_baseline_key(tmp_p
     assert baseline_key(record).endswith("|finetune_lora|r 4, alpha 8, dropout 0 on query, value, mlp")
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_trains_every_weight_and_keys_apart_from_pretraining(tmp_path):
     record = run(tmp_path, recipe="finetune_full")
     config = Config.from_name("llama-debug")

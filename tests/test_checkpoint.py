@@ -255,6 +255,7 @@ def test_resume_of_a_named_damaged_checkpoint_exits_2_with_one_message(damaged_r
     assert not sentinel.exists()
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_checkpoint_of_another_architecture_or_optimizer_before_any_worker(tmp_path):
     """A sharded checkpoint of another width or optimizer failed in DCP with a traceback; another rope_base resumed
     silently."""
@@ -288,6 +289,7 @@ def _llmtrain(*argv: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow
 def test_resume_refuses_adapters_other_than_this_runs_lora_settings(tmp_path):
     """Without the check, --lora_query false resumed silently without the trained query adapters, --quantize
     resumed LoRA adapters on a 4-bit base they were not trained on, and finetune_full resuming a LoRA checkpoint

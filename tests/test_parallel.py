@@ -108,11 +108,13 @@ def test_the_dry_runs_shared_memory_figure_is_what_the_slots_took(two):
     assert sum(shared["mapped"].values()) == shared["planned"]
 
 
+@pytest.mark.multiproc
 def test_compile_auto_is_one_decision_for_all_ranks(two):
     """A rank compiles only if every rank chose to (rank 0 alone wanting it compiles nowhere)."""
     assert two["compile_votes"] == [False, True]
 
 
+@pytest.mark.multiproc
 def test_embedding_and_head_are_fsdp_units_of_their_own_unless_tied(two):
     blocks = [["blocks.0"], ["blocks.1"]]
     assert two["full_shard"]["fsdp_units"] == [[""], *blocks, ["norm_f", "lm_head"], ["wte"]]
@@ -134,6 +136,7 @@ def test_activation_checkpointing_gives_the_same_losses(two):
     assert_same_training(two["activation_checkpointing"], two["full_shard"])
 
 
+@pytest.mark.multiproc
 def test_fused_attention_under_fsdp_gives_the_same_losses(two):
     """One GEMM for q, k and v with RoPE and block attention written out (llmtrain.fused), on the weights FSDP
     gathers: the losses and gradient norms of SDPA and the modules."""
@@ -143,6 +146,7 @@ def test_fused_attention_under_fsdp_gives_the_same_losses(two):
     assert_same_training(result, two["full_shard"])
 
 
+@pytest.mark.multiproc
 def test_per_op_checkpointing_under_fsdp_gives_the_same_losses(two):
     assert_same_training(two["op_checkpointing"], two["full_shard"])
 
