@@ -17,6 +17,9 @@ Experiments (A against B):
 - ``block_attention``: training attention through SDPA (A, CPU flash attention) against block-causal batched
   matmuls (B, ``llmtrain.attention``), at --seq_len whatever the rule of ``llmtrain.model.attention_kernel`` says
   (B still needs float32 attention and enough stacked query rows, or a bfloat16 model on a CPU with AMX tiles).
+- ``bf16_block_attention``: a bfloat16 model's training attention as float32 block attention on an upcast copy (A,
+  the rule for AVX512-BF16 CPUs without AMX before 91bce34) against bfloat16 block attention with float32 scores and
+  softmax (B, the rule now), up to ``max(--seq_len, 512)`` tokens.
 - ``fused_projections``: each projection of a Block its own module and GEMM (A) against one GEMM per shared input,
   q/k/v with RoPE and block attention and gate/up with the activation written out (B, ``llmtrain.fused``), where
   the rule picks block attention.
@@ -140,6 +143,22 @@ def block_attention_sides(args: argparse.Namespace) -> dict[str, Callable[[], No
     return {"SDPA (flash)": flash, "block attention": blocks}
 
 
+def bf16_block_attention_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
+    from llmtrain import model as model_module
+
+    longest = max(args.seq_len, model_module.CPU_BF16_BLOCK_ATTENTION_MAX_SEQ)
+
+    def upcast() -> None:
+        model_module.CPU_MEASURED_FOR_FLOAT32_ATTENTION = True
+        model_module.CPU_MEASURED_FOR_BF16_BLOCK_ATTENTION = False
+
+    def bf16_blocks() -> None:
+        model_module.CPU_MEASURED_FOR_BF16_BLOCK_ATTENTION = True
+        model_module.CPU_BF16_BLOCK_ATTENTION_MAX_SEQ = longest
+
+    return {"float32 blocks on an upcast copy": upcast, "bfloat16 blocks": bf16_blocks}
+
+
 def rms_norm_sides(args: argparse.Namespace) -> dict[str, Callable[[], None]]:
     from llmtrain.model import RMSNorm, rms_norm_composite
 
@@ -218,7 +237,7 @@ def fused_projections_sides(args: argparse.Namespace) -> dict[str, Callable[[], 
 EXPERIMENTS = {"attention_dtype": attention_dtype_sides, "lora_update": lora_update_sides,
                "compile": compile_sides, "compile_whole": compile_whole_sides,
                "block_attention": block_attention_sides, "rms_norm": rms_norm_sides, "block_kernel": block_kernel_sides, "loss_kernel": loss_kernel_sides,
-               "fused_projections": fused_projections_sides}
+               "fused_projections": fused_projections_sides, "bf16_block_attention": bf16_block_attention_sides}
 
 
 def main() -> None:
@@ -235,8 +254,8 @@ def main() -> None:
     parser.add_argument("--rev", default="HEAD",
                         help="block_kernel, loss_kernel: the git revision of side A's llmtrain/attention.py or loss.py")
     args = parser.parse_args()
-    if args.experiment == "attention_dtype" and args.precision != "bf16-true":
-        parser.error("attention_dtype compares attention dtypes of a bfloat16 model: use --precision bf16-true")
+    if args.experiment in ("attention_dtype", "bf16_block_attention") and args.precision != "bf16-true":
+        parser.error(f"{args.experiment} compares the attention of a bfloat16 model: use --precision bf16-true")
 
     import torch
 
