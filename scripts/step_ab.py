@@ -240,6 +240,23 @@ EXPERIMENTS = {"attention_dtype": attention_dtype_sides, "lora_update": lora_upd
                "fused_projections": fused_projections_sides, "bf16_block_attention": bf16_block_attention_sides}
 
 
+def random_model(name: str, precision: str, threads: int):
+    """The zoo's model ``name`` with the recipes' init (seed 0) in ``precision``'s dtype, in a process set up as
+    training sets it up on the CPU: ``threads`` threads, freed host memory kept for reuse."""
+    import torch
+
+    from llmtrain.config import Config
+    from llmtrain.distributed.host_memory import keep_freed_host_memory
+    from llmtrain.model import GPT
+
+    torch.set_num_threads(threads)
+    keep_freed_host_memory()
+    torch.manual_seed(0)
+    model = GPT(Config.from_name(name))
+    model.init_weights()
+    return model.to(torch.bfloat16 if precision == "bf16-true" else torch.float32)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiment", choices=sorted(EXPERIMENTS))
@@ -259,17 +276,9 @@ def main() -> None:
 
     import torch
 
-    from llmtrain.config import Config
-    from llmtrain.distributed.host_memory import keep_freed_host_memory
     from llmtrain.lora import LoRAArgs, apply_lora, mark_only_lora_trainable
-    from llmtrain.model import GPT
 
-    torch.set_num_threads(args.threads)
-    keep_freed_host_memory()
-    torch.manual_seed(0)
-    model = GPT(Config.from_name(args.model))
-    model.init_weights()
-    model = model.to(torch.bfloat16 if args.precision == "bf16-true" else torch.float32)
+    model = random_model(args.model, args.precision, args.threads)
     if args.experiment == "lora_update":
         apply_lora(model, LoRAArgs(lora_dropout=0.0))
         mark_only_lora_trainable(model)

@@ -76,3 +76,42 @@ def test_gpu_check_commands_parse_as_llmtrain_commands(tmp_path, cpu, capsys):
             main([*arguments, "--print_config"])
         assert stop.value.code == 0, name
     assert "max_steps" in capsys.readouterr().out
+
+
+
+def test_gemm_floor_counts_each_products_flops():
+    import torch
+
+    gemm_floor = load("gemm_floor")
+    a, b = torch.empty(2, 3), torch.empty(3, 4)
+    assert gemm_floor.product_flops("mm", [a, b]) == 2 * 2 * 3 * 4
+    assert gemm_floor.product_flops("addmm", [torch.empty(4), a, b]) == 2 * 2 * 3 * 4  # the bias adds no product
+    assert gemm_floor.product_flops("bmm", [torch.empty(5, 2, 3), torch.empty(5, 3, 4)]) == 5 * 2 * 2 * 3 * 4
+
+
+def test_gemm_floor_records_every_product_of_a_step():
+    """A training step of llama-debug on 32 tokens (SDPA attention: the products are the linear layers', the head's,
+    ``out=`` ones included, and the norms' weight gradients): their recorded FLOPs are the step's, and each recorded
+    product replays on materialized operands."""
+    import torch
+
+    from conftest import tiny_config
+    from llmtrain.model import GPT
+
+    gemm_floor = load("gemm_floor")
+    torch.manual_seed(0)
+    model = GPT(tiny_config("llama-debug"))
+    model.init_weights()
+    tokens = torch.randint(0, model.config.vocab_size, (1, 33))
+    recorded = gemm_floor.record_products(lambda: model(tokens[:, :-1], labels=tokens[:, 1:]).backward())
+    flops = sum(gemm_floor.product_flops(op.overloadpacket.__name__,
+                                         [a for a in args if isinstance(a, gemm_floor.TensorSpec)])
+                for op, args, _ in recorded)
+    matrices = sum(p.numel() for name, p in model.named_parameters() if p.ndim == 2 and "wte" not in name)
+    norms = sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
+    # 6 per weight and token; RMSNorm's weight gradient is a product too, a row of token sums (2 per weight and token)
+    assert flops == 6 * 32 * matrices + 2 * 32 * norms
+    assert any("out" in kwargs for _, _, kwargs in recorded)  # the loss writes the hidden states' gradient in place
+    for op, args, kwargs in recorded:
+        result = op(*[gemm_floor.materialize(a) for a in args], **{k: gemm_floor.materialize(v) for k, v in kwargs.items()})
+        assert result.ndim == len(args[-1].shape)
