@@ -253,6 +253,31 @@ def test_missing_task_fails_within_rendezvous_timeout(tmp_path, dist_env, free_p
     assert "rank 0 of 2: the processes did not all meet" in err and "within 3s" in err
 
 
+@pytest.mark.parametrize("user_setting, seconds", [(None, "900.0"), ("120", "120.0")])
+def test_a_slurm_task_per_gpu_waits_for_its_peers_as_long_as_torchrun(dist_env, free_port, user_setting, seconds):
+    """srun with a task per GPU: each task imports, checks --resume auto and maps training_state.pt from a shared
+    filesystem before it meets the others, so rank 0's store gives them torchrun's 900 s (60 s failed slow starts).
+    A user's own $LLMTRAIN_RDZV_TIMEOUT still decides. The task reports what its ranks' meeting would wait."""
+    code = ("from llmtrain.distributed import launch, runtime; launch.launch(lambda: print('meeting within', "
+            "runtime.rendezvous_timeout_s(), flush=True), devices=8, num_nodes=2)")
+    env = slurm_env(dist_env, procid=0, ntasks=16, nnodes=2, tasks_per_node="8(x2)", port=free_port(),
+                    nodelist="gpu[01-02]")
+    if user_setting is not None:
+        env["LLMTRAIN_RDZV_TIMEOUT"] = user_setting
+    code_, out, err = run([sys.executable, "-c", code], env)
+    assert code_ == 0, err
+    assert out.splitlines() == [f"meeting within {seconds}"]
+
+
+def test_a_users_rendezvous_timeout_bounds_the_meeting_of_the_tasks(tmp_path, dist_env, free_port):
+    # One task per device, a world of two, only task 0 started, and no --rdzv_timeout: the user's setting decides.
+    env = {**slurm_env(dist_env, procid=0, ntasks=2, nnodes=1, tasks_per_node="2", port=free_port()),
+           "LLMTRAIN_RDZV_TIMEOUT": "2"}
+    code, _, err = run([*SELFTEST, "--devices", "2", "--out", str(tmp_path)], env)
+    assert code != 0
+    assert "rank 0 of 2: the processes did not all meet" in err and "within 2s" in err
+
+
 def test_a_failed_task_ends_the_wait_of_the_others(tmp_path, dist_env, free_port):
     # srun without --kill-on-bad-exit leaves the other tasks running: rank 0, done, waits at the barrier before
     # the group closes for rank 1, which failed; it must stop with rank 1's error, not wait out two hours.

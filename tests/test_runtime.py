@@ -226,3 +226,18 @@ def test_a_host_wait_that_nobody_joins_ends_with_a_message(monkeypatch):
     with pytest.raises(RuntimeError, match=r"rank 1: waited 0.2s for the other ranks to finish their host work .* "
                                            "raise --dist_timeout"):
         runtime_module.host_barrier()
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "inf", "nan"])
+def test_a_rendezvous_timeout_that_is_not_seconds_is_refused(value, monkeypatch):
+    monkeypatch.setenv(runtime_module.RDZV_TIMEOUT_ENV, value)
+    with pytest.raises(ValueError, match=rf"^LLMTRAIN_RDZV_TIMEOUT='{value}' must be a number of seconds above 0 .*"
+                                         "unset it for the default 900$"):
+        runtime_module.rendezvous_timeout_s()
+
+
+def test_the_rendezvous_waits_as_long_as_torchrun_unless_the_user_says(monkeypatch):
+    monkeypatch.delenv(runtime_module.RDZV_TIMEOUT_ENV, raising=False)
+    assert runtime_module.rendezvous_timeout_s() == 900.0
+    monkeypatch.setenv(runtime_module.RDZV_TIMEOUT_ENV, " 1800 ")
+    assert runtime_module.rendezvous_timeout_s() == 1800.0

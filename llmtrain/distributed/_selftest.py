@@ -61,7 +61,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--out", required=True, help="folder for the per-rank records")
     parser.add_argument("--behaviour", choices=["ok", "raise", "sleep"], default="ok")
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--rdzv_timeout", type=float, default=60.0, help="seconds the processes wait to meet")
+    parser.add_argument("--rdzv_timeout", type=float, default=None,
+                        help="seconds the processes wait to meet (default: launch's, $LLMTRAIN_RDZV_TIMEOUT or 900)")
     args = parser.parse_args(argv)
     launch(check_rank, (args.out, args.behaviour, args.accelerator), devices=args.devices,
            num_nodes=args.num_nodes, rdzv_timeout_s=args.rdzv_timeout)

@@ -42,7 +42,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Mapping, NoReturn, Optional
 
-from llmtrain.distributed.runtime import RDZV_TIMEOUT_ENV, host_barrier, report_failure
+from llmtrain.distributed.runtime import RDZV_TIMEOUT_ENV, host_barrier, rendezvous_timeout_s, report_failure
 from llmtrain.train.signals import PREEMPTED_EXIT_CODE
 
 LaunchMode = Literal["single", "env", "slurm_task_per_device", "slurm_task_per_node", "local_spawn"]
@@ -92,7 +92,7 @@ class LaunchPlan:
 
 
 def launch(entrypoint: Callable[..., None], args: tuple = (), kwargs: Optional[dict] = None, *,
-           devices: int, num_nodes: int, rdzv_timeout_s: float = 60.0) -> None:
+           devices: int, num_nodes: int, rdzv_timeout_s: Optional[float] = None) -> None:
     """Run ``entrypoint(*args, **kwargs)`` once on each of ``devices × num_nodes`` processes.
 
     Args:
@@ -104,7 +104,8 @@ def launch(entrypoint: Callable[..., None], args: tuple = (), kwargs: Optional[d
         num_nodes: Nodes.
         rdzv_timeout_s: How long processes wait for each other to meet, both the nodes' meeting in the
             elastic launcher and the ranks' meeting in ``Runtime.from_env``. A missing node then fails
-            the run in this many seconds instead of hanging.
+            the run in this many seconds instead of hanging. Default: ``$LLMTRAIN_RDZV_TIMEOUT`` if the
+            user set it, else 900 s as torchrun waits (:data:`~llmtrain.distributed.runtime.RDZV_TIMEOUT_S`).
 
     Raises ValueError (before anything starts) when the flags disagree with the environment, and
     WorkerFailedError when a spawned worker fails; its traceback is printed to stderr first.
@@ -129,6 +130,8 @@ def launch(entrypoint: Callable[..., None], args: tuple = (), kwargs: Optional[d
 
 
 # --------------------------------------------------------------------------------------------------
+    if rdzv_timeout_s is None:
+        rdzv_timeout_s = rendezvous_timeout_s()
 # Deciding the path
 
 

@@ -30,7 +30,17 @@ HOST_WAIT_S = 2 * 3600.0
 """The least time a wait for host work allows (:func:`host_barrier`); a longer --dist_timeout raises it."""
 
 RDZV_TIMEOUT_ENV = "LLMTRAIN_RDZV_TIMEOUT"
-"""Seconds the processes of a run wait for each other to meet; :func:`llmtrain.distributed.launch.launch` sets it."""
+"""Seconds the processes of a run wait for each other to meet; :func:`llmtrain.distributed.launch.launch` sets it
+for the ranks, from the caller's value or the user's own setting (:func:`rendezvous_timeout_s`)."""
+
+RDZV_TIMEOUT_S = 900.0
+"""How long the processes of a run wait for each other to meet unless ``$LLMTRAIN_RDZV_TIMEOUT`` says otherwise.
+
+NOTE: torchrun's 900 s, not less. Under srun with a task per GPU every task imports torch, checks ``--resume auto``,
+validates the tokenizer and maps ``training_state.pt`` before it meets the others, each from a shared filesystem
+that a thousand tasks read at once; rank 0's store waited 60 s for its peers, and a slow filesystem failed
+healthy jobs at the start. A task that never comes still fails the run, after this long.
+"""
 
 
 def _env_int(name: str, default: int) -> int:
@@ -38,9 +48,20 @@ def _env_int(name: str, default: int) -> int:
     return int(value) if value not in (None, "") else default
 
 
-def _env_float(name: str) -> Optional[float]:
-    value = os.environ.get(name)
-    return float(value) if value not in (None, "") else None
+def rendezvous_timeout_s() -> float:
+    """Seconds the processes of a run wait for each other to meet: ``$LLMTRAIN_RDZV_TIMEOUT`` when set (by the user,
+    or by :func:`llmtrain.distributed.launch.launch` for the ranks), else :data:`RDZV_TIMEOUT_S`."""
+    value = os.environ.get(RDZV_TIMEOUT_ENV, "").strip()
+    if not value:
+        return RDZV_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{RDZV_TIMEOUT_ENV}={value!r} must be a number of seconds above 0 (how long the processes "
+                         f"wait for each other to meet); unset it for the default {RDZV_TIMEOUT_S:g}")
+    return seconds
 
 
 @dataclass
@@ -84,7 +105,7 @@ class Runtime:
 
         Without them this is a single process. With them, the default process group is created here
         (NCCL on CUDA, gloo on CPU). Two bounds keep a broken job from hanging: the processes must all
-        meet within ``rdzv_timeout_s`` (default: ``$LLMTRAIN_RDZV_TIMEOUT``, else ``timeout_s``), and
+        meet within ``rdzv_timeout_s`` (default: :func:`rendezvous_timeout_s`), and
         each collective afterwards must finish within ``timeout_s``.
         """
         device = pick_device(accelerator, *_local_layout())
@@ -114,7 +135,7 @@ class Runtime:
         rank = _env_int("RANK", 0)
         if world_size > 1 and not dist.is_initialized():
             if rdzv_timeout_s is None:
-                rdzv_timeout_s = _env_float(RDZV_TIMEOUT_ENV) or timeout_s
+                rdzv_timeout_s = rendezvous_timeout_s()
             # Without LOCAL_WORLD_SIZE nobody knows how many peers to compare GPUs with (NCCL still refuses a
             # shared GPU, in its own words).
             known = os.environ.get("LOCAL_WORLD_SIZE")
