@@ -34,16 +34,28 @@ def gpu_fsdp_plan(cpu_offload: bool) -> ParallelPlan:
                                 device_type="cuda")
 
 
-@pytest.mark.parametrize("cpu_offload, backend", [(False, "nccl"), (True, "cuda:nccl,cpu:gloo")])
-def test_the_plan_offload_reaches_the_process_group(cpu_offload, backend, monkeypatch, clean_launch_env):
+@pytest.mark.parametrize("cpu_offload, backend, device_id", [
+    (False, "nccl", torch.device("cuda", 0)),
+    (True, "cuda:nccl,cpu:gloo", None),  # unbound: the mesh's groups come from new_group, not split_group
+])
+def test_the_plan_offload_reaches_the_process_group(cpu_offload, backend, device_id, monkeypatch, clean_launch_env):
     """FSDP on one GPU (--strategy fsdp --devices 1 --fsdp.cpu_offload): the one-rank group gets the plan's backend."""
     started = []
     monkeypatch.setattr(runtime_module, "pick_device", lambda *args, **kwargs: torch.device("cuda", 0))
     monkeypatch.setattr(runtime_module.dist, "init_process_group", lambda **kwargs: started.append(kwargs))
     runtime = Runtime.for_plan(gpu_fsdp_plan(cpu_offload))
-    assert [(kwargs["backend"], kwargs["world_size"], kwargs["device_id"]) for kwargs in started] == [
-        (backend, 1, torch.device("cuda", 0))]
+    assert [(kwargs["backend"], kwargs["world_size"], kwargs.get("device_id")) for kwargs in started] == [
+        (backend, 1, device_id)]
     assert runtime.device == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("device, backend, bound", [
+    (torch.device("cuda", 3), "nccl", {"device_id": torch.device("cuda", 3)}),  # NCCL connects now, splits later
+    (torch.device("cuda", 3), "cuda:nccl,cpu:gloo", {}),  # --fsdp.cpu_offload: no split of a two-backend group
+    (torch.device("cpu"), "gloo", {}),
+])
+def test_only_a_gpu_group_of_one_backend_is_bound_to_its_device(device, backend, bound):
+    assert runtime_module.bound_device(device, backend) == bound
 
 
 # ----------------------------------------------------------------------------------- GPU binding

@@ -125,7 +125,7 @@ class Runtime:
         if plan.uses_process_group and not dist.is_initialized():
             # NOTE: FSDP on one device still needs a process group; a one-rank group meets nobody.
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    **({"device_id": device} if device.type == "cuda" else {}))
+                                    **bound_device(device, backend))
         return runtime
 
     @classmethod
@@ -242,6 +242,25 @@ def start_process_group(device: torch.device, rank: int, world_size: int, timeou
     """
     try:
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
+def bound_device(device: torch.device, backend: str) -> dict[str, torch.device]:
+    """``init_process_group``'s ``device_id`` for this rank's GPU: NCCL then connects as the group is created, and
+    ``init_device_mesh`` creates each dimension's groups with one ``ncclCommSplit`` per dimension.
+
+    NOTE: not for a group of several backends (``cuda:nccl,cpu:gloo``, --fsdp.cpu_offload), as torchtitan does.
+    With a bound device, ``init_device_mesh`` makes every dimension smaller than the world (HYBRID_SHARD's, the
+    default on several nodes; any tensor- or pipeline-parallel run's) with ``split_group``, which splits each of
+    the parent's backends. Older torch refused a multi-backend parent ("Unknown c10d backend type CUDA:NCCL",
+    pytorch/pytorch#159200). torch 2.13 no longer refuses it in Python and splits gloo beside NCCL in C++ (handed
+    the options split_group copies from NCCL's backend, which gloo's split replaces by its defaults, with a warning);
+    whether that split works is only seen on a GPU (scripts/gpu_check.py tries it). Unbound, the mesh takes
+    ``new_group`` per dimension: the path every CPU run takes, and torchtitan's offloading runs, at the price of
+    NCCL connecting at the first collective rather than at the start.
+    """
+    if device.type != "cuda" or "," in backend:
+        return {}
+    return {"device_id": device}
+
+
                                            timeout=datetime.timedelta(seconds=rdzv_timeout_s)))
     except dist.DistError as err:
         where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
@@ -259,8 +278,7 @@ def start_process_group(device: torch.device, rank: int, world_size: int, timeou
     if device.type == "cuda" and local_layout is not None:
         check_own_gpu(store, rank, *local_layout, gpu_id=str(torch.cuda.get_device_properties(device).uuid))
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s),
-                            **({"device_id": device} if device.type == "cuda" else {}))
+                            timeout=datetime.timedelta(seconds=timeout_s), **bound_device(device, backend))
     _keep_for_host_waits(_HostWaits(store, rank, world_size, max(timeout_s, HOST_WAIT_S)))
 
 
