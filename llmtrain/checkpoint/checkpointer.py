@@ -309,7 +309,7 @@ class Checkpointer:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         states = {"model": model_state, "optimizer": optimizer_state}
         with _single_process_quietly():
-            dcp.load(states, checkpoint_id=str(dcp_dir), no_dist=not is_distributed())
+            dcp.load(states, checkpoint_id=str(dcp_dir), process_group=group, no_dist=not is_distributed())
         set_state_dict(self.model, self.optimizer, model_state_dict=states["model"],
                        optim_state_dict=states["optimizer"])
 
