@@ -308,6 +308,9 @@ class Checkpointer:
         # it reshards the saved shards to whatever this world's layout is.
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         states = {"model": model_state, "optimizer": optimizer_state}
+        # NOTE: over the long-waiting gloo group, as _write_shards saves: DCP's last collective waits for the slowest
+        # rank's reads from a shared filesystem, host work that the collective timeout (NCCL's watchdog) must not bound.
+        group = host_group() if is_distributed() else None
         with _single_process_quietly():
             dcp.load(states, checkpoint_id=str(dcp_dir), process_group=group, no_dist=not is_distributed())
         set_state_dict(self.model, self.optimizer, model_state_dict=states["model"],

@@ -122,6 +122,8 @@ def launch(entrypoint: Callable[..., None], args: tuple = (), kwargs: Optional[d
     if plan.mode == "single":
         entrypoint(*args, **kwargs)
         return
+    if rdzv_timeout_s is None:
+        rdzv_timeout_s = rendezvous_timeout_s()
     if plan.mode in ("env", "slurm_task_per_device"):
         os.environ.update(plan.rank_env)
         os.environ[RDZV_TIMEOUT_ENV] = str(rdzv_timeout_s)
@@ -130,8 +132,6 @@ def launch(entrypoint: Callable[..., None], args: tuple = (), kwargs: Optional[d
 
 
 # --------------------------------------------------------------------------------------------------
-    if rdzv_timeout_s is None:
-        rdzv_timeout_s = rendezvous_timeout_s()
 # Deciding the path
 
 

@@ -43,6 +43,7 @@ healthy jobs at the start. A task that never comes still fails the run, after th
 """
 
 
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else default
@@ -62,6 +63,7 @@ def rendezvous_timeout_s() -> float:
         raise ValueError(f"{RDZV_TIMEOUT_ENV}={value!r} must be a number of seconds above 0 (how long the processes "
                          f"wait for each other to meet); unset it for the default {RDZV_TIMEOUT_S:g}")
     return seconds
+
 
 
 @dataclass
@@ -229,19 +231,6 @@ def process_group_backend(device_type: str, cpu_offload: bool) -> str:
     raise ValueError(f"no process group backend for device type {device_type!r}; llmtrain runs on cpu or cuda")
 
 
-def start_process_group(device: torch.device, rank: int, world_size: int, timeout_s: float,
-                        rdzv_timeout_s: float, backend: str, local_layout: Optional[tuple[int, int]] = None) -> None:
-    """Meet the other ranks at MASTER_ADDR:MASTER_PORT, then create the default process group.
-
-    ``local_layout`` is (local rank, processes on this node), where known: on GPUs, the local ranks then
-    check through the meeting's store that each has a GPU of its own before NCCL starts.
-
-    NOTE: the meeting gets its own, short timeout. Giving ``init_process_group`` a short timeout
-    instead would also bound every later collective, and a barrier that waits while rank 0
-    tokenizes a corpus or writes a checkpoint legitimately takes minutes.
-    """
-    try:
-        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
 def bound_device(device: torch.device, backend: str) -> dict[str, torch.device]:
     """``init_process_group``'s ``device_id`` for this rank's GPU: NCCL then connects as the group is created, and
     ``init_device_mesh`` creates each dimension's groups with one ``ncclCommSplit`` per dimension.
@@ -261,6 +250,19 @@ def bound_device(device: torch.device, backend: str) -> dict[str, torch.device]:
     return {"device_id": device}
 
 
+def start_process_group(device: torch.device, rank: int, world_size: int, timeout_s: float,
+                        rdzv_timeout_s: float, backend: str, local_layout: Optional[tuple[int, int]] = None) -> None:
+    """Meet the other ranks at MASTER_ADDR:MASTER_PORT, then create the default process group.
+
+    ``local_layout`` is (local rank, processes on this node), where known: on GPUs, the local ranks then
+    check through the meeting's store that each has a GPU of its own before NCCL starts.
+
+    NOTE: the meeting gets its own, short timeout. Giving ``init_process_group`` a short timeout
+    instead would also bound every later collective, and a barrier that waits while rank 0
+    tokenizes a corpus or writes a checkpoint legitimately takes minutes.
+    """
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
                                            timeout=datetime.timedelta(seconds=rdzv_timeout_s)))
     except dist.DistError as err:
         where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
