@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything imports deepspeed
 
@@ -26,20 +27,41 @@ from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon
 from llmtrain.train.precision import Precision
 
 
-def train_deepspeed(runtime: Runtime, strategy: str) -> dict:
-    """dist_worker.train's run (same model, seed, data, optimizer and schedule) through DeepSpeed's engine."""
-    import deepspeed
-
+def build_for_deepspeed(runtime: Runtime, strategy: str, *, precision: str = "32-true", config=None,
+                        user: Optional[dict] = None, lora=None) -> tuple:
+    """The model, plan and DeepSpeed config of ``strategy`` as the recipe builds them: stage 3 partitioned under
+    deepspeed.zero.Init (llmtrain_deepspeed.build), the other stages as for one process (dist_worker.build)."""
+    from llmtrain_deepspeed.build import build_partitioned_model
     from llmtrain_deepspeed.config import build_config
-    from llmtrain_deepspeed.engine import DeepSpeedStrategy, initialize
 
-    model, info = build(runtime, strategy=strategy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.1)
+    info = dist_worker.layout(runtime, strategy=strategy, precision=precision)
     train_args = TrainArgs(global_batch_size=GLOBAL_BATCH, micro_batch_size=1, max_steps=MAX_STEPS,
                            lr_warmup_steps=2, max_norm=1.0)
-    # Stage 3 keeps parameters under 1e5 elements whole (all of this model's): a threshold of 0 partitions them all.
-    user = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if info.zero.stage == 3 else None
-    engine = initialize(model, optimizer, build_config(info, train_args, user), runtime)
+    config_dict = build_config(info, train_args, user)
+    if info.zero.stage == 3:
+        model = build_partitioned_model(config or tiny_config(), plan=info, runtime=runtime, seed=dist_worker.SEED,
+                                        deepspeed_config=config_dict, lora=lora)
+        unwrap(model).max_seq_length = SEQ_LEN
+    else:
+        model, info = build(runtime, strategy=strategy, precision=precision, config=config)
+    return model, info, config_dict, train_args
+
+
+def train_deepspeed(runtime: Runtime, strategy: str, *, precision: str = "32-true",
+                    user: Optional[dict] = None) -> dict:
+    """dist_worker.train's run (same model, seed, data, optimizer and schedule) through DeepSpeed's engine; ``user``:
+    a --deepspeed.config file's contents."""
+    import deepspeed
+
+    from llmtrain_deepspeed.engine import DeepSpeedStrategy, initialize
+
+    if DEEPSPEED_STRATEGIES[strategy].stage == 3:
+        # Stage 3 keeps parameters under 1e5 elements whole (all of this model's): a threshold of 0 partitions them.
+        zero = {**(user or {}).get("zero_optimization", {}), "stage3_param_persistence_threshold": 0}
+        user = {**(user or {}), "zero_optimization": zero}
+    model, info, config, train_args = build_for_deepspeed(runtime, strategy, precision=precision, user=user)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.1)
+    engine = initialize(model, optimizer, config, runtime)
     loader = ListLoader(dist_worker.make_samples(), info.batch.micro_batch_size, runtime.data_parallel_rank,
                         runtime.data_parallel_size)
     recorder = Recorder()
@@ -47,20 +69,36 @@ def train_deepspeed(runtime: Runtime, strategy: str) -> dict:
 
     def observe(state: TrainState) -> None:  # after the last step: what the engine really partitions
         zero = engine.optimizer
-        flat = getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat
+        flat = (getattr(zero, "single_partition_of_fp32_groups", None) or getattr(zero, "fp32_groups_flat_partition",
+                                                                                  None)
+                or zero.fp32_partitioned_groups_flat)  # ZeRO 1 and 2; ZeRO 1 in bf16 (BF16_Optimizer); ZeRO 3
         seen.update(stage=engine.zero_optimization_stage(), offload_optimizer=engine.zero_cpu_offload(),
                     optimizer_numel=sum(group.numel() for group in flat),
-                    parameters_numel=sum(p.numel() for p in unwrap(engine).parameters()))
+                    parameters_numel=sum(p.numel() for p in unwrap(engine).parameters()),
+                    optimizer=type(zero).__name__)
 
     fit(Fit(runtime=runtime, model=engine, optimizer=optimizer, train_loader=loader, val_loader=None,
             train=train_args, eval=EvalArgs(initial_validation=False, final_validation=False), plan=info.batch,
-            horizon=plan_horizon(train_args, GLOBAL_BATCH * SEQ_LEN, None), precision=Precision("32-true"),
+            horizon=plan_horizon(train_args, GLOBAL_BATCH * SEQ_LEN, None), precision=Precision(precision),
             save_checkpoint=lambda state: None, save_final=observe, loggers=[recorder], state=TrainState(),
-            autocast_enabled=True, strategy=DeepSpeedStrategy))
-    parameters = list(unwrap(engine).parameters())
-    with deepspeed.zero.GatheredParameters(parameters):  # stage 3: whole on every rank inside the block
-        weights = {name: tensor.detach().clone().cpu() for name, tensor in unwrap(engine).state_dict().items()}
-    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "weights": weights, **seen}
+            autocast_enabled=not info.mixed_precision_policy, strategy=DeepSpeedStrategy))
+    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "weights": full_fp32_weights(engine),
+            **seen}
+
+
+def full_fp32_weights(engine) -> dict:
+    """Every weight of the engine's model, whole on every rank: the fp32 master copy where the optimizer keeps one."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    weights = {}
+    for name, param in unwrap(engine).named_parameters():
+        master = safe_get_full_fp32_param(param)
+        if master is None:
+            with deepspeed.zero.GatheredParameters([param]):
+                master = param.detach().float()
+        weights[name] = master.clone().cpu()
+    return weights
 
 
 def samples_of_two_widths() -> list:
@@ -84,7 +122,102 @@ def suite_parity(runtime: Runtime, workdir: Path) -> dict:
     return results
 
 
-SUITES = {"parity": suite_parity}
+BF16_REDUCTION = {"data_types": {"grad_accum_dtype": "bf16"}, "communication_data_type": "bf16"}
+"""What DeepSpeed does under bf16 unless told otherwise: it accumulates and reduces the gradients in bf16."""
+
+
+def suite_parity_bf16(runtime: Runtime, workdir: Path) -> dict:
+    """bf16-mixed: FSDP (bf16 compute, fp32 reduction) against each ZeRO stage with the generated config, and
+    against stage 2 told to accumulate and reduce in bf16 (DeepSpeed's own default) as the control."""
+    results = {"fsdp": dist_worker.train(runtime, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"),
+                                         precision="bf16-mixed")}
+    for strategy in ("deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"):
+        results[strategy] = train_deepspeed(runtime, strategy, precision="bf16-mixed")
+    results["bf16_reduction"] = train_deepspeed(runtime, "deepspeed_stage_2", precision="bf16-mixed",
+                                                user=BF16_REDUCTION)
+    results["gradient_error"] = {strategy: reduced_gradient_error(runtime, strategy)
+                                 for strategy in ("deepspeed_stage_1", "deepspeed_stage_2")}
+    results["gradient_error"]["bf16_reduction"] = reduced_gradient_error(runtime, "deepspeed_stage_2",
+                                                                         user=BF16_REDUCTION)
+    return results
+
+
+def reduced_gradient_error(runtime: Runtime, strategy: str, user: Optional[dict] = None) -> float:
+    """One optimizer step's gradient as a bf16 engine accumulates (4 micro-batches) and reduces it (2 ranks),
+    against the exact sum of the same bf16 micro-batch gradients (float64): the largest error of a parameter's
+    gradient, relative to that gradient's largest element. Every rank computes the same micro-batch gradients
+    as the engine does (same bf16 weights and kernels), so the error is the accumulation's and reduction's alone."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from llmtrain_deepspeed.engine import initialize
+
+    model, info, config, _ = build_for_deepspeed(runtime, strategy, precision="bf16-mixed", user=user)
+    engine = initialize(model, torch.optim.AdamW(model.parameters(), lr=5e-3), config, runtime)
+    loader = iter(ListLoader(dist_worker.make_samples(), 1, runtime.data_parallel_rank, runtime.data_parallel_size))
+    micro_batches = [(batch["input_ids"], batch["labels"]) for batch in
+                     (next(loader) for _ in range(info.batch.grad_accum_steps))]
+    parameters = dict(unwrap(engine).named_parameters())
+
+    def loss_of(inputs, labels, forward) -> torch.Tensor:
+        logits = forward(inputs)
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                                 reduction="sum") / 64
+
+    exact = {name: torch.zeros(param.shape, dtype=torch.float64) for name, param in parameters.items()}
+    for inputs, labels in micro_batches:  # the module alone, and autograd.grad: no hook of the engine runs
+        loss = loss_of(inputs, labels, engine.module)
+        for name, grad in zip(parameters, torch.autograd.grad(loss, list(parameters.values()))):
+            exact[name] += grad.double()
+    for index, (inputs, labels) in enumerate(micro_batches):
+        engine.set_gradient_accumulation_boundary(index == len(micro_batches) - 1)
+        engine.backward(loss_of(inputs, labels, engine), scale_wrt_gas=False)
+    worst = 0.0
+    for name, param in parameters.items():
+        torch.distributed.all_reduce(exact[name])
+        reference = exact[name] / runtime.world_size  # ZeRO averages over the ranks
+        error = (safe_get_full_grad(param).double() - reference).abs().max() / reference.abs().max()
+        worst = max(worst, float(error))
+    return worst
+
+
+def suite_zero3_build(runtime: Runtime, workdir: Path) -> dict:
+    """Stage 3 models built partitioned: what each rank holds right after the build, and the weights gathered whole
+    (the plain tiny model in fp32 and bf16, a tied and unevenly sized one, and LoRA on weights from a file)."""
+    import deepspeed
+    from safetensors.torch import save_file
+
+    from dist_worker import uneven_tied_config
+    from llmtrain.lora import LoRAArgs
+    from llmtrain_deepspeed.build import load_partitioned_weights, partitioned_numel
+
+    def gathered(model) -> dict:
+        parameters = list(unwrap(model).parameters())
+        with deepspeed.zero.GatheredParameters(parameters):
+            return {name: tensor.detach().clone() for name, tensor in unwrap(model).state_dict().items()}
+
+    results = {}
+    for name, config, precision in (("tiny", tiny_config(), "32-true"), ("tiny_bf16", tiny_config(), "bf16-mixed"),
+                                    ("uneven_tied", uneven_tied_config(), "32-true")):
+        model, *_ = build_for_deepspeed(runtime, "deepspeed_stage_3", precision=precision, config=config)
+        held, whole = partitioned_numel(model)
+        results[name] = {"held": held, "whole": whole, "weights": gathered(model),
+                         "tied": unwrap(model).lm_head.weight is unwrap(model).wte.weight}
+    # LoRA on a base read from a model directory: the base's weights, adapters as reset_lora_parameters draws them.
+    base_dir = workdir / "base"
+    if runtime.is_main:
+        base_dir.mkdir(exist_ok=True)
+        base = {key: tensor.float() * 3 for key, tensor in results["tiny"]["weights"].items()}
+        save_file(base, str(base_dir / "model.safetensors"))
+    torch.distributed.barrier()
+    lora = LoRAArgs(lora_r=4, lora_alpha=8, lora_query=True, lora_value=True, lora_mlp=True)
+    model, *_ = build_for_deepspeed(runtime, "deepspeed_stage_3", lora=lora)
+    load_partitioned_weights(model, base_dir)
+    results["lora"] = {"weights": gathered(model),
+                       "trainable": sorted(n for n, p in unwrap(model).named_parameters() if p.requires_grad)}
+    return results
+
+
+SUITES = {"parity": suite_parity, "parity_bf16": suite_parity_bf16, "zero3_build": suite_zero3_build}
 
 
 

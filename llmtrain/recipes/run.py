@@ -298,12 +298,13 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
         device=runtime.device, quantize=spec.quantize), runtime)
     model = build.build_model(spec.config, plan=plan, runtime=runtime, seed=spec.seed, compile=compiled.enabled,
                               initial_checkpoint_dir=spec.initial_checkpoint_dir, lora=spec.lora,
-                              quantize=spec.quantize)
+                              quantize=spec.quantize, deepspeed_config=spec.deepspeed_config)
     gpt = unwrap(model)
     gpt.max_seq_length = spec.seq_len
     counted = gpt.whole_model() if plan.pp > 1 else gpt  # a pipeline rank holds only its own stages
-    n_params = sum(p.numel() for p in counted.parameters())  # FSDP2 parameters report their full size
-    n_trainable = sum(p.numel() for p in counted.parameters() if p.requires_grad)
+    # FSDP2 parameters report their full size; ZeRO stage 3's keep it in ds_numel (their own numel is 0).
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in counted.parameters())
+    n_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in counted.parameters() if p.requires_grad)
     torch.manual_seed(spec.seed + runtime.rank)  # dropout and sampling differ per rank, reproducibly
     optimizer = build_optimizer(spec.optimizer, [p for p in model.parameters() if p.requires_grad])
     scaler = plan.precision.grad_scaler(runtime.device)

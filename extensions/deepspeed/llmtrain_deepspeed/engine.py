@@ -5,8 +5,8 @@ The recipe builds the model as for one process (:func:`llmtrain.recipes.build.bu
 optimizer, and hands both to :func:`initialize`. The engine partitions optimizer state, gradients and (stage 3)
 parameters over the ranks, casts for bf16 or fp16 and keeps fp32 master weights.
 
-NOTE: every rank builds the whole model before stage 3 partitions it (no ``deepspeed.zero.Init``): a model
-that fits one device's host memory, not one that only fits split.
+Under stage 3 the recipe builds the model partitioned instead (:func:`llmtrain_deepspeed.build.build_partitioned_model`,
+under ``deepspeed.zero.Init``), and the engine takes its parameters as they are.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ def import_deepspeed(device_type: str):
     return deepspeed
 
 
-def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict, runtime: Runtime):
-    """The DeepSpeed engine over ``model`` and ``optimizer`` (a torch optimizer), on the process group llmtrain
-    created (gloo on a CPU, NCCL on GPUs). The engine is what the loop then calls as the model."""
+def connect(runtime: Runtime):
+    """``deepspeed``, with its communication set up on the process group llmtrain created (gloo on a CPU, NCCL on
+    GPUs): what ``deepspeed.zero.Init`` and the engine need."""
     deepspeed = import_deepspeed(runtime.device.type)
     backend = "gloo" if runtime.device.type == "cpu" else "nccl"
     # NOTE: the engine asserts LOCAL_RANK is set, which a launcher does; one process (--devices 1) runs unlaunched.
@@ -59,6 +59,13 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
     os.environ.setdefault("LOCAL_RANK", str(runtime.local_rank))
     # NOTE: the default process group exists already (Runtime); DeepSpeed wraps it instead of creating one.
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    return deepspeed
+
+
+def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict, runtime: Runtime):
+    """The DeepSpeed engine over ``model`` and ``optimizer`` (a torch optimizer), on the process group llmtrain
+    created. The engine is what the loop then calls as the model."""
+    deepspeed = connect(runtime)
     # ZeRO-2 fills its reduce buckets in the order gradients become ready, which must be the same on every rank:
     # attention keeps its modules' order (CausalSelfAttention.fuse_projections).
     for module in model.modules():
