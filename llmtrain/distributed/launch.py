@@ -42,7 +42,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Mapping, NoReturn, Optional
 
-from llmtrain.distributed.runtime import RDZV_TIMEOUT_ENV, host_barrier, rendezvous_timeout_s, report_failure
+from llmtrain.distributed.runtime import (RDZV_TIMEOUT_ENV, host_barrier, leave_in_order, rendezvous_timeout_s,
+                                         report_failure)
 from llmtrain.train.signals import PREEMPTED_EXIT_CODE
 
 LaunchMode = Literal["single", "env", "slurm_task_per_device", "slurm_task_per_node", "local_spawn"]
@@ -661,6 +662,7 @@ def _close_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         host_barrier()  # rank 0 may still be closing its loggers (a W&B upload): host work, off the device
         dist.destroy_process_group()
+        leave_in_order()  # rank 0 may host the store that the others' barrier read
 
 
 def _exit_status(exc: SystemExit) -> int:

@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import os
 import socket
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -330,6 +331,32 @@ def host_barrier() -> None:
                            f"{waits.store.get(_FAILURE_KEY).decode()}")
 
 
+LEAVE_WAIT_S = 30.0
+"""How long rank 0 waits, at the very end, for the other ranks to be done with the store (:func:`leave_in_order`)."""
+
+
+def leave_in_order() -> None:
+    """After the last :func:`host_barrier` of a run: every other rank counts itself out, and rank 0 leaves last.
+
+    NOTE: without torchrun's agent (srun with a task per device, the deepspeed launcher) the store lives in rank 0's
+    process. Rank 0, which saves and logs last, often opens the last barrier and exits at once, and a peer still
+    reading the barrier's outcome then failed with "Connection reset by peer" after a successful run. Rank 0 waits
+    for the count at most LEAVE_WAIT_S: a peer gone meanwhile had nothing left to do.
+    """
+    waits = _host_waits
+    if waits.store is None or waits.world_size == 1:
+        return
+    if waits.rank != 0:
+        with contextlib.suppress(Exception):  # rank 0 already gave up waiting: nothing is lost
+            waits.store.add(_LEFT_KEY, 1)
+        return
+    deadline = time.monotonic() + LEAVE_WAIT_S
+    with contextlib.suppress(Exception):
+        while waits.store.add(_LEFT_KEY, 0) < waits.world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+_LEFT_KEY = "llmtrain/left"
 _FAILURE_KEY = "llmtrain/failed"
 
 
