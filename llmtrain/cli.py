@@ -27,6 +27,39 @@ def commands() -> dict[str, Callable]:
             "benchmark": benchmark.benchmark, "prepare_data": prepare_data.setup}
 
 
+LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")
+"""What the deepspeed launcher (and torch.distributed.launch, hyphenated) puts before the program's own arguments."""
+
+
+def _drop_launcher_local_rank(argv: list[str]) -> list[str]:
+    """Accept and drop a launcher's ``--local_rank=N`` when it agrees with the LOCAL_RANK it also set.
+
+    NOTE: llmtrain reads every rank coordinate from the environment, as under torchrun, so the flag adds nothing;
+    refusing it would make ``deepspeed --module llmtrain ...`` need --no_local_rank. One that disagrees with
+    LOCAL_RANK, or comes without it (the process could not know its peers), is an error.
+    """
+    out, index = [], 0
+    while index < len(argv):
+        arg = argv[index]
+        name, _, value = arg.partition("=")
+        if name not in LOCAL_RANK_FLAGS:
+            out.append(arg)
+            index += 1
+            continue
+        if not value and index + 1 < len(argv):
+            value, index = argv[index + 1], index + 1
+        index += 1
+        launcher_value = os.environ.get("LOCAL_RANK")
+        if launcher_value is None:
+            raise ValueError(f"{name} {value} came without the LOCAL_RANK variable that launchers set beside it; "
+                             "llmtrain reads each process's rank from RANK, WORLD_SIZE and LOCAL_RANK: drop "
+                             f"{name}, and start the processes with torchrun, srun or the deepspeed launcher")
+        if value.strip() != launcher_value.strip():
+            raise ValueError(f"{name} {value} disagrees with LOCAL_RANK={launcher_value} from the launcher; drop "
+                             f"{name} (llmtrain reads LOCAL_RANK)")
+    return out
+
+
 def _positional_to_flag(argv: list[str]) -> list[str]:
     """Rewrite ``pretrain NAME ...`` to ``pretrain --model_name NAME ...``."""
     if len(argv) >= 2 and argv[0] in POSITIONAL and not argv[1].startswith("-"):
@@ -244,7 +277,8 @@ def run_cli(args: list[str]) -> None:
     configure_process()
     # Field docstrings of the argument dataclasses become the flags' help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    args = _qualify_optimizer(_bare_switches(_zoo_model_with_overrides(_positional_to_flag(args))))
+    args = _positional_to_flag(_drop_launcher_local_rank(args))
+    args = _qualify_optimizer(_bare_switches(_zoo_model_with_overrides(args)))
     _check_config_files(args)
     try:
         CLI(commands(), args=args, description="Pretrain and fine-tune GPT-style language models.",

@@ -4,13 +4,17 @@
 (:func:`plan_launch` decides, without side effects):
 
 - ``single``: a plain process and one device; ``fn`` runs here and ``launch`` returns.
-- ``env``: torchrun (or any launcher that sets RANK, WORLD_SIZE and LOCAL_RANK) made this process one
-  rank; ``fn`` runs here.
+- ``env``: torchrun (or any launcher that sets RANK, WORLD_SIZE and LOCAL_RANK: ``accelerate launch
+  --multi_gpu``, which runs torchrun, and the ``deepspeed`` launcher) made this process one rank; ``fn`` runs here.
 - ``slurm_task_per_device``: srun started one task per device; the SLURM variables become
   torchrun's and ``fn`` runs here.
 - ``slurm_task_per_node``: srun started one task per node; it spawns ``devices`` workers with torch's
   elastic launcher, and the nodes meet at the first host of the SLURM node list.
-- ``local_spawn``: a plain process and several devices; the elastic launcher spawns them here.
+- ``local_spawn``: a plain process and several devices; the elastic launcher spawns them here. ``accelerate
+  launch --cpu --num_processes N`` starts one such process (its other CPU processes would come from mpirun).
+
+mpirun's own variables (Open MPI's, PMI's) are refused rather than read: a process that only they describe
+would otherwise train alone, as if it were the whole job.
 
 Every rank runs ``fn`` inside :func:`run_as_worker`, which tears the process group down and ends the
 process itself, so ``launch`` returns only in the ``single`` and spawning paths. Spawned workers are
@@ -53,6 +57,10 @@ ALL_RANKS_PRINT_ENV = "LLMTRAIN_ALL_RANKS_PRINT"
 
 _SPAWNED_ENV = "LLMTRAIN_SPAWNED"  # marks workers started by this module: their launcher reports their errors
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+# The deepspeed launcher sets torchrun's three, but names the processes of a node and the node's rank its own way.
+_DEEPSPEED_NAMES = {"LOCAL_WORLD_SIZE": "LOCAL_SIZE", "GROUP_RANK": "CROSS_RANK"}
+# How mpirun tells a process the size of its job: Open MPI, PMI (MPICH, Intel MPI), MVAPICH.
+_MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 
 # The first lines a spawned worker runs: take the parent's import path, then load and run the call.
 _WORKER_BOOT = ("import json, sys; sys.path[:0] = json.load(open(sys.argv[1])); "
@@ -141,6 +149,28 @@ def _under_torchrun(env: Mapping[str, str]) -> bool:
     return "TORCHELASTIC_RUN_ID" in env or all(name in env for name in _TORCHRUN_VARS)
 
 
+def _with_torchrun_names(env: Mapping[str, str]) -> dict[str, str]:
+    """The deepspeed launcher's LOCAL_SIZE and CROSS_RANK under torchrun's names, where torchrun's are missing."""
+    return {ours: env[theirs] for ours, theirs in _DEEPSPEED_NAMES.items() if ours not in env and env.get(theirs)}
+
+
+def _mpirun_size_var(env: Mapping[str, str]) -> Optional[str]:
+    """The variable by which mpirun says this process is one of several; None when it does not."""
+    for name in _MPI_SIZE_VARS:
+        if env.get(name, "").isdigit() and int(env[name]) > 1:
+            return name
+    return None
+
+
+def _under_accelerate_alone(env: Mapping[str, str]) -> bool:
+    """`accelerate launch` without --multi_gpu started this one process although it was asked for several.
+
+    NOTE: its plain launcher (``--cpu``, or no GPU) starts one process whatever --num_processes says, and sets
+    MASTER_ADDR only when asked for more than one process or machine; ACCELERATE_USE_CPU marks that launcher.
+    """
+    return "ACCELERATE_USE_CPU" in env and "MASTER_ADDR" in env
+
+
 def _under_srun(env: Mapping[str, str]) -> bool:
     """This process is a task of a SLURM job step (srun), not merely inside an allocation."""
     return all(name in env for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID"))
@@ -170,6 +200,7 @@ def resolve_devices(devices: int | str, num_nodes: int, device_type: str,
     if num_nodes < 1:
         raise ValueError(f"--num_nodes {num_nodes} must be at least 1")
     if _under_torchrun(env):
+        env = {**env, **_with_torchrun_names(env)}
         world = int(env.get("WORLD_SIZE", "1"))
         if env.get("LOCAL_WORLD_SIZE"):
             per_node = int(env["LOCAL_WORLD_SIZE"])
@@ -213,6 +244,15 @@ def plan_launch(devices: int, num_nodes: int, environ: Optional[Mapping[str, str
         return _plan_torchrun(devices, num_nodes, env)
     if _under_srun(env):
         return _plan_slurm(devices, num_nodes, env)
+    mpi_size_var = _mpirun_size_var(env)
+    if mpi_size_var:
+        raise ValueError(
+            f"mpirun started this process as one of {env[mpi_size_var]} ({mpi_size_var}), but llmtrain learns its "
+            "rank from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK) or SLURM's, not MPI's, and each process "
+            "would train alone. Start the processes with torchrun, srun, `accelerate launch --multi_gpu` (torchrun, "
+            "on CPUs too) or the deepspeed launcher's default (pdsh), not with mpirun")
+    if _under_accelerate_alone(env):
+        _check_accelerate_alone(devices, num_nodes)
     if devices * num_nodes == 1:
         return LaunchPlan("single", devices, num_nodes)
     if num_nodes == 1:
@@ -224,7 +264,26 @@ def plan_launch(devices: int, num_nodes: int, environ: Optional[Mapping[str, str
         f"`srun --nodes {num_nodes} --ntasks-per-node {devices}` (one task per device)")
 
 
+def _check_accelerate_alone(devices: int, num_nodes: int) -> None:
+    """`accelerate launch --cpu --num_processes N` is one process: llmtrain spawns the devices, or nobody does."""
+    if num_nodes > 1:
+        raise ValueError(
+            f"--num_nodes {num_nodes}: `accelerate launch` without --multi_gpu starts one process per machine and "
+            "does not tell it the machine's rank. Run on each machine `accelerate launch --multi_gpu --num_machines "
+            f"{num_nodes} --machine_rank <0..{num_nodes - 1}> --main_process_ip HOST --main_process_port PORT "
+            f"--num_processes {devices * num_nodes} -m llmtrain ... --devices {devices} --num_nodes {num_nodes}` "
+            "(torchrun's ranks, on CPUs too)")
+    if devices == 1:
+        raise ValueError(
+            "--devices 1, but `accelerate launch` was asked for several processes and, without --multi_gpu, "
+            "started only this one (on CPUs its others would come from mpirun), which would train alone. Pass "
+            "--devices N (llmtrain spawns the N workers), or start with `accelerate launch --multi_gpu "
+            "--num_processes N -m llmtrain ... --devices N` (torchrun's ranks, on CPUs too)")
+
+
 def _plan_torchrun(devices: int, num_nodes: int, env: Mapping[str, str]) -> LaunchPlan:
+    rank_env = _with_torchrun_names(env)  # the deepspeed launcher's, for Runtime and the mesh to read
+    env = {**env, **rank_env}
     world_size = int(env.get("WORLD_SIZE", "1"))
     local_world_size = int(env["LOCAL_WORLD_SIZE"]) if env.get("LOCAL_WORLD_SIZE") else None
     if world_size != devices * num_nodes or local_world_size not in (None, devices):
@@ -236,7 +295,8 @@ def _plan_torchrun(devices: int, num_nodes: int, env: Mapping[str, str]) -> Laun
             f"started {world_size}{per_node}. Start it with `torchrun --nproc_per_node {devices} --nnodes "
             f"{num_nodes} ...`{fix}")
     return LaunchPlan("env", devices, num_nodes, node_rank=int(env.get("GROUP_RANK", "0")),
-                      master_addr=env.get("MASTER_ADDR", ""), run_id=env.get("TORCHELASTIC_RUN_ID", ""))
+                      master_addr=env.get("MASTER_ADDR", ""), run_id=env.get("TORCHELASTIC_RUN_ID", ""),
+                      rank_env=rank_env)
 
 
 def _plan_slurm(devices: int, num_nodes: int, env: Mapping[str, str]) -> LaunchPlan:
