@@ -4,6 +4,10 @@ collectives (tests/pg_worker.py holds the ranks)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,3 +54,28 @@ def test_a_sharded_load_waits_for_a_slow_reader_past_the_collective_timeout(work
     result = worker.launch(2, "slow_load", workdir, script=Path(pg_worker.__file__))
     assert result["load_s"] >= pg_worker.SLOW_READ_S > pg_worker.SHORT_TIMEOUT_S  # rank 0 did wait that long
     assert_same_training(result, single, steps=range(5, worker.MAX_STEPS + 1))
+
+
+@pytest.mark.multiproc
+def test_the_gpu_checks_offload_mesh_probe_runs_here(tmp_path, dist_env):
+    """scripts/gpu_check.py's probes, which a lent GPU runs, through its own runner in --cpu mode: FSDP with CPU offload
+    on a 1 × 1 replicate × shard mesh trains on the process group that a multi-rank run starts (gloo on a CPU), and
+    the split probe, which needs an accelerator, says so without failing the check."""
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("gpu_check", root / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    out = tmp_path / "check"
+    done = subprocess.run([sys.executable, str(root / "scripts" / "gpu_check.py"), "--cpu", "--only", "(probe)",
+                           "--out_dir", str(out)], cwd=root, env=dist_env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads((out / "gpu_check.json").read_text())
+    checks = {check["name"]: check for check in record["checks"]}
+    assert list(checks) == [gpu_check.OFFLOAD_MESH_CHECK, gpu_check.SPLIT_CHECK] and record["ok"]
+    mesh = checks[gpu_check.OFFLOAD_MESH_CHECK]["numbers"]
+    assert {key: mesh[key] for key in ("backend", "bound_device", "mesh", "mesh_ndim", "weights_on")} == {
+        "backend": "gloo", "bound_device": "None", "mesh": "replicate 1 × shard 1", "mesh_ndim": 2,
+        "weights_on": "cpu"}
+    assert mesh["losses"][1] < mesh["losses"][0]
+    split = checks[gpu_check.SPLIT_CHECK]
+    assert split["numbers"] == {"skipped": "split_group needs an accelerator"} and split["informational"]
