@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from llmtrain.attention import attend_blocks, attend_blocks_backward
 from llmtrain.autograd import first_order_only
+from llmtrain.kernel_device import kernel_device_type
 
 
 # The parallel engines' modules: their hooks on a module gather or free its parameters, which the fused paths read
@@ -61,7 +62,7 @@ def runs_hooks(*modules: nn.Module) -> bool:
 
 def fusable(x: torch.Tensor, *projections: nn.Module) -> bool:
     """Whether ``projections`` of ``x`` may run as one GEMM here (module docstring)."""
-    if x.device.type != "cpu" or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
+    if kernel_device_type(x.device.type) != "cpu" or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
         return False
     if runs_hooks(*projections):
         return False
@@ -179,7 +180,8 @@ def may_overwrite_gating(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, 
     (where it was measured faster; bfloat16's in-place products are slower than its out-of-place ones there) outside
     ``torch.compile`` (which fuses the composite itself), on plain tensors, with no forward hook on the projections
     or on every module that could hold an output whose buffer the backward overwrites."""
-    if x.device.type != "cpu" or torch.compiler.is_compiling() or not (gate.requires_grad or up.requires_grad):
+    if (kernel_device_type(x.device.type) != "cpu" or torch.compiler.is_compiling()
+            or not (gate.requires_grad or up.requires_grad)):
         return False
     if gate.dtype not in (torch.float32, torch.float64):
         return False

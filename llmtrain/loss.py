@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from llmtrain.autograd import first_order_only
 from llmtrain.fused import runs_hooks
+from llmtrain.kernel_device import kernel_device_type
 
 IGNORE_INDEX = -100
 HEAD_CHUNK_BYTES = 2**30  # fp32 logits of one loss chunk: the logits of more tokens never exist at once
@@ -207,7 +208,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             logits = F.linear(hidden_chunk, weight, bias).float()  # (n, V) fp32, a fresh tensor
             valid = label_chunk != IGNORE_INDEX
             # NOTE: whether any row is ignored is not asked: on a GPU the answer would wait for the device.
-            if group is None and logits.device.type == "cpu":
+            if group is None and kernel_device_type(logits.device.type) == "cpu":
                 chunk_loss, grad_logits = _loss_and_grad_by_log_softmax(logits, label_chunk, valid)
                 row_mask = valid.unsqueeze(1)  # (n, 1)
             else:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from llmtrain.attention import block_causal_attention
 from llmtrain.autograd import first_order_only
 from llmtrain.config import Config
+from llmtrain.kernel_device import kernel_device_type
 from llmtrain.fused import fusable, gated_product, gating_activation, may_overwrite_gating, qkv_attention
 from llmtrain.loss import head_loss_sum
 
@@ -398,6 +399,7 @@ def attention_dtype(device_type: str, dtype: torch.dtype, seq_len: int, masked: 
     (above); ``masked``: an explicit (sliding-window) mask, which block attention does not take.
     ``CausalSelfAttention`` asks only when gradients are on: validation and generation, which were not measured,
     keep ``dtype``; the memory estimate asks for the training step it plans."""
+    device_type = kernel_device_type(device_type)
     if device_type != "cpu" or dtype != torch.bfloat16 or not CPU_MEASURED_FOR_FLOAT32_ATTENTION:
         return dtype
     if not masked and CPU_MEASURED_FOR_BF16_BLOCK_ATTENTION and seq_len <= CPU_BF16_BLOCK_ATTENTION_MAX_SEQ:
@@ -411,6 +413,7 @@ def attention_kernel(device_type: str, dtype: torch.dtype, seq_len: int, n_head:
     """Which kernel causal attention runs on: torch's SDPA, or block-causal batched matmuls where they are faster
     (above). ``dtype`` is the dtype attention computes in (``attention_dtype``). Only training attention was
     measured: validation and generation keep SDPA, and so does an explicit (sliding-window) mask."""
+    device_type = kernel_device_type(device_type)
     if not training or masked or device_type != "cpu":
         return "sdpa"
     rows = seq_len * (n_head // n_query_groups)
@@ -443,7 +446,7 @@ def kv_layout(device_type: str, dtype: torch.dtype, n_head: int, n_query_groups:
     """
     if n_query_groups == n_head:
         return "plain"
-    if masked or (device_type == "cuda" and dtype == torch.float32):
+    if masked or (kernel_device_type(device_type) == "cuda" and dtype == torch.float32):
         return "repeat"
     return "grouped"
 

@@ -60,13 +60,18 @@ class DryRunArgs:
     `mfu` instead of a measured tokens/s."""
     mfu: Optional[float] = None
     """Model FLOPs utilization assumed with `gpu` (default 0.4)."""
+    simulate: bool = False
+    """Also run rank 0, a rank of the last node and the last pipeline stage's first rank through the real parallelize,
+    training step and full-checkpoint gathering, in this process (torch's fake process group and fake tensors: nothing
+    is allocated or computed), and print their measured peak memory and per-step communication beside the estimate."""
 
     DEFAULT_MFU = 0.4
 
     @property
     def requested(self) -> bool:
         """Any --dry_run.* flag starts the dry run: none of them means anything to a training run."""
-        return self.enabled or self.tokens_per_sec is not None or self.gpu is not None or self.mfu is not None
+        return (self.enabled or self.tokens_per_sec is not None or self.gpu is not None or self.mfu is not None
+                or self.simulate)
 
     @property
     def device_type(self) -> Optional[str]:
@@ -331,6 +336,67 @@ def tensor_parallel_bytes_per_step(config: Config, plan: ParallelPlan, seq_len: 
     for every micro-batch of the step (the accumulation steps, or the pipeline's micro-batches)."""
     layers = max(stage_layers(config, plan))
     return tensor_parallel_bytes_per_layer(config, plan, seq_len) * layers * plan.batch.grad_accum_steps
+
+
+def communication_bytes_per_step(config: Config, plan: ParallelPlan, seq_len: int,
+                                 pipeline_rank: int = 0) -> dict[str, float]:
+    """Bytes one rank of pipeline rank ``pipeline_rank`` puts through collectives in one optimizer step, by mesh
+    dimension: each collective counted by its whole buffer (an all-gather's gathered output, a reduce-scatter's input,
+    an all-reduce's or a send's buffer); what crosses the link is (n - 1)/n of an all-gather's or reduce-scatter's.
+
+    - FSDP (``dp_shard``): every unit's weights gathered for each micro-batch's forward (in the compute dtype under
+      mixed precision), again for its backward where it was resharded after the forward (the embedding and the blocks
+      under FULL_SHARD and HYBRID_SHARD without a pipeline); SHARD_GRAD_OP gathers once per step, its weights held
+      through the micro-batches. Gradients reduce-scattered (fp32 under mixed precision) once per step under
+      --fsdp.skip_gradient_sync or a pipeline, else after every micro-batch.
+    - HYBRID_SHARD (``dp_replicate``): each reduce-scatter's shard all-reduced across the replicas.
+    - DDP (``dp_replicate``): the gradients all-reduced once per step or per micro-batch, as above.
+    - tensor parallelism (``tp``): :func:`tensor_parallel_bytes_per_step`.
+    - pipeline (``pp``): each micro-batch's activations sent forward and their gradients back, per stage boundary of
+      this rank (one boundary for the first and the last rank, two between).
+    - ``world``: the step's token count and host numbers, a few bytes.
+    """
+    if plan.wrapper in ("none", "deepspeed") and not plan.splits_model:
+        return {}
+    precision, m = plan.precision, plan.batch.grad_accum_steps
+    local = rank_parameters(config, plan, pipeline_rank)
+    gathered = _bytes(precision.compute_dtype if precision.is_mixed else precision.param_dtype)
+    reduced = 4 if precision.is_mixed and plan.wrapper == "fsdp" else _bytes(precision.param_dtype)
+    reductions = 1 if plan.grad_sync_only_last or plan.pp > 1 else m
+    bytes_by_dim: dict[str, float] = {"world": 8.0 * 2}
+    if plan.wrapper == "fsdp":
+        dims = plan.mesh_shape()
+        shard_dim = "dp_shard" if "dp_shard" in dims else "dp_replicate"
+        resharded = local - (_head_unit_parameters(config, plan, pipeline_rank) if pipeline_rank == plan.pp - 1
+                             else 0)
+        if plan.sharding_strategy == "SHARD_GRAD_OP":
+            gathers = local
+        elif plan.reshard_after_forward:
+            gathers = m * (local + resharded)
+        else:
+            gathers = m * local
+        bytes_by_dim[shard_dim] = gathers * gathered + reductions * local * reduced
+        if plan.sharding_strategy == "HYBRID_SHARD" and plan.dp_replicate > 1:
+            bytes_by_dim["dp_replicate"] = reductions * local * reduced / plan.dp_shard
+    elif plan.wrapper == "ddp":
+        bytes_by_dim["dp_replicate"] = reductions * local * reduced
+    if plan.tp > 1:
+        bytes_by_dim["tp"] = tensor_parallel_bytes_per_step(config, plan, seq_len)
+    if plan.pp > 1:
+        boundaries = (pipeline_rank > 0) + (pipeline_rank < plan.pp - 1)
+        activation = plan.batch.micro_batch_size * seq_len * config.n_embd * _bytes(precision.compute_dtype)
+        activation /= plan.tp if plan.sequence_parallel else 1
+        bytes_by_dim["pp"] = 2 * boundaries * m * plan.pp_virtual_stages * activation
+    return bytes_by_dim
+
+
+def _head_unit_parameters(config: Config, plan: ParallelPlan, pipeline_rank: int) -> int:
+    """The parameters of the units FSDP never reshards after the forward on the last pipeline rank: [final norm, head]
+    (with the embedding, when tied, in the root)."""
+    head = config.padded_vocab_size * config.n_embd // plan.tp + _final_norm_parameters(config)
+    if config.tie_embeddings and pipeline_rank == 0:
+        return head
+    return head + (config.padded_vocab_size // plan.tp if config.lm_head_bias else 0)
 
 
 # ---- the estimate ------------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from llmtrain.args import canonical_checkpointing, checkpointed_every
 from llmtrain.distributed.parallel_plan import ParallelPlan, data_parallel_mesh
 from llmtrain.distributed.tensor_parallel import apply_tensor_parallel
+from llmtrain.kernel_device import kernel_device_type
 from llmtrain.model import transformer_blocks
 from llmtrain.train.precision import Precision
 
@@ -178,9 +179,11 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
     # SHARD_GRAD_OP holds each unit's weights gathered from its forward to its backward; the loop holds them on through
     # a step's micro-batches (llmtrain.train.loop.gradient_sync) instead of resharding and gathering them again.
     model.holds_weights_through_accumulation = not reshard_after_forward
-    if mesh.device_type == "cpu" and _fsdp_overlap_enabled():
+    # NOTE: kernel_device_type: a simulated GPU rank (--dry_run.simulate) runs on a CPU mesh, but as the GPU run would.
+    on_cpu = kernel_device_type(mesh.device_type) == "cpu"
+    if on_cpu and _fsdp_overlap_enabled():
         overlap_all_gathers(model)
-    if mesh.device_type == "cpu" and one_host:
+    if on_cpu and one_host:
         from llmtrain.distributed import shared_memory
 
         if shared_memory.enabled():
@@ -316,6 +319,8 @@ def materialize(model: nn.Module, device: torch.device, seed: int, *, cpu_offloa
                 for name, buffer in module._buffers.items():
                     if buffer is not None:
                         module._buffers[name] = torch.empty_like(buffer, device=device)
+    if _simulated():
+        return model  # fake tensors (--dry_run.simulate) have no values to draw
     rng_devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices), torch.no_grad(), _FullSizeInit():
         torch.manual_seed(seed)
@@ -323,6 +328,13 @@ def materialize(model: nn.Module, device: torch.device, seed: int, *, cpu_offloa
         if after_init is not None:  # e.g. LoRA adapters, which the model itself does not know
             after_init(gpt)
     return model
+
+
+def _simulated() -> bool:
+    """Whether tensors are being made fake here (``--dry_run.simulate``, :mod:`llmtrain.simulate`)."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode() is not None
 
 
 def _buffer_owners(model: nn.Module) -> list[nn.Module]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
@@ -49,12 +50,16 @@ def check_vocab(tokenizer: Any, config: Config, tokenizer_source: str) -> None:
 
 def build_model(config: Config, *, plan: ParallelPlan, runtime: Runtime, seed: int, compile: bool = False,
                 initial_checkpoint_dir: Optional[Path] = None, lora: Optional[LoRAArgs] = None,
-                quantize: Optional[str] = None, deepspeed_config: Optional[dict] = None) -> torch.nn.Module:
+                quantize: Optional[str] = None,
+                allocating: Callable[[], ContextManager] = contextlib.nullcontext,
+                deepspeed_config: Optional[dict] = None) -> torch.nn.Module:
     """Build on the meta device, parallelize, then materialise only this rank's shard.
 
     A 70B model never exists whole on one rank: weights are allocated after sharding and initialised
     (or loaded from ``initial_checkpoint_dir``) shard by shard. The same seed gives the same weights
     at any world size. With ``lora``, adapters are added before sharding and only they train.
+    ``allocating``: the context the weights are allocated in (``--dry_run.simulate``'s fake tensors, which must not
+    see the meta model built before: torch cannot convert a fake meta parameter's dtype in place).
     ``deepspeed_config``: the run's DeepSpeed config; under ZeRO stage 3 the DeepSpeed extension builds the model
     partitioned (stages 1 and 2 keep every parameter whole on every rank and build as here).
     """
@@ -69,7 +74,8 @@ def build_model(config: Config, *, plan: ParallelPlan, runtime: Runtime, seed: i
                                 initial_checkpoint_dir=initial_checkpoint_dir, lora=lora, quantize=quantize,
                                 compile=compile)
     if plan.pp > 1:  # this rank's pipeline stages (LoRA and QLoRA refuse pipeline parallelism before launch)
-        model = build_pipeline_model(config, plan=plan, runtime=runtime, seed=seed, compile=compile)
+        model = build_pipeline_model(config, plan=plan, runtime=runtime, seed=seed, compile=compile,
+                                     allocating=allocating)
         if initial_checkpoint_dir is not None:
             load_weights(model, initial_checkpoint_dir)
         return model
@@ -81,7 +87,8 @@ def build_model(config: Config, *, plan: ParallelPlan, runtime: Runtime, seed: i
         mark_only_lora_trainable(model)
         after_init = reset_lora_parameters
     model = parallelize(model, plan, device=runtime.device, compile=compile)
-    materialize(model, runtime.device, seed, cpu_offload=plan.cpu_offload, after_init=after_init)
+    with allocating():
+        materialize(model, runtime.device, seed, cpu_offload=plan.cpu_offload, after_init=after_init)
     if initial_checkpoint_dir is not None:
         load_weights(model, initial_checkpoint_dir)
     return model

@@ -121,6 +121,11 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
         planning.dry_run(recipe=recipe, config=config, plan=plan, train=_with_batch(train, plan), seq_len=seq_len,
                          dry=dry, fsdp=fsdp, out_dir=flags["out_dir"], quantize=quantize,
                          trainable_parameters=trainable_parameters, compile=flags["compile"])
+        if dry.simulate:
+            from llmtrain.simulate import run_simulation  # NOTE: imports torch's fake tensors, only when asked
+
+            run_simulation(config, plan, seq_len=seq_len, train=_with_batch(train, plan), optimizer=flags["optimizer"],
+                           lora=lora, quantize=quantize, seed=flags["seed"])
         return
     plan_launch(devices, flags["num_nodes"])  # the launcher's environment agrees with the flags
     plan = ParallelPlan.resolve(**layout, accelerator=flags["accelerator"])
