@@ -172,13 +172,14 @@ def test_full_checkpoint_resumes_under_pp2_dp2(launches):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("run", ["pp2", "pp2_dp2"])
+@pytest.mark.parametrize("run", ["pp2", "pp2_dp2", "tp2_pp2"])
 def test_final_of_a_pipeline_run_holds_every_weight(launches, run):
     final = launches.workdir / run / "final"
     assert checkpoint_format(final) == "full"
     model = GPT(Config.from_file(final / layout.CONFIG_FILE))
     load_weights(model, final)  # every weight present, with its shape
-    gathered = (launches["two"]["1f1b"] if run == "pp2" else launches["four"]["pp2_dp2"])["weights"]
+    gathered = launches["two"]["1f1b"] if run == "pp2" else launches["four"][run]
+    gathered = gathered["weights"]
     assert gathered.keys() == model.state_dict().keys()
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, gathered[name]), name
@@ -271,3 +272,70 @@ def test_gradient_sync_every_micro_batch_is_refused_under_a_pipeline():
     # The schedule syncs only the last micro-batch's backward (torch's PipelineStage), whatever the flag says.
     with pytest.raises(ValueError, match="--fsdp.skip_gradient_sync false: under --pp_size 2 the pipeline schedule"):
         plan(False, pp=2)
+
+
+# ----------------------------------------------------------------- what rank 0 receives (issue 41)
+def largest_tensor_bytes() -> int:
+    """The bytes of the largest tensor in the 4-layer model's fp32 weights and AdamW state: the embedding's."""
+    return max(parameter.numel() * 4 for parameter in GPT(pp_worker.pp_config()).parameters())
+
+
+def pipeline_rank_state_bytes(pp_rank: int, *, virtual_stages: int, optimizer: bool) -> int:
+    """The bytes of pipeline rank ``pp_rank``'s (of 2) fp32 weights, and with ``optimizer`` its AdamW state too (two
+    moments per weight, and a 0-d fp32 step per parameter)."""
+    with torch.device("meta"):
+        parts = build_pipeline_parts(pp_worker.pp_config(), pp_rank=pp_rank, pp_size=2, virtual_stages=virtual_stages)
+    parameters = list(parts.parameters())
+    numel = sum(parameter.numel() for parameter in parameters)
+    return numel * 4 + (numel * 8 + len(parameters) * 4 if optimizer else 0)
+
+
+def received_state_bytes(records: list) -> int:
+    """The fp32 bytes rank 0 received point to point: the tensors of other stages' state."""
+    return sum(size for name, size, dtype in records if name == "recv" and dtype == "torch.float32")
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("suite, run, label, saves, virtual_stages", [
+    ("four", "pp2_dp2", "save", 2, 1),  # full checkpoints at steps 4 and 8 (final/ links the last one's files)
+    ("four", "tp2_pp2", "save", 2, 2),  # the same, interleaved, each tensor gathered over its tensor-parallel ranks
+    ("two", "1f1b", "save_final", 1, 1),  # final/ of a sharded run: the whole weights, gathered
+])
+def test_full_state_paths_send_rank0_one_tensor_at_a_time_and_one_copy_whatever_the_world(launches, suite, run,
+                                                                                         label, saves, virtual_stages):
+    """No collective brings rank 0 more than the largest tensor's bytes (gather_object of every rank's pickled stages
+    did: world size times the largest), and what it receives is exactly pipeline rank 1's state, once per save: the
+    same bytes at pp2 × dp2 or × tp2 as at pp2."""
+    records = launches[suite][run]["received"][label]
+    limit = largest_tensor_bytes()
+    assert records, "the recording saw no collective"
+    assert [record for record in records if record[1] > limit] == []
+    expected = pipeline_rank_state_bytes(1, virtual_stages=virtual_stages, optimizer=label == "save")
+    assert received_state_bytes(records) == saves * expected
+
+
+@pytest.mark.multiproc
+def test_full_checkpoint_resume_under_pp2_dp2_sends_nothing_and_restores_every_shard_bit_exactly(launches):
+    """Each rank reads its own stage's weights and optimizer entries from the checkpoint's files: rank 0 receives no
+    state at all, and every rank's shards of weights and AdamW moments equal those it saved."""
+    resumed = launches["four"]["resumed_full"]
+    assert [record for record in resumed["received"]["load"] if record[1] > 8] == []  # at most a counter or two
+    assert resumed["restored"] == [[], [], [], []]  # the shards' differences, per rank
+
+
+@pytest.mark.multiproc
+def test_pp2_dp2_initial_weights_each_rank_reads_only_its_stage(launches):
+    """--initial_checkpoint_dir under a pipeline: each rank reads its stage's tensors from model.safetensors, by name,
+    and nothing is broadcast; the stages then hold what one process loads from the file."""
+    result = launches["four"]["initial_weights"]
+    assert result["received"] == []
+    stage_names = result["stage_names"]
+    assert stage_names[0] == stage_names[1] and stage_names[2] == stage_names[3]  # pp × dp: ranks 0, 1 hold stage 0
+    assert not set(stage_names[0]) & set(stage_names[2])
+    for reads, names in zip(result["reads"], stage_names):
+        assert sorted(reads) == names
+    model = GPT(pp_worker.pp_config())
+    load_weights(model, result["model_dir"])
+    assert result["weights"].keys() == model.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(result["weights"][name], tensor), name

@@ -3,7 +3,8 @@
 Three formats share one save path (temporary directory → tensors → training state → metadata files
 → marker → rename) and differ only in how the tensors are written:
 
-    full     rank 0 gathers the model and optimizer and writes model.safetensors (optimizer in training_state.pt)
+    full     rank 0 gathers the model and optimizer and writes model.safetensors (optimizer in training_state.pt);
+             under pipeline parallelism each stage's first rank sends rank 0 its tensors, one at a time
     sharded  every rank writes its own shards of model and optimizer into dcp/ (torch.distributed.checkpoint);
              loads at any world size; ``async_save`` writes in the background
     lora     like full, but only the adapters (lora.safetensors) and their optimizer state
@@ -42,7 +43,7 @@ from llmtrain.checkpoint.state import (
 from llmtrain.checkpoint.weights import gather_full_model_state, is_distributed, load_full_model_state, load_weights
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.distributed.pipeline import PipelineParts
-from llmtrain.distributed.runtime import Runtime, host_group
+from llmtrain.distributed.runtime import Runtime, host_barrier, host_group
 from llmtrain.lora import lora_state_dict
 
 
@@ -132,25 +133,13 @@ class Checkpointer:
     def _write_tensors(self, directory: Path) -> tuple[Any, dict]:
         """Model and optimizer state into ``directory``: (the async write's future or None, the optimizer state)."""
         # NOTE: torch.distributed.checkpoint takes seconds to import; every `llmtrain` command imports this module.
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict, get_state_dict)
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         if self.format == "sharded":
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
             return self._write_shards(directory / layout.DCP_DIR, {"model": model_state, "optimizer": optimizer_state}), \
                 optimizer_state
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.format == "lora")
-        if isinstance(self.model, PipelineParts):  # every stage's part, gathered on rank 0
-            model_state = self.model.full_state_dict()
-            optimizer_state = self.model.full_optimizer_state(self.optimizer)
-        elif self.format == "lora" and not is_distributed():
-            # One process (as QLoRA always is): the adapters by name. The model's state dict would carry
-            # bitsandbytes' quantization state too, and an 8-bit layer's (SCB) does not map to a parameter at all.
-            model_state = {name: tensor.cpu() for name, tensor in lora_state_dict(unwrap(self.model)).items()}
-            optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
-        else:
-            model_state = get_model_state_dict(self.model, options=options)
-            optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        model_state, optimizer_state = full_states(self.model, self.optimizer, lora=self.format == "lora")
         if self.runtime.is_main:
             weights_file = layout.LORA_FILE if self.format == "lora" else layout.MODEL_FILE
             files.save_weights(model_state, directory / weights_file)
@@ -254,8 +243,9 @@ class Checkpointer:
     def load(self, checkpoint_dir: Path, state: Any) -> None:
         """Restore model, optimizer, counters, data position and this rank's RNG from a checkpoint of any format.
 
-        Under DDP or FSDP only rank 0 reads full weights and optimizer state and broadcasts them; DCP
-        reshards sharded ones to this world's layout. Either way the checkpoint loads at any world size.
+        Under DDP or FSDP only rank 0 reads full weights and optimizer state and broadcasts them; a pipeline
+        rank reads its own stages' from the files, and nothing is sent; DCP reshards sharded ones to this
+        world's layout. Either way the checkpoint loads at any world size.
         ``training_state.pt`` is memory-mapped: a rank reads only the tensors it uses (the full format's
         optimizer state on rank 0 alone, a page at a time as it is broadcast), so eight ranks of a node
         never hold eight copies of the optimizer.
@@ -290,7 +280,11 @@ class Checkpointer:
         else:
             load_weights(self.model, checkpoint_dir)
         if isinstance(self.model, PipelineParts):
-            self.model.load_full_optimizer_state(self.optimizer, optimizer_state if self.runtime.is_main else {})
+            # NOTE: every rank has training_state.pt memory-mapped: each reads its own stages' entries, as it read
+            # their weights from model.safetensors, and none is sent; then the ranks wait for the slowest reader
+            # here, not in the next collective (bound by the collective timeout).
+            self.model.load_full_optimizer_state(self.optimizer, optimizer_state)
+            host_barrier()
             return
         options = None
         # NOTE: a process group, not a world above one: one-rank FSDP (--strategy fsdp --devices 1) keeps DTensor
@@ -328,6 +322,27 @@ def build_checkpointer(state_dict_type: Literal["full", "sharded"], async_save: 
         raise ValueError("--fsdp.async_save true needs --fsdp.state_dict_type sharded (a full or LoRA checkpoint is "
                          "written by rank 0 alone)")
     return Checkpointer(**arguments, format="lora" if lora else state_dict_type, async_save=async_save)
+
+
+def full_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lora: bool) -> tuple[dict, dict]:
+    """(weights, optimizer state) of the whole model on rank 0's CPU, as a full checkpoint holds them (``lora``: the
+    adapters and their optimizer state); empty dicts on the other ranks. Every rank calls it (a collective).
+
+    NOTE: rank 0 gets one tensor at a time, one copy of each: gathered over FSDP's ranks by torch, or under pipeline
+    parallelism sent by each stage's first rank (:meth:`PipelineParts.full_state_dict`).
+    """
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,  # NOTE: slow
+                                                         get_optimizer_state_dict)
+
+    if isinstance(model, PipelineParts):
+        return model.full_state_dict(), model.full_optimizer_state(optimizer)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora)
+    if lora and not is_distributed():
+        # One process (as QLoRA always is): the adapters by name. The model's state dict would carry
+        # bitsandbytes' quantization state too, and an 8-bit layer's (SCB) does not map to a parameter at all.
+        weights = {name: tensor.cpu() for name, tensor in lora_state_dict(unwrap(model)).items()}
+        return weights, get_optimizer_state_dict(model, optimizer, options=options)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
 
 
 def check_finite_weights(model: torch.nn.Module, runtime: Runtime, target: Path) -> None:

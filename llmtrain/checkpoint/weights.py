@@ -1,7 +1,8 @@
 """Model weights in and out of a plain, LoRA, DDP or FSDP model: gather them whole, load them from a file.
 
 Under FSDP only rank 0 reads or holds the full weights; it broadcasts them and every rank keeps
-its shard, so a model directory loads at any world size.
+its shard, so a model directory loads at any world size. A pipeline rank reads only its own stages'
+tensors from the file (:func:`load_stage_weights`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ def load_weights(model: torch.nn.Module, checkpoint_dir: Path) -> None:
     path = Path(checkpoint_dir) / layout.MODEL_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; a model directory needs {layout.MODEL_FILE}")
+    if isinstance(model, PipelineParts):
+        load_stage_weights(model, path)
+        return
     gpt = unwrap(model)
     weights: dict = {}
     if is_main_process():
@@ -75,6 +79,35 @@ def load_weights(model: torch.nn.Module, checkpoint_dir: Path) -> None:
         check_weights_match(weights, gpt, path)
     host_barrier()  # the others wait for rank 0's read here, not in the broadcast (bound by the collective timeout)
     load_full_model_state(model, weights, strict=False)
+
+
+def load_stage_weights(parts: PipelineParts, path: Path) -> None:
+    """A pipeline rank's stages from the safetensors file ``path``: each rank reads its own stages' tensors by name,
+    one at a time, and keeps its shard of each.
+
+    NOTE: not rank 0 reading the file and broadcasting it, as for a whole model: that sends every tensor of the model
+    to every rank, which keeps only its stage's. Here nothing crosses the network, and each rank reads 1/pp of the
+    file. Every rank checks the file's names and shapes (its header) against the whole model, and so says the same.
+    """
+    from safetensors import safe_open  # NOTE: lazy, as load_file in load_weights
+
+    with torch.no_grad(), safe_open(str(path), framework="pt", device="cpu") as file:
+        shapes = {name: torch.empty(file.get_slice(name).get_shape(), device="meta") for name in file.keys()}
+        check_weights_match(shapes, parts, path)
+        for name, target in parts.state_dict().items():
+            _copy_whole_into(target, file.get_tensor(name))
+    host_barrier()  # the next collective must not wait for the slowest rank's reads (bound by the collective timeout)
+
+
+def _copy_whole_into(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy the whole tensor ``whole`` into ``target``: into its shard if it is a DTensor (each rank cuts out its
+    own, ``src_data_rank=None``: no scatter from the mesh's first rank)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor):
+        whole = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        target = target.to_local()
+    target.copy_(whole)
 
 
 def check_weights_match(weights: dict[str, torch.Tensor], model: torch.nn.Module, path: Path) -> None:

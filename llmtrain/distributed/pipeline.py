@@ -18,7 +18,7 @@ sends the step's micro-batches (the batch plan's accumulation steps) through the
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -137,19 +137,17 @@ class PipelineParts(nn.Module):
         with torch.device("meta"):
             return GPT(self.config)
 
-    # ---- full (gathered) state: every stage's part on rank 0; collectives, all ranks call them ----------------
+    # ---- full state: every stage's part on rank 0, one tensor at a time; collectives, all ranks call them ------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on rank 0's CPU (an empty dict elsewhere)."""
-        local = _whole_on_cpu(self.state_dict(), keep=self._leads_stage())
-        return {name: tensor for part in _gather_on_rank0(local) for name, tensor in part.items()}
+        return {name: tensor for part in self._parts_on_rank0(self.state_dict()) for name, tensor in part.items()}
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer state of the whole model on rank 0's CPU, keyed by parameter name (as
         ``get_optimizer_state_dict(full_state_dict=True)`` gives it for one model); an empty dict elsewhere."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        local = _whole_on_cpu(get_optimizer_state_dict(self, optimizer), keep=self._leads_stage())
-        parts = [part for part in _gather_on_rank0(local) if part]
+        parts = self._parts_on_rank0(get_optimizer_state_dict(self, optimizer))
         if not parts:
             return {}
         groups = [dict(group, params=[name for part in parts for name in part["param_groups"][index]["params"]])
@@ -158,17 +156,58 @@ class PipelineParts(nn.Module):
                 "param_groups": groups}
 
     def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """Load the whole model's optimizer state that rank 0 read (``state``; ignored on other ranks): rank 0 sends
-        each rank the entries of its own parameters, whole (FSDP then keeps its shard)."""
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        """Load this rank's entries of the whole model's optimizer state ``state`` (keyed by parameter name).
 
-        owned: list = [None] * dist.get_world_size()
-        dist.all_gather_object(owned, [name for name, _ in self.named_parameters()])
-        parts = [_optimizer_part(state, set(names), optimizer) for names in owned] if dist.get_rank() == 0 else None
-        box: list = [None]
-        dist.scatter_object_list(box, parts, src=0)
-        set_optimizer_state_dict(self, optimizer, box[0], options=StateDictOptions(full_state_dict=True))
+        Every rank passes the same ``state``: a full checkpoint's, memory-mapped, so a rank reads from disk only its
+        own parameters' tensors, and keeps only its shard of each. Nothing is sent between ranks.
+        """
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        parameters = dict(self.named_parameters())
+        part = _optimizer_part(state, set(parameters), optimizer)
+        part["state"] = {name: {key: _local_shard_of(value, parameters[name]) for key, value in entries.items()}
+                         for name, entries in part["state"].items()}
+        set_optimizer_state_dict(self, optimizer, part)
+
+    def _parts_on_rank0(self, state: dict) -> list[dict]:
+        """Every pipeline rank's ``state`` with its tensors whole, on rank 0's CPU, in pipeline-rank order (an empty
+        list elsewhere). Every rank calls it.
+
+        NOTE: each stage's ranks gather their tensors whole one at a time (a collective over the stage's data- and
+        tensor-parallel ranks); the stage's first rank sends each to rank 0 over the pipeline dimension of the mesh,
+        and waits until it is received before gathering the next. So rank 0 receives one tensor at a time, one copy
+        of each whatever the data-parallel size, and holds one on its device; the alternative, gathering pickled
+        stages with gather_object, pads every rank's bytes to the largest and allocates world size times that on
+        rank 0's GPU. Rank 0 writes the files only after the last tensor arrived: no collective waits for its disk.
+        """
+        import torch.distributed as dist
+
+        pp_mesh = self.mesh["pp"]
+        group = pp_mesh.get_group()
+        device = _transfer_device(pp_mesh)
+        skeleton, tensors = _split_tensors(state)
+        if dist.get_rank() == 0:  # the first rank of stage 0 (the mesh's first coordinate everywhere)
+            parts = [_with_tensors(skeleton, [_whole(tensor).cpu() for tensor in tensors])]
+            for source in range(1, pp_mesh.size()):
+                box: list = [None]
+                dist.recv_object_list(box, group_src=source, group=group, device=device)
+                received = []
+                for spec in _tensor_specs(box[0]):
+                    buffer = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+                    dist.recv(buffer, group_src=source, group=group)
+                    received.append(buffer.cpu())
+                parts.append(_with_tensors(box[0], received))
+            return parts
+        sends = self._leads_stage()  # pipeline rank > 0 here: rank 0 leads stage 0
+        if sends:
+            dist.send_object_list([skeleton], group_dst=0, group=group, device=device)
+        for tensor in tensors:
+            whole = _whole(tensor)  # every rank of the stage takes part
+            if sends:
+                dist.send(whole.to(device).contiguous(), group_dst=0, group=group)
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()  # received: one tensor in flight, not all
+        return []
 
     def _leads_stage(self) -> bool:
         """Whether this rank is the first of its stage's ranks (coordinate 0 on every mesh dimension but pp)."""
@@ -193,15 +232,6 @@ def build_pipeline_parts(config: Config, *, pp_rank: int, pp_size: int, virtual_
     return PipelineParts(config, stages, indices, n_stages)
 
 
-def _gather_on_rank0(local: dict) -> list[dict]:
-    """Every rank's ``local`` on rank 0, in rank order (an empty list elsewhere)."""
-    import torch.distributed as dist
-
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(local, gathered, dst=0)
-    return gathered or []
-
-
 def _optimizer_part(state: dict, names: set[str], optimizer: torch.optim.Optimizer) -> dict:
     """The entries of a whole model's optimizer state (keyed by parameter name) for the parameters ``names``.
 
@@ -214,27 +244,86 @@ def _optimizer_part(state: dict, names: set[str], optimizer: torch.optim.Optimiz
     return {"state": {name: value for name, value in state["state"].items() if name in names}, "param_groups": groups}
 
 
-def _whole_on_cpu(state: dict, *, keep: bool) -> dict:
-    """``state`` with each sharded tensor gathered whole, one at a time, on the CPU of a rank that ``keep``s it; an
-    empty dict on the others. All ranks of a stage call it (each gather is a collective over their mesh).
+class _TensorSpec(NamedTuple):
+    """A tensor's place in a state sent ahead of the tensor itself: what rank 0 needs to receive it."""
 
-    NOTE: one tensor at a time, so a stage's ranks never hold more than one whole tensor beside their shards.
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _split_tensors(state):
+    """(``state`` with each tensor replaced by its :class:`_TensorSpec`, the tensors in the order of the specs).
+
+    NOTE: the skeleton holds no tensor, so the object sent ahead of a stage's tensors stays small (names, numbers,
+    shapes), whatever the stage's size.
     """
-    from torch.distributed.tensor import DTensor
+    tensors: list[torch.Tensor] = []
 
-    def whole(value):
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
+    def strip(value):
         if isinstance(value, torch.Tensor):
-            return value.detach().cpu() if keep else None
+            tensors.append(value)
+            return _TensorSpec(tuple(value.shape), value.dtype)  # a DTensor's shape is the whole tensor's
         if isinstance(value, dict):
-            return {key: whole(item) for key, item in value.items()}
-        if isinstance(value, list):
-            return [whole(item) for item in value]
+            return {key: strip(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(strip(item) for item in value)
         return value
 
-    gathered = whole(state)
-    return gathered if keep else {}
+    return strip(state), tensors
+
+
+def _tensor_specs(skeleton) -> list[_TensorSpec]:
+    """The specs of a skeleton of :func:`_split_tensors`, in its order."""
+    if isinstance(skeleton, _TensorSpec):
+        return [skeleton]
+    items = skeleton.values() if isinstance(skeleton, dict) else skeleton if isinstance(skeleton, (list, tuple)) else []
+    return [spec for item in items for spec in _tensor_specs(item)]
+
+
+def _with_tensors(skeleton, tensors: list[torch.Tensor]):
+    """The inverse of :func:`_split_tensors`: ``skeleton`` with ``tensors`` back in the specs' places."""
+    remaining = iter(tensors)
+
+    def fill(value):
+        if isinstance(value, _TensorSpec):
+            return next(remaining)
+        if isinstance(value, dict):
+            return {key: fill(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(fill(item) for item in value)
+        return value
+
+    return fill(skeleton)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` whole: a DTensor gathered over its mesh (a collective of its ranks), a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+
+def _local_shard_of(value, parameter: torch.Tensor):
+    """A whole optimizer-state tensor of ``parameter`` as this rank keeps it: its shard (a DTensor) if the parameter
+    is one, else a copy; other values (numbers, the 0-d step) as they are.
+
+    NOTE: ``src_data_rank=None``: every rank has the whole tensor and cuts out its own shard; the default would
+    scatter it from the mesh's first rank. The shard is copied: it must not keep the memory-mapped file's pages.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    if not isinstance(parameter, DTensor):
+        return value.clone()
+    shard = distribute_tensor(value, parameter.device_mesh, parameter.placements, src_data_rank=None)
+    return DTensor.from_local(shard.to_local().clone(), parameter.device_mesh, parameter.placements,
+                              shape=shard.shape, stride=shard.stride(), run_check=False)
+
+
+def _transfer_device(mesh) -> torch.device:
+    """The device a tensor goes through to cross ``mesh``'s process groups (NCCL's: this rank's GPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
 
 
 def build_pipeline_model(config: Config, *, plan, runtime, seed: int, compile: bool = False) -> PipelineParts:
