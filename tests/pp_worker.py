@@ -208,6 +208,15 @@ def shard_differences(saved: dict, restored: dict) -> list[str]:
     return differences
 
 
+def fsdp_units_resharding_after_forward(model: torch.nn.Module) -> list[str]:
+    """The FSDP units (by their first module's name) that free their gathered weights after each forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return sorted(name for name, module in model.named_modules() if isinstance(module, FSDPModule)
+                  and module._get_fsdp_state()._fsdp_param_group is not None
+                  and module._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None)
+
+
 def train(runtime: Runtime, *, pp: int = 1, tp: int = 1, schedule: Optional[str] = None, out_dir: Optional[Path] = None,
           checkpoint_format: str = "sharded", resume_from: Optional[Path] = None, precision: str = "32-true") -> dict:
     """8 AdamW steps of the 4-layer model with fit(), validating at steps 0, 4 and 8; checkpoints every 4 steps
@@ -268,7 +277,7 @@ def train(runtime: Runtime, *, pp: int = 1, tp: int = 1, schedule: Optional[str]
     return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "val_losses": recorder.val_losses,
             "initial_weights": initial, "weights": gather_full_model_state(model), "mesh_shape": plan.describe_mesh(),
             "wrapper": plan.wrapper, "stages": [list(stage.blocks) for stage in getattr(model, "stages", [])],
-            "fsdp_units": worker.fsdp_units(model),
+            "fsdp_units": worker.fsdp_units(model), "resharding_units": fsdp_units_resharding_after_forward(model),
             "received": received.records, "restored": restored}
 
 

@@ -339,3 +339,27 @@ def test_pp2_dp2_initial_weights_each_rank_reads_only_its_stage(launches):
     assert result["weights"].keys() == model.state_dict().keys()
     for name, tensor in model.state_dict().items():
         assert torch.equal(result["weights"][name], tensor), name
+
+
+# ------------------------------------------------------------------- FSDP inside a pipeline's stages
+@pytest.mark.multiproc
+def test_fsdp_keeps_each_stage_gathered_through_the_step_under_pp2_dp2(launches):
+    """reshard_after_forward is off under a pipeline: resharding after each micro-batch's forward would all-gather the
+    stage again for every micro-batch (the parity tests show the results are unchanged)."""
+    assert launches["four"]["pp2_dp2"]["resharding_units"] == []
+
+
+def test_full_and_hybrid_shard_keep_weights_gathered_after_forward_only_under_a_pipeline():
+    from llmtrain.args import FSDPArgs, TrainArgs
+    from llmtrain.distributed.parallel_plan import ParallelPlan
+
+    def plan(sharding: str, pp: int, num_nodes: int = 1) -> ParallelPlan:
+        return ParallelPlan.resolve(devices=4, num_nodes=num_nodes, train=TrainArgs(global_batch_size=32,
+                                    micro_batch_size=1), precision="32-true", device_type="cpu", pp=pp,
+                                    fsdp=FSDPArgs(sharding_strategy=sharding))
+
+    assert plan("FULL_SHARD", pp=1).reshard_after_forward
+    assert plan("HYBRID_SHARD", pp=1, num_nodes=2).reshard_after_forward
+    assert not plan("FULL_SHARD", pp=2).reshard_after_forward
+    assert not plan("HYBRID_SHARD", pp=2, num_nodes=2).reshard_after_forward
+    assert not plan("SHARD_GRAD_OP", pp=1).reshard_after_forward

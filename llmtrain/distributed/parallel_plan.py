@@ -143,7 +143,13 @@ class ParallelPlan:
 
     @property
     def reshard_after_forward(self) -> bool:
-        return self.sharding_strategy != "SHARD_GRAD_OP"
+        """FSDP frees a unit's gathered weights after its forward (FULL_SHARD, HYBRID_SHARD without a pipeline).
+
+        NOTE: not under pipeline parallelism, as torchtitan: a stage runs every micro-batch's forward and backward in
+        one step, and resharding after each forward would all-gather its weights again for every micro-batch. The
+        schedule keeps them gathered through the step's backwards too, and reshards after the last.
+        """
+        return self.sharding_strategy != "SHARD_GRAD_OP" and self.pp == 1
 
     @property
     def mixed_precision_policy(self) -> bool:
