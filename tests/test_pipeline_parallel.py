@@ -363,3 +363,46 @@ def test_full_and_hybrid_shard_keep_weights_gathered_after_forward_only_under_a_
     assert not plan("FULL_SHARD", pp=2).reshard_after_forward
     assert not plan("HYBRID_SHARD", pp=2, num_nodes=2).reshard_after_forward
     assert not plan("SHARD_GRAD_OP", pp=1).reshard_after_forward
+
+
+# ------------------------------------------------------------------------------ pipeline inputs
+def bare_pipeline(device: torch.device):
+    """A Pipeline with only what moving its inputs needs (its schedule needs a process group)."""
+    from types import SimpleNamespace
+
+    from llmtrain.distributed.pipeline import Pipeline
+
+    pipeline = object.__new__(Pipeline)
+    pipeline.device, pipeline.micro_batch_size, pipeline.parts = device, 2, SimpleNamespace(max_seq_length=8)
+    return pipeline
+
+
+def test_pipeline_inputs_are_padded_and_nothing_is_pinned_on_a_cpu():
+    from llmtrain.loss import IGNORE_INDEX
+
+    batch = {"input_ids": torch.arange(6).reshape(1, 6), "labels": torch.arange(1, 7).reshape(1, 6)}
+    ids, labels = bare_pipeline(torch.device("cpu"))._concatenated([batch, None])
+    assert ids.shape == labels.shape == (4, 8)
+    assert ids[0, :6].tolist() == list(range(6)) and ids[0, 6:].tolist() == [0, 0] and not ids[1:].any()
+    assert labels[0, :6].tolist() == list(range(1, 7)) and (labels[1:] == IGNORE_INDEX).all()
+    assert (labels[0, 6:] == IGNORE_INDEX).all()
+    assert not ids.is_pinned() and not labels.is_pinned()
+    assert not torch.cuda.is_initialized()  # pinning makes a CUDA context (and fails on a torch without CUDA)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pipeline_inputs_go_to_the_gpu_from_pinned_memory(monkeypatch):
+    from llmtrain.distributed import pipeline as pipeline_module
+
+    hosts = []
+    concatenated = pipeline_module.concatenated_batches
+
+    def spy(*args, **kwargs):
+        hosts.extend(concatenated(*args, **kwargs))
+        return tuple(hosts[-2:])
+
+    monkeypatch.setattr(pipeline_module, "concatenated_batches", spy)
+    batch = {"input_ids": torch.arange(6).reshape(1, 6), "labels": torch.arange(1, 7).reshape(1, 6)}
+    ids, labels = bare_pipeline(torch.device("cuda", 0))._concatenated([batch, None])
+    assert ids.is_cuda and labels.is_cuda and ids[0, :6].tolist() == list(range(6))
+    assert len(hosts) == 2 and all(host.is_pinned() for host in hosts)

@@ -430,20 +430,35 @@ class Pipeline:
         return torch.stack(self.token_loss_sums[-self.n_microbatches:]).sum()
 
     def _concatenated(self, batches: list[Optional[dict]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batches' ids and labels, each padded to (micro batch size, sequence length), one after another."""
-        rows, columns = self.micro_batch_size, self.parts.max_seq_length
-        input_ids = torch.zeros(len(batches) * rows, columns, dtype=torch.long)
-        labels = torch.full((len(batches) * rows, columns), IGNORE_INDEX, dtype=torch.long)
-        for index, batch in enumerate(batches):
-            if batch is None:
-                continue
-            ids, target = batch["input_ids"], batch["labels"]
-            if ids.size(0) > rows or ids.size(1) > columns:
-                raise ValueError(f"a batch of shape {tuple(ids.shape)} does not fit the pipeline's micro-batches of "
-                                 f"{rows} sequences of {columns} tokens")
-            input_ids[index * rows:index * rows + ids.size(0), :ids.size(1)] = ids
-            labels[index * rows:index * rows + ids.size(0), :ids.size(1)] = target
+        """The batches' ids and labels, each padded to (micro batch size, sequence length), one after another, on
+        the device."""
+        # NOTE: pinned on CUDA, so that the copies really run beside the host's work (from pageable memory a
+        # non_blocking copy is staged and waits); nothing is pinned for a CPU run, where pinning makes a CUDA context.
+        input_ids, labels = concatenated_batches(batches, self.micro_batch_size, self.parts.max_seq_length,
+                                                 pin_memory=self.device.type == "cuda")
         return input_ids.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+
+def concatenated_batches(batches: list[Optional[dict]], rows: int, columns: int, *,
+                         pin_memory: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batches' ids and labels in host memory, each padded to (``rows``, ``columns``), one after another; a None
+    batch is all padding, with every label ignored.
+
+    NOTE: fresh tensors each step, not buffers kept between steps: torch's pinned-memory cache hands a block out again
+    only once the copies from it have finished, which a reused buffer would have to wait for by hand.
+    """
+    input_ids = torch.zeros(len(batches) * rows, columns, dtype=torch.long, pin_memory=pin_memory)
+    labels = torch.full((len(batches) * rows, columns), IGNORE_INDEX, dtype=torch.long, pin_memory=pin_memory)
+    for index, batch in enumerate(batches):
+        if batch is None:
+            continue
+        ids, target = batch["input_ids"], batch["labels"]
+        if ids.size(0) > rows or ids.size(1) > columns:
+            raise ValueError(f"a batch of shape {tuple(ids.shape)} does not fit the pipeline's micro-batches of "
+                             f"{rows} sequences of {columns} tokens")
+        input_ids[index * rows:index * rows + ids.size(0), :ids.size(1)] = ids
+        labels[index * rows:index * rows + ids.size(0), :ids.size(1)] = target
+    return input_ids, labels
 
 
 def _forward_under(autocast: Callable[[], ContextManager], stage: nn.Module) -> None:
