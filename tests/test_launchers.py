@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -40,7 +41,7 @@ def launcher_env(tmp: Path) -> dict[str, str]:
     """No launcher variables of the shell; gloo on loopback, one thread per process, and no accelerate config
     file of the user's (HF_HOME), which could switch its launcher to another mode."""
     env = {name: value for name, value in os.environ.items()
-           if name not in LAUNCHER_VARS and not name.startswith(LAUNCHER_PREFIXES) and not name.startswith("ACCELERATE_")}
+           if name not in LAUNCHER_VARS and not name.startswith((*LAUNCHER_PREFIXES, "ACCELERATE_"))}
     env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HOME=str(tmp / "hf_home"),
                LLMTRAIN_CACHE_DIR=str(tmp / "cache"))
     return env
@@ -93,8 +94,7 @@ def devices_2_losses(shared: Path) -> dict[int, float]:
 
 @pytest.mark.multiproc
 def test_accelerate_launch_multi_gpu_starts_the_ranks_and_matches_devices_2(shared, devices_2_losses, tmp_path):
-    """`--multi_gpu` runs torchrun's agent inside accelerate (on CPUs too): the ranks are its children, and
-    llmtrain runs in them rather than spawning a second level of workers."""
+    """`--multi_gpu` runs torchrun's agent inside accelerate (on CPUs too), and llmtrain trains in its ranks."""
     out_dir = tmp_path / "accelerate"
     result = run([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
                   "no", "--dynamo_backend", "no", "--main_process_port", str(free_port_number()),
@@ -102,6 +102,30 @@ def test_accelerate_launch_multi_gpu_starts_the_ranks_and_matches_devices_2(shar
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "world 2" in result.stdout
     assert losses(out_dir) == devices_2_losses
+
+
+@pytest.mark.multiproc
+def test_accelerate_launch_on_two_machines(tmp_path):
+    """The tutorial's two-machine form, both "machines" here: one process each, ranks by --machine_rank."""
+    port, env = free_port_number(), launcher_env(tmp_path)
+    machines = [subprocess.Popen(
+        [*ACCELERATE, "--multi_gpu", "--num_machines", "2", "--machine_rank", str(machine), "--main_process_ip",
+         "127.0.0.1", "--main_process_port", str(port), "--num_processes", "2", "--mixed_precision", "no",
+         "--dynamo_backend", "no", "-m", "llmtrain.distributed._selftest", "--devices", "1", "--num_nodes", "2",
+         "--out", str(tmp_path / "out")], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True) for machine in (0, 1)]
+    outputs = []
+    try:
+        outputs = [machine.communicate(timeout=HARD_TIMEOUT_S)[0] for machine in machines]
+    finally:
+        for machine in machines:
+            if machine.poll() is None:
+                os.killpg(machine.pid, signal.SIGKILL)
+    assert all(machine.returncode == 0 for machine in machines), "\n".join(out[-3000:] for out in outputs)
+    found = [json.loads((tmp_path / "out" / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+    assert [(r["world_size"], r["local_rank"], r["local_world_size"], r["rank_sum"]) for r in found] == \
+        [(2, 0, 1, 1.0)] * 2
+    assert found[0]["ppid"] == machines[0].pid and found[1]["ppid"] == machines[1].pid  # no second-level spawn
 
 
 @pytest.mark.multiproc

@@ -1,10 +1,10 @@
 """The commands in tutorials/ (and README.md) stay true to the CLI.
 
 Every ```bash block is read like a shell would split it. Each `llmtrain SUBCOMMAND ...` (also
-`.venv/bin/llmtrain`, `python -m llmtrain` and `torchrun ... -m llmtrain`) must name a real subcommand,
-and each `--flag` must be one that `llmtrain SUBCOMMAND --help` lists, or a field of the class the flag
-belongs to (`--data.*` of the data module named by `--data`, `--optimizer.*` of the optimizer,
-`--model_config.*` of Config). Boolean flags must be given a value, and `--config` files from the
+`.venv/bin/llmtrain`, `python -m llmtrain`, `torchrun ... -m llmtrain` and `deepspeed ... --module llmtrain`)
+must name a real subcommand, and each `--flag` must be one that `llmtrain SUBCOMMAND --help` lists, or a field
+of the class the flag belongs to (`--data.*` of the data module named by `--data`, `--optimizer.*` of the
+optimizer, `--model_config.*` of Config). Boolean flags must be given a value, and `--config` files from the
 repository must exist. Nothing is trained; the figures and output that out_of_memory.md and
 parallelism.md quote from `--dry_run` are compared with the dry run.
 """
@@ -66,7 +66,7 @@ def llmtrain_invocations(markdown: str) -> list[list[str]]:
     found = []
     for words in shell_commands(markdown):
         for index, word in enumerate(words):
-            if word.rsplit("/", 1)[-1] == "llmtrain" and (index == 0 or words[index - 1] == "-m"
+            if word.rsplit("/", 1)[-1] == "llmtrain" and (index == 0 or words[index - 1] in ("-m", "--module")
                                                            or "=" in words[index - 1] or "/" in word):
                 found.append(words[index + 1:])
                 break
@@ -222,6 +222,8 @@ def test_the_checker_catches_drift():
         ["pretrain", "--devices", "2"]]
     assert llmtrain_invocations("```bash\ntorchrun --nnodes 2 \\\n  -m llmtrain pretrain --devices 8  # note\n```\n") \
         == [["pretrain", "--devices", "8"]]
+    assert llmtrain_invocations("```bash\ndeepspeed --num_gpus 2 --module llmtrain pretrain --devicez 2\n```\n") \
+        == [["pretrain", "--devicez", "2"]]
 
 
 def test_the_data_module_example_works(tmp_path, monkeypatch):
