@@ -7,27 +7,26 @@ directory, beside llmtrain's ``training_state.pt`` (counters, data position, RNG
 The marker's format is ``deepspeed``.
 
 Resume needs the same number of processes: ZeRO's files hold each rank's partition. ``final/`` is a standard
-model directory: rank 0 gathers the fp32 weights from the last step's files with DeepSpeed's zero-to-fp32 path
-(LoRA: merged, with the adapters beside them), so ``llmtrain convert to_hf`` and every other command open it.
+model directory (LoRA: merged, with the adapters beside them), so ``llmtrain convert to_hf`` and every other
+command open it. It is streamed: each tensor is gathered whole from the ranks' fp32 master partitions in turn and
+rank 0 writes it into the safetensors file before the next, so rank 0's host holds one tensor of the model at a
+time, not the model (DeepSpeed's zero-to-fp32 path read every rank's files and built the whole fp32 model there).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
 from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint.checkpointer import Checkpointer
-from llmtrain.checkpoint.lora import merged_state_dict
 from llmtrain.checkpoint.resume import check_deepspeed_resume, verify_checkpoint
 from llmtrain.checkpoint.state import load_training_state, optimizer_settings, restore_training_state
-from llmtrain.checkpoint.weights import tied_twins
 from llmtrain.distributed.parallelize import unwrap
-from llmtrain.lora import plain_to_lora_keys
+from llmtrain.lora import LoRALinear, fold_lora
 
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 """Scripts DeepSpeed copies into the folder above each checkpoint; llmtrain writes final/ itself instead."""
@@ -67,43 +66,99 @@ class DeepSpeedCheckpointer(Checkpointer):
                                settings=settings)
         self.last_saved = checkpoint_dir
 
-    def _final_weights(self) -> dict[str, torch.Tensor]:
-        """The fp32 weights of the last step checkpoint, gathered on rank 0 (LoRA: merged); {} on other ranks."""
-        if not self.runtime.is_main:
-            return {}
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    def _final_weights(self) -> Union[dict, Iterator[tuple[str, torch.Tensor]]]:
+        """The fp32 weights, one tensor at a time (LoRA: merged layer by layer): rank 0 writes each into final/'s
+        safetensors file as it comes (:func:`llmtrain.checkpoint.files.write_model_dir`); {} on the other ranks.
 
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress
-            full = get_fp32_state_dict_from_zero_checkpoint(str(self.last_saved.parent), tag=self.last_saved.name)
-        full = {name: tensor.contiguous() for name, tensor in full.items()}
-        # Stage 1 files leave frozen weights out (LoRA's base); every rank holds them whole, so take them from here.
-        for name, tensor in unwrap(self.model).state_dict().items():
-            if name not in full and tensor.numel():
-                full[name] = tensor.detach().float().cpu()
-        self._adapters = {name: tensor for name, tensor in full.items() if "lora_" in name} if self.lora else {}
-        if self.lora and self.base_dir is not None:
-            full.update(self._frozen_base_weights())
-        return merged_state_dict(self.model, full) if self.lora else full
-
-    def _frozen_base_weights(self) -> dict[str, torch.Tensor]:
-        """LoRA's frozen weights as the base model's file holds them, in fp32.
-
-        NOTE: under bf16 or fp16 the engine casts the whole module, frozen base included, and only the trained
-        parameters have fp32 master copies; the base in the engine (or in a stage 3 file) is rounded.
+        Each tensor is gathered whole from the ranks' partitions of the optimizer's fp32 master weights (one
+        collective per tensor, which every rank joins in the same order), so rank 0 never holds more than the
+        tensor it is writing (a LoRA layer: its base weight and the merged one) and no rank reads another's files.
         """
-        from safetensors.torch import load_file
+        tensors = self._final_tensors()
+        if self.runtime.is_main:
+            return tensors
+        for _ in tensors:  # the other ranks' part of each tensor's gather, in rank 0's order
+            pass
+        return {}
 
+    def _final_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, fp32 tensor on the CPU) in the model's order on rank 0; (name, None) on the others."""
         gpt = unwrap(self.model)
-        base = {name: tensor.float() for name, tensor in
-                plain_to_lora_keys(load_file(str(Path(self.base_dir) / layout.MODEL_FILE)), gpt).items()}
-        for name, twin in tied_twins(gpt).items():  # a tied weight is stored once, and stays one tensor
-            if twin in base:
-                base[name] = base[twin]
-        return {name: base[name] for name, param in gpt.named_parameters(remove_duplicate=False)
-                if not param.requires_grad and name in base}
+        base = self._open_base()
+        self._adapters = {}
+        seen: set[int] = set()  # a tied weight is stored once, under its first name
+        with base if base is not None else contextlib.nullcontext():
+            for module_name, module in gpt.named_modules():
+                prefix = f"{module_name}." if module_name else ""
+                if isinstance(module, LoRALinear):
+                    yield from self._merged_layer(prefix, module, base)
+                    continue
+                if any(isinstance(parent, LoRALinear) for parent in _parents(gpt, module_name)):
+                    continue  # the base layer of an adapter: merged above
+                for name, param in module.named_parameters(recurse=False):
+                    if id(param) not in seen:
+                        seen.add(id(param))
+                        yield prefix + name, self._whole(param, prefix + name, base)
+                for name, buffer in module.named_buffers(recurse=False):
+                    if name not in module._non_persistent_buffers_set:
+                        yield prefix + name, buffer.detach().float().cpu() if self.runtime.is_main else None
+
+    def _merged_layer(self, prefix: str, module: LoRALinear, base: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """A LoRA layer's merged weight (and bias), its adapters kept on rank 0 for lora.safetensors."""
+        weight = self._whole(module.base.weight, f"{prefix}base.weight", base)
+        lora_a = self._whole(module.lora_A, f"{prefix}lora_A", base)
+        lora_b = self._whole(module.lora_B, f"{prefix}lora_B", base)
+        bias = self._whole(module.base.bias, f"{prefix}base.bias", base) if module.base.bias is not None else None
+        if not self.runtime.is_main:
+            yield f"{prefix}weight", None
+            return
+        self._adapters.update({f"{prefix}lora_A": lora_a, f"{prefix}lora_B": lora_b})
+        yield f"{prefix}weight", fold_lora(weight, lora_a, lora_b, module.scaling).to(weight.dtype)
+        if bias is not None:
+            yield f"{prefix}bias", bias
+
+    def _whole(self, param: torch.nn.Parameter, name: str, base: Any) -> Optional[torch.Tensor]:
+        """``param`` whole in fp32 on rank 0's CPU (None elsewhere); every rank calls it for every parameter.
+
+        A trained parameter's fp32 master copy (DeepSpeed's safe_get_full_fp32_param: a collective over the
+        partitions). A frozen one (LoRA's base) has none: from the base model's file where the run has one
+        (the engine holds the base in bf16 under bf16-mixed), else the parameter itself, gathered under stage 3.
+        """
+        import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        if param.requires_grad:
+            full = safe_get_full_fp32_param(param)
+            return full.detach().float().cpu() if self.runtime.is_main else None
+        stored = _plain_name(name)
+        if base is not None and stored in base.keys():  # the same answer on every rank: no collective either way
+            return base.get_tensor(stored).float() if self.runtime.is_main else None
+        gathered = deepspeed.zero.GatheredParameters([param]) if hasattr(param, "ds_id") \
+            else contextlib.nullcontext()
+        with gathered:
+            return param.detach().float().cpu().clone() if self.runtime.is_main else None
+
+    def _open_base(self) -> Any:
+        """The LoRA base model's safetensors file, opened (tensors are read one at a time), or None."""
+        if not (self.lora and self.base_dir is not None):
+            return None
+        from safetensors import safe_open
+
+        return safe_open(str(Path(self.base_dir) / layout.MODEL_FILE), framework="pt", device="cpu")
 
     def _final_extras(self, directory: Path) -> None:
         if self.lora:  # the adapters stay usable on their own beside the merged model
             files.save_weights(self._adapters, directory / layout.LORA_FILE)
         if self.write_extras is not None:
             self.write_extras(directory)
+
+
+def _plain_name(name: str) -> str:
+    """A LoRA model's base weight under a plain model's name (``q_proj.base.weight`` -> ``q_proj.weight``)."""
+    return name.replace(".base.", ".")
+
+
+def _parents(model: torch.nn.Module, name: str) -> list[torch.nn.Module]:
+    """The modules above ``name`` (``blocks.0.attn`` -> the model, ``blocks``, ``blocks.0``)."""
+    parts = name.split(".") if name else []
+    return [model.get_submodule(".".join(parts[:index])) for index in range(len(parts))]
