@@ -21,7 +21,7 @@ from conftest import LAUNCHER_PREFIXES, LAUNCHER_VARS, free_port_number, write_t
 from forked_cli import run_forked
 
 from llmtrain.cli import _drop_launcher_local_rank
-from llmtrain.distributed.launch import plan_launch, resolve_devices
+from llmtrain.distributed.launch import is_first_process, plan_launch, resolve_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -216,6 +216,8 @@ def test_mpirun_alone_is_refused(size_var):
     with pytest.raises(ValueError, match=rf"mpirun started this process as one of 2 \({size_var}\)"):
         plan_launch(2, 1, {size_var: "2", "MASTER_ADDR": "127.0.0.1"})
     assert plan_launch(1, 1, {size_var: "1"}).mode == "single"  # mpirun -n 1: one process, nothing to read
+    rank_var = size_var.replace("SIZE", "RANK")
+    assert [is_first_process({size_var: "2", rank_var: rank}) for rank in "01"] == [True, False]  # says it once
 
 
 def test_accelerate_one_process_launcher():

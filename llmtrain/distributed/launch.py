@@ -61,6 +61,7 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _DEEPSPEED_NAMES = {"LOCAL_WORLD_SIZE": "LOCAL_SIZE", "GROUP_RANK": "CROSS_RANK"}
 # How mpirun tells a process the size of its job: Open MPI, PMI (MPICH, Intel MPI), MVAPICH.
 _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
 
 # The first lines a spawned worker runs: take the parent's import path, then load and run the call.
 _WORKER_BOOT = ("import json, sys; sys.path[:0] = json.load(open(sys.argv[1])); "
@@ -178,9 +179,9 @@ def _under_srun(env: Mapping[str, str]) -> bool:
 
 def is_first_process(environ: Optional[Mapping[str, str]] = None) -> bool:
     """Rank 0 of a torchrun or srun job, or a plain process: the one that speaks before the ranks meet (every rank
-    parses the same flags, so the others stay quiet)."""
+    parses the same flags, so the others stay quiet). mpirun's rank 0 too, so that its refusal is said once."""
     env = os.environ if environ is None else environ
-    return all(env.get(name, "0") == "0" for name in ("RANK", "SLURM_PROCID"))
+    return all(env.get(name, "0") == "0" for name in ("RANK", "SLURM_PROCID", *_MPI_RANK_VARS))
 
 
 def resolve_devices(devices: int | str, num_nodes: int, device_type: str,
