@@ -217,7 +217,52 @@ def suite_zero3_build(runtime: Runtime, workdir: Path) -> dict:
     return results
 
 
-SUITES = {"parity": suite_parity, "parity_bf16": suite_parity_bf16, "zero3_build": suite_zero3_build}
+def suite_final_stream(runtime: Runtime, workdir: Path) -> dict:
+    """final/'s tensors as DeepSpeedCheckpointer streams them, under stage 3 (fp32) and stage 2 (bf16, whose engine
+    holds bf16 weights and fp32 masters): rank 0's (name, tensor) pairs, each dropped as the writer drops it, with
+    the most bytes of them alive at once; and the engine's fp32 weights to compare them with."""
+    import weakref
+
+    import deepspeed
+
+    from llmtrain_deepspeed.checkpoint import DeepSpeedCheckpointer
+    from llmtrain_deepspeed.engine import initialize
+
+    results = {}
+    for strategy, precision in (("deepspeed_stage_3", "32-true"), ("deepspeed_stage_2", "bf16-mixed")):
+        user = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+        model, info, config, _ = build_for_deepspeed(runtime, strategy, precision=precision, user=user)
+        engine = initialize(model, torch.optim.AdamW(model.parameters(), lr=5e-3), config, runtime)
+        loader = iter(ListLoader(make_samples(), 1, runtime.data_parallel_rank, runtime.data_parallel_size))
+        for index in range(info.batch.grad_accum_steps):  # one step: the fp32 masters leave their bf16 copies
+            batch = next(loader)
+            engine.set_gradient_accumulation_boundary(index == info.batch.grad_accum_steps - 1)
+            logits = engine(batch["input_ids"])
+            engine.backward(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
+                                                              ignore_index=-100), scale_wrt_gas=False)
+        engine.step()
+        checkpointer = DeepSpeedCheckpointer.__new__(DeepSpeedCheckpointer)  # only what _final_weights reads
+        checkpointer.model, checkpointer.runtime, checkpointer.lora, checkpointer.base_dir = engine, runtime, False, None
+        streamed, alive, most_alive = {}, [], 0
+        weights = checkpointer._final_weights()
+        if runtime.is_main:
+            assert not isinstance(weights, dict)  # pairs to write as they come, not the whole model
+            for name, tensor in weights:
+                streamed[name] = tensor.clone()  # what the file gets; the writer keeps nothing
+                alive.append((weakref.ref(tensor), tensor.nbytes))
+                del tensor
+                most_alive = max(most_alive, sum(size for ref, size in alive if ref() is not None))
+        module = {}
+        for name, param in unwrap(engine).named_parameters():
+            with deepspeed.zero.GatheredParameters([param]):
+                module[name] = param.detach().float().clone()
+        results[strategy] = {"streamed": streamed, "most_alive": most_alive, "weights": full_fp32_weights(engine),
+                             "module": module}
+    return results
+
+
+SUITES = {"parity": suite_parity, "parity_bf16": suite_parity_bf16, "zero3_build": suite_zero3_build,
+          "final_stream": suite_final_stream}
 
 
 

@@ -183,6 +183,24 @@ def test_a_stage_3_model_is_built_partitioned_with_the_weights_of_every_other_st
     assert zero3_build["lora"]["trainable"] and all("lora_" in n for n in zero3_build["lora"]["trainable"])
 
 
+@needs_deepspeed
+@pytest.mark.multiproc
+def test_final_weights_stream_one_tensor_at_a_time_on_rank_0(tmp_path):
+    """final/'s weights come to rank 0's writer one at a time: the fp32 master of every parameter, gathered from
+    both ranks' partitions (stage 3 in fp32; stage 2 in bf16, where the module holds bf16 and final/ must hold the
+    fp32 masters, after one step), and no earlier tensor is kept alive by the stream while the next is written."""
+    streams = launch(2, "final_stream", tmp_path, timeout_s=300, script=TESTS / "ds_worker.py")
+    for strategy, stream in streams.items():
+        assert stream["streamed"].keys() == stream["weights"].keys(), strategy
+        for name, tensor in stream["weights"].items():
+            assert stream["streamed"][name].dtype == torch.float32
+            assert torch.equal(stream["streamed"][name], tensor), (strategy, name)
+        if strategy == "deepspeed_stage_2":  # the module's bf16 weights are not what final/ holds
+            assert not all(torch.equal(stream["module"][name], t) for name, t in stream["weights"].items())
+        largest = max(tensor.nbytes for tensor in stream["weights"].values())
+        assert stream["most_alive"] <= largest < sum(t.nbytes for t in stream["weights"].values()) / 4, strategy
+
+
 # ------------------------------------------------------------------------------- the command line
 _REFERENCE: dict = {}
 
@@ -357,13 +375,11 @@ def test_bad_input_exits_2_with_one_message_before_any_worker(refusals, case):
 @needs_deepspeed
 @pytest.mark.multiproc
 def test_a_deepspeed_checkpoint_resumes_only_where_it_can(reference, tmp_path, model_file):
-    """On another number of processes, without DeepSpeed, under ZeRO stage 3 (the checkpoint is stage 2's) or in
-    bf16 (it is fp32's), resume is refused in the launching process with the checkpoint's name; QLoRA is refused
-    under any DeepSpeed stage."""
+    """Without DeepSpeed, under ZeRO stage 3 (the checkpoint is stage 2's) or in bf16 (it is fp32's), resume is
+    refused in the launching process with the checkpoint's name; QLoRA is refused under any DeepSpeed stage."""
     step = reference / "step-00000004"
     resume = ["--resume", str(step), "--out_dir", str(tmp_path / "out")]
     cases = {
-        "world size": {"argv": [*tiny_args(model_file, tmp_path / "o"), *STRATEGY, "--devices", "1", *resume]},
         "stage 3": {"argv": [*tiny_args(model_file, tmp_path / "o"), "--strategy", "deepspeed_stage_3", "--devices",
                              "2", *resume]},
         "bf16": {"argv": [*tiny_args(model_file, tmp_path / "o"), *STRATEGY, "--precision", "bf16-mixed", "--devices",
@@ -373,12 +389,41 @@ def test_a_deepspeed_checkpoint_resumes_only_where_it_can(reference, tmp_path, m
                                         "--precision", "bf16-true", *STRATEGY)},
     }
     results = command_lines(cases, tmp_path, {**os.environ, **DS_ENV})
-    assert_refused(results["world size"], f"--resume {step} was written by 2 processes", "resumes on 2, not 1")
-    assert_refused(results["without deepspeed"], f"--resume {step} was written by DeepSpeed")
+    assert_refused(results["without deepspeed"], f"--resume {step} was written by DeepSpeed",
+                   "on any number of processes")
     assert_refused(results["stage 3"], f"--resume {step} was written under ZeRO stage 1 or 2",
                    "resume with --strategy deepspeed_stage_1 or deepspeed_stage_2")
     assert_refused(results["bf16"], f"--resume {step} was written without bf16", "this run trains in it")
     assert_refused(results["qlora"], "--quantize bnb.nf4 cannot train under --strategy deepspeed_stage_2")
+
+
+@needs_deepspeed
+@pytest.mark.multiproc
+def test_a_deepspeed_checkpoint_of_2_processes_resumes_on_1_through_the_universal_checkpoint(reference, dist_env,
+                                                                                            model_file, tmp_path):
+    """The 2-process run's step-4 checkpoint resumed by one process (4 accumulation steps instead of 2): DeepSpeed's
+    universal checkpoint gives the one rank the whole fp32 weights and Adam moments, and the losses of steps 5 to 8
+    and the final weights are the uninterrupted 2-process run's, to float precision (the sums are taken in
+    another order); a lost moment or step would move them by far more. The conversion leaves nothing behind."""
+    from llmtrain.checkpoint import files
+
+    step = reference / "step-00000004"
+    assert files.read_marker(step)["world_size"] == 2
+    out_dir = tmp_path / "one"
+    result = subprocess.run([sys.executable, "-m", "llmtrain", *tiny_args(model_file, out_dir, *STRATEGY, "--devices",
+                                                                           "1", "--resume", str(step))],
+                            env={**dist_env, **DS_ENV}, capture_output=True, text=True, timeout=500, cwd=TESTS.parent)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"resumed from {step} at step 4" in result.stdout
+    ours, theirs = losses(out_dir), losses(reference)
+    assert sorted(ours) == list(range(5, MAX_STEPS + 1))
+    for index in ours:
+        assert ours[index] == pytest.approx(theirs[index], rel=1e-5), index
+    final, expected = (load_file(str(d / "final" / "model.safetensors")) for d in (out_dir, reference))
+    assert final.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(final[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+    assert sorted(p.name for p in out_dir.iterdir() if p.name.startswith(".")) == []
 
 
 # ------------------------------------------------------------------------------- the config, in-process

@@ -153,12 +153,13 @@ def resolve_resume(resume: Union[bool, str, Path, None], out_dir: Path,
     return path
 
 
-def check_deepspeed_resume(checkpoint_dir: Path, *, deepspeed: bool, world_size: int,
-                           zero_stage: Optional[int] = None, bf16: Optional[bool] = None) -> None:
-    """A DeepSpeed checkpoint resumes only under DeepSpeed on the number of processes that wrote it (ZeRO's files
-    hold each process's partition), and a DeepSpeed run resumes only a DeepSpeed checkpoint. Given the run's
-    ``zero_stage`` and whether it trains in ``bf16``, the checkpoint must also have been written with stage 3 if
-    and only if the run uses it, and in bf16 if and only if the run is: DeepSpeed's files differ between them.
+def check_deepspeed_resume(checkpoint_dir: Path, *, deepspeed: bool, zero_stage: Optional[int] = None,
+                           bf16: Optional[bool] = None) -> None:
+    """A DeepSpeed checkpoint resumes only under DeepSpeed, and a DeepSpeed run resumes only a DeepSpeed checkpoint.
+    Given the run's ``zero_stage`` and whether it trains in ``bf16``, the checkpoint must also have been written
+    with stage 3 if and only if the run uses it, and in bf16 if and only if the run is: DeepSpeed's files differ
+    between them. Any number of processes may resume it: ZeRO's files hold each saving process's partition, and
+    on another number the run loads them as DeepSpeed's universal checkpoint (llmtrain_deepspeed.config.resume_config).
     Called in the launching process, before any worker starts, and again as the checkpoint loads."""
     checkpoint_dir = Path(checkpoint_dir)
     fmt = checkpoint_format(checkpoint_dir)
@@ -168,14 +169,8 @@ def check_deepspeed_resume(checkpoint_dir: Path, *, deepspeed: bool, world_size:
                          "--initial_checkpoint_dir")
     if not deepspeed and fmt == "deepspeed":
         raise ValueError(f"--resume {checkpoint_dir} was written by DeepSpeed (--strategy deepspeed_*): resume it with "
-                         "the same --strategy on the same number of processes, or start a new run from its weights "
+                         "the same --strategy (on any number of processes), or start a new run from its weights "
                          f"(the run's {layout.FINAL_DIR}/ directory) with --initial_checkpoint_dir")
-    saved_world = files.read_marker(checkpoint_dir).get("world_size")
-    if deepspeed and saved_world != world_size:
-        raise ValueError(f"--resume {checkpoint_dir} was written by {saved_world} processes and ZeRO's files hold "
-                         f"each process's partition, so it resumes on {saved_world}, not {world_size}: pass "
-                         f"--devices/--num_nodes for {saved_world} processes, or start a new run from its "
-                         f"{layout.FINAL_DIR}/ weights with --initial_checkpoint_dir")
     if deepspeed and zero_stage is not None:
         _check_deepspeed_files(checkpoint_dir, zero_stage=zero_stage, bf16=bf16)
 

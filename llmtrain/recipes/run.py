@@ -138,9 +138,9 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
     if isinstance(hyperparameters.get("train"), dict):  # the checkpoint records the batch this run used
         hyperparameters["train"].update(global_batch_size=train.global_batch_size,
                                         micro_batch_size=train.micro_batch_size)
-    deepspeed_config = _deepspeed_config(plan, train, flags) if plan.wrapper == "deepspeed" else None
+    deepspeed_config = _deepspeed_config(plan, train, flags, resume_from) if plan.wrapper == "deepspeed" else None
     if resume_from is not None:  # here, not in the workers: one message, before any of them starts
-        check_deepspeed_resume(resume_from, deepspeed=deepspeed_config is not None, world_size=plan.world_size,
+        check_deepspeed_resume(resume_from, deepspeed=deepspeed_config is not None,
                                zero_stage=plan.zero.stage if plan.zero else None,
                                bf16=plan.precision.name == "bf16-mixed")
         check_resume_model(resume_from, config)
@@ -196,13 +196,16 @@ def _zero_from_file(flags: dict[str, Any]) -> Any:
     return ds_config.zero_settings(ds_config.read_config(path), path, DEEPSPEED_STRATEGIES.get(flags["strategy"]))
 
 
-def _deepspeed_config(plan: ParallelPlan, train: TrainArgs, flags: dict[str, Any]) -> dict:
-    """The run's DeepSpeed config: deepspeed must be installed, and the file must agree with the flags."""
+def _deepspeed_config(plan: ParallelPlan, train: TrainArgs, flags: dict[str, Any],
+                      resume_from: Optional[Path]) -> dict:
+    """The run's DeepSpeed config: deepspeed must be installed, and the file must agree with the flags. A resume
+    on another number of processes than the checkpoint's loads it as DeepSpeed's universal checkpoint."""
     from llmtrain_deepspeed import config as ds_config
 
     ds_config.require_deepspeed(flags["strategy"])
     path = flags["deepspeed"].config
-    return ds_config.build_config(plan, train, ds_config.read_config(path) if path is not None else None, path)
+    config = ds_config.build_config(plan, train, ds_config.read_config(path) if path is not None else None, path)
+    return ds_config.resume_config(config, resume_from, plan.world_size) if resume_from is not None else config
 
 
 def _check_model_split(plan: ParallelPlan, config: Config, seq_len: int, *, lora: Optional[LoRAArgs],

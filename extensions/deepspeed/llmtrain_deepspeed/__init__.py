@@ -2,7 +2,7 @@
 
 The extension ships with llmtrain; the ``deepspeed`` package it drives comes with the optional extra
 (``pip install 'llmtrain[deepspeed]'``). llmtrain's core never imports deepspeed: it reads the parallel plan,
-and where the plan's wrapper is ``deepspeed`` the recipe asks this package for three things, each behind the
+and where the plan's wrapper is ``deepspeed`` the recipe asks this package for four things, each behind the
 interface the core already has for torch's own engine:
 
 - :func:`llmtrain_deepspeed.config.build_config`: the DeepSpeed config, from llmtrain's flags and the user's
@@ -11,5 +11,8 @@ interface the core already has for torch's own engine:
   :class:`llmtrain_deepspeed.engine.DeepSpeedStrategy`, the :class:`llmtrain.train.loop.Strategy` that lets
   ``fit()`` run its one loop on it;
 - :class:`llmtrain_deepspeed.checkpoint.DeepSpeedCheckpointer`: DeepSpeed's sharded files inside llmtrain's
-  step directories (same marker, atomic rename, keep_last), and ``final/`` gathered with zero-to-fp32.
+  step directories (same marker, atomic rename, keep_last), resumed at any world size (DeepSpeed's universal
+  checkpoint where it differs), and ``final/`` streamed a tensor at a time;
+- :func:`llmtrain_deepspeed.build.build_partitioned_model`: under ZeRO stage 3, the model built partitioned
+  (``deepspeed.zero.Init``), so that no rank ever holds all of it.
 """

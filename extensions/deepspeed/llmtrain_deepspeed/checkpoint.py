@@ -6,7 +6,8 @@ and one ``*zero_pp_rank_N*_optim_states.pt`` per rank, written by ``engine.save_
 directory, beside llmtrain's ``training_state.pt`` (counters, data position, RNG; no optimizer) and metadata.
 The marker's format is ``deepspeed``.
 
-Resume needs the same number of processes: ZeRO's files hold each rank's partition. ``final/`` is a standard
+ZeRO's files hold each rank's partition; a resume on another number of processes goes through DeepSpeed's
+universal checkpoint (:meth:`DeepSpeedCheckpointer._load_universal`). ``final/`` is a standard
 model directory (LoRA: merged, with the adapters beside them), so ``llmtrain convert to_hf`` and every other
 command open it. It is streamed: each tensor is gathered whole from the ranks' fp32 master partitions in turn and
 rank 0 writes it into the safetensors file before the next, so rank 0's host holds one tensor of the model at a
@@ -16,6 +17,8 @@ time, not the model (DeepSpeed's zero-to-fp32 path read every rank's files and b
 from __future__ import annotations
 
 import contextlib
+import io
+import shutil
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
@@ -46,7 +49,13 @@ class DeepSpeedCheckpointer(Checkpointer):
 
     def _write_tensors(self, directory: Path) -> tuple[Any, dict]:
         directory = Path(directory)
-        self.model.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=False)
+        from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                    UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
+        # The note that lets ds_to_universal convert the files (a resume at another world size, load below).
+        universal = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+        self.model.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=False,
+                                   client_state=universal)
         if self.runtime.is_main:
             for script in RECOVERY_SCRIPTS:
                 (directory.parent / script).unlink(missing_ok=True)
@@ -55,16 +64,41 @@ class DeepSpeedCheckpointer(Checkpointer):
     def load(self, checkpoint_dir: Path, state: Any) -> None:
         checkpoint_dir = Path(checkpoint_dir)
         verify_checkpoint(checkpoint_dir, load_state=False)
-        check_deepspeed_resume(checkpoint_dir, deepspeed=True, world_size=self.runtime.world_size,
-                               zero_stage=self.model.zero_optimization_stage(), bf16=self.model.bfloat16_enabled())
+        check_deepspeed_resume(checkpoint_dir, deepspeed=True, zero_stage=self.model.zero_optimization_stage(),
+                               bf16=self.model.bfloat16_enabled())
         training_state = load_training_state(checkpoint_dir, mmap=True)
         settings = optimizer_settings(self.optimizer)  # from this run's flags, before the load overwrites them
-        self.model.load_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name, load_optimizer_states=True,
-                                   load_lr_scheduler_states=False)
+        if self.model.load_universal_checkpoint():  # written by another number of processes (config.resume_config)
+            self._load_universal(checkpoint_dir)
+        else:
+            self.model.load_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name,
+                                       load_optimizer_states=True, load_lr_scheduler_states=False)
         restore_training_state(training_state, state=state, train_loader=self.train_loader, scaler=None,
                                rank=self.runtime.rank, optimizer=self.optimizer, device=self.runtime.device,
                                settings=settings)
         self.last_saved = checkpoint_dir
+
+    def _load_universal(self, checkpoint_dir: Path) -> None:
+        """Load a checkpoint of another world size through DeepSpeed's universal checkpoint.
+
+        Rank 0 converts the ranks' files with ``ds_to_universal`` (one folder per parameter: its fp32 weight and
+        optimizer moments, whole) into a hidden folder of out_dir while the others wait on the host, then every
+        rank takes its new partition from it, and the folder goes. The checkpoint itself is left as it was.
+
+        NOTE: the conversion runs in this process, one saved rank's file at a time (DeepSpeed's worker pools are
+        not started inside a training process); it reads and writes the whole optimizer state once, so a large
+        model's resume at a new size takes minutes before the first step. A killed conversion leaves a folder
+        that the next save removes as a leftover (layout.LEFTOVER_DIR).
+        """
+        root = self.out_dir / f".{checkpoint_dir.name}.tmp-universal"  # a leftover's name (layout.LEFTOVER_DIR)
+        if self.runtime.is_main:
+            _convert_to_universal(checkpoint_dir, root / checkpoint_dir.name)
+        self.runtime.barrier()
+        self.model.load_checkpoint(str(root), tag=checkpoint_dir.name, load_optimizer_states=True,
+                                   load_lr_scheduler_states=False)
+        self.runtime.barrier()
+        if self.runtime.is_main:
+            shutil.rmtree(root, ignore_errors=True)
 
     def _final_weights(self) -> Union[dict, Iterator[tuple[str, torch.Tensor]]]:
         """The fp32 weights, one tensor at a time (LoRA: merged layer by layer): rank 0 writes each into final/'s
@@ -162,3 +196,19 @@ def _parents(model: torch.nn.Module, name: str) -> list[torch.nn.Module]:
     """The modules above ``name`` (``blocks.0.attn`` -> the model, ``blocks``, ``blocks.0``)."""
     parts = name.split(".") if name else []
     return [model.get_submodule(".".join(parts[:index])) for index in range(len(parts))]
+
+
+def _convert_to_universal(checkpoint_dir: Path, output: Path) -> None:
+    """``deepspeed.checkpoint.ds_to_universal`` of ``checkpoint_dir`` into ``output`` (replaced if there), quietly."""
+    from types import SimpleNamespace
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    if output.parent.exists():
+        shutil.rmtree(output.parent)
+    output.parent.mkdir(parents=True)
+    # inject_missing_state: checkpoints written before llmtrain saved the universal note convert as well.
+    arguments = SimpleNamespace(input_folder=str(checkpoint_dir), output_folder=str(output), num_extract_workers=1,
+                                num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
+        ds_to_universal.main(arguments)

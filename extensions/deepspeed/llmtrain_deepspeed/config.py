@@ -150,3 +150,17 @@ def _reduce_in_fp32(config: dict) -> None:
     config["data_types"] = {**(config.get("data_types") or {})}
     config["data_types"].setdefault("grad_accum_dtype", "fp32")
     config.setdefault("communication_data_type", "fp32")
+
+
+def resume_config(config: dict, checkpoint_dir: Path, world_size: int) -> dict:
+    """``config`` for a run that resumes ``checkpoint_dir`` (a DeepSpeed checkpoint) on ``world_size`` processes.
+
+    ZeRO's files hold each saving rank's partition. On another number of processes the engine must load them as
+    DeepSpeed's universal checkpoint (``checkpoint.load_universal``, which it reads once, as it starts); the
+    checkpointer converts the files to it (:meth:`llmtrain_deepspeed.checkpoint.DeepSpeedCheckpointer.load`).
+    """
+    from llmtrain.checkpoint import files
+
+    if files.read_marker(Path(checkpoint_dir)).get("world_size") == world_size:
+        return config
+    return {**config, "checkpoint": {**(config.get("checkpoint") or {}), "load_universal": True}}
