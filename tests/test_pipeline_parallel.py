@@ -312,6 +312,35 @@ def test_full_state_paths_send_rank0_one_tensor_at_a_time_and_one_copy_whatever_
     assert [record for record in records if record[1] > limit] == []
     expected = pipeline_rank_state_bytes(1, virtual_stages=virtual_stages, optimizer=label == "save")
     assert received_state_bytes(records) == saves * expected
+    assert [record for record in records if record[:1] == ("recv",) and record[2] == "torch.uint8"] == [], \
+        "rank 0 predicts AdamW's state: no stage sends a pickled skeleton"
+
+
+@pytest.mark.multiproc
+def test_an_optimizer_state_rank0_cannot_predict_comes_with_its_skeleton_and_round_trips(launches):
+    """Adafactor keeps a row and a column per matrix, not a tensor like it: the stage sends its state's skeleton (a
+    pickled object without tensors) ahead of the tensors, and the checkpoint holds each parameter's entries as one
+    process's Adafactor has them; a resume from it continues as the run did."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from llmtrain.checkpoint.state import load_training_state
+
+    two = launches["two"]
+    records = two["adafactor"]["received"]["save"]
+    assert [record for record in records if record[1] > largest_tensor_bytes()] == []
+    skeletons = [record for record in records if record[0] == "recv" and record[2] == "torch.uint8"]
+    assert len(skeletons) == 2  # one per save (steps 4 and 8), the optimizer state's: the weights are predicted
+    model = GPT(pp_worker.pp_config())
+    reference = torch.optim.Adafactor(model.parameters(), lr=5e-3, weight_decay=0.1)
+    sum(parameter.sum() for parameter in model.parameters()).backward()
+    reference.step()
+    expected = {name: {key: tuple(value.shape) for key, value in entries.items()}
+                for name, entries in get_optimizer_state_dict(model, reference)["state"].items()}
+    saved = load_training_state(launches.workdir / "adafactor" / "step-00000004")["optimizer"]["state"]
+    assert {name: {key: tuple(value.shape) for key, value in entries.items()} for name, entries in saved.items()} \
+        == expected
+    assert two["adafactor_resumed"]["restored"] == [[], []]
+    assert_same_training(two["adafactor_resumed"], two["adafactor"], steps=range(5, 9))
 
 
 @pytest.mark.multiproc

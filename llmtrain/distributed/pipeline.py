@@ -140,14 +140,17 @@ class PipelineParts(nn.Module):
     # ---- full state: every stage's part on rank 0, one tensor at a time; collectives, all ranks call them ------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on rank 0's CPU (an empty dict elsewhere)."""
-        return {name: tensor for part in self._parts_on_rank0(self.state_dict()) for name, tensor in part.items()}
+        state = self.state_dict()
+        parts = self._parts_on_rank0(state, lambda pp_rank: _predicted_weights(self._meta_parts(pp_rank), state))
+        return {name: tensor for part in parts for name, tensor in part.items()}
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer state of the whole model on rank 0's CPU, keyed by parameter name (as
         ``get_optimizer_state_dict(full_state_dict=True)`` gives it for one model); an empty dict elsewhere."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        parts = self._parts_on_rank0(get_optimizer_state_dict(self, optimizer))
+        state = get_optimizer_state_dict(self, optimizer)
+        parts = self._parts_on_rank0(state, lambda pp_rank: _predicted_optimizer_state(self._meta_parts(pp_rank), state))
         if not parts:
             return {}
         groups = [dict(group, params=[name for part in parts for name in part["param_groups"][index]["params"]])
@@ -169,9 +172,10 @@ class PipelineParts(nn.Module):
                          for name, entries in part["state"].items()}
         set_optimizer_state_dict(self, optimizer, part)
 
-    def _parts_on_rank0(self, state: dict) -> list[dict]:
+    def _parts_on_rank0(self, state: dict, predicted: Callable[[int], dict]) -> list[dict]:
         """Every pipeline rank's ``state`` with its tensors whole, on rank 0's CPU, in pipeline-rank order (an empty
-        list elsewhere). Every rank calls it.
+        list elsewhere). Every rank calls it. ``predicted(pp_rank)``: that rank's ``state`` as this rank expects it,
+        each tensor replaced by its :class:`_TensorSpec`.
 
         NOTE: each stage's ranks gather their tensors whole one at a time (a collective over the stage's data- and
         tensor-parallel ranks); the stage's first rank sends each to rank 0 over the pipeline dimension of the mesh,
@@ -179,28 +183,48 @@ class PipelineParts(nn.Module):
         of each whatever the data-parallel size, and holds one on its device; the alternative, gathering pickled
         stages with gather_object, pads every rank's bytes to the largest and allocates world size times that on
         rank 0's GPU. Rank 0 writes the files only after the last tensor arrived: no collective waits for its disk.
+
+        Rank 0 knows what to receive without being told: the names and shapes follow from the config and the
+        layout, and an optimizer's state from its own (:func:`_predicted_optimizer_state`). Where a state does not
+        match what is predicted for it (an optimizer whose state is not a tensor like each parameter, or a 0-d one),
+        the stage's first rank sends its state's skeleton (names, shapes, numbers; no tensor) first; two flags say
+        which. So where the prediction holds, rank 0 reads no value but the flags, and the fake process group of
+        ``--dry_run.simulate`` (whose messages carry no values; a flag it reads is 1) runs this path as is.
         """
         import torch.distributed as dist
 
         pp_mesh = self.mesh["pp"]
-        group = pp_mesh.get_group()
+        group, pp_rank = pp_mesh.get_group(), pp_mesh.get_local_rank()
         device = _transfer_device(pp_mesh)
         skeleton, tensors = _split_tensors(state)
+        sends = self._leads_stage() and pp_rank > 0  # rank 0 leads stage 0
+        as_predicted = (sends or dist.get_rank() == 0) and _same_layout(skeleton, predicted(pp_rank))
         if dist.get_rank() == 0:  # the first rank of stage 0 (the mesh's first coordinate everywhere)
             parts = [_with_tensors(skeleton, [_whole(tensor).cpu() for tensor in tensors])]
             for source in range(1, pp_mesh.size()):
-                box: list = [None]
-                dist.recv_object_list(box, group_src=source, group=group, device=device)
+                # Whether rank 0 trusts its predictions (its own state is as predicted), and whether the source's is.
+                dist.send(torch.tensor([as_predicted], dtype=torch.int64, device=device), group_dst=source, group=group)
+                flag = torch.zeros(1, dtype=torch.int64, device=device)
+                dist.recv(flag, group_src=source, group=group)
+                if as_predicted and flag.item():
+                    expected = predicted(source)
+                else:
+                    box: list = [None]
+                    dist.recv_object_list(box, group_src=source, group=group, device=device)
+                    expected = box[0]
                 received = []
-                for spec in _tensor_specs(box[0]):
+                for _, spec in _tensor_layout(expected):
                     buffer = torch.empty(spec.shape, dtype=spec.dtype, device=device)
                     dist.recv(buffer, group_src=source, group=group)
                     received.append(buffer.cpu())
-                parts.append(_with_tensors(box[0], received))
+                parts.append(_with_tensors(expected, received))
             return parts
-        sends = self._leads_stage()  # pipeline rank > 0 here: rank 0 leads stage 0
         if sends:
-            dist.send_object_list([skeleton], group_dst=0, group=group, device=device)
+            trusted = torch.zeros(1, dtype=torch.int64, device=device)
+            dist.recv(trusted, group_src=0, group=group)
+            dist.send(torch.tensor([as_predicted], dtype=torch.int64, device=device), group_dst=0, group=group)
+            if not (trusted.item() and as_predicted):
+                dist.send_object_list([skeleton], group_dst=0, group=group, device=device)
         for tensor in tensors:
             whole = _whole(tensor)  # every rank of the stage takes part
             if sends:
@@ -208,6 +232,13 @@ class PipelineParts(nn.Module):
                 if device.type == "cuda":
                     torch.cuda.current_stream(device).synchronize()  # received: one tensor in flight, not all
         return []
+
+    def _meta_parts(self, pp_rank: int) -> "PipelineParts":
+        """Pipeline rank ``pp_rank``'s stages on the meta device: their parameters' names and whole shapes."""
+        virtual_stages = len(self.stage_indices)
+        with torch.device("meta"):
+            return build_pipeline_parts(self.config, pp_rank=pp_rank, pp_size=self.n_stages // virtual_stages,
+                                        virtual_stages=virtual_stages)
 
     def _leads_stage(self) -> bool:
         """Whether this rank is the first of its stage's ranks (coordinate 0 on every mesh dimension but pp)."""
@@ -272,12 +303,51 @@ def _split_tensors(state):
     return strip(state), tensors
 
 
-def _tensor_specs(skeleton) -> list[_TensorSpec]:
-    """The specs of a skeleton of :func:`_split_tensors`, in its order."""
+def _tensor_layout(skeleton, path: tuple = ()) -> list[tuple[tuple, _TensorSpec]]:
+    """Where each tensor of a skeleton of :func:`_split_tensors` sits (its keys and indices), with its spec, in order."""
     if isinstance(skeleton, _TensorSpec):
-        return [skeleton]
-    items = skeleton.values() if isinstance(skeleton, dict) else skeleton if isinstance(skeleton, (list, tuple)) else []
-    return [spec for item in items for spec in _tensor_specs(item)]
+        return [(path, skeleton)]
+    if isinstance(skeleton, dict):
+        return [found for key, item in skeleton.items() for found in _tensor_layout(item, path + (key,))]
+    if isinstance(skeleton, (list, tuple)):
+        return [found for index, item in enumerate(skeleton) for found in _tensor_layout(item, path + (index,))]
+    return []
+
+
+def _same_layout(skeleton, expected) -> bool:
+    """Whether two skeletons hold the same tensors in the same places and order (and an optimizer state's param
+    groups the same parameters)."""
+    def groups(value) -> Optional[list]:
+        return [group.get("params") for group in value.get("param_groups", [])] if isinstance(value, dict) else None
+
+    return _tensor_layout(skeleton) == _tensor_layout(expected) and groups(skeleton) == groups(expected)
+
+
+def _predicted_weights(parts: "PipelineParts", own: dict) -> dict:
+    """The skeleton of the state dict of ``parts`` (another pipeline rank's stages, on the meta device), in the
+    dtype of this rank's own state dict ``own``."""
+    dtypes = {tensor.dtype for tensor in own.values()}
+    dtype = dtypes.pop() if len(dtypes) == 1 else None  # several: nothing to predict from (the stage says)
+    return {name: _TensorSpec(tuple(tensor.shape), dtype) for name, tensor in parts.state_dict().items()}
+
+
+def _predicted_optimizer_state(parts: "PipelineParts", own: dict) -> dict:
+    """The skeleton of the optimizer state of ``parts`` (another pipeline rank's stages, on the meta device) if it is
+    like this rank's ``own``: each parameter's entries those of this rank's first, a tensor shaped like the
+    parameter or a 0-d one (AdamW's moments and step), in one param group. An optimizer whose state is not so is told
+    apart by comparing its own state with this prediction (:meth:`PipelineParts._parts_on_rank0`)."""
+    template = next(iter(own["state"].values()), {})
+
+    def entry(value, shape: tuple[int, ...]):
+        if isinstance(value, torch.Tensor):
+            return _TensorSpec(shape if value.dim() else (), value.dtype)
+        return value
+
+    named = list(parts.named_parameters())
+    state = {name: {key: entry(value, tuple(parameter.shape)) for key, value in template.items()}
+             for name, parameter in named} if own["state"] else {}
+    groups = own["param_groups"][:1]
+    return {"state": state, "param_groups": [dict(group, params=[name for name, _ in named]) for group in groups]}
 
 
 def _with_tensors(skeleton, tensors: list[torch.Tensor]):
