@@ -35,7 +35,7 @@ def build_for_deepspeed(runtime: Runtime, strategy: str, *, precision: str = "32
     from llmtrain_deepspeed.config import build_config
 
     info = dist_worker.layout(runtime, strategy=strategy, precision=precision)
-    train_args = TrainArgs(global_batch_size=GLOBAL_BATCH, micro_batch_size=1, max_steps=MAX_STEPS,
+    train_args = TrainArgs(global_batch_size=dist_worker.GLOBAL_BATCH, micro_batch_size=1, max_steps=MAX_STEPS,
                            lr_warmup_steps=2, max_norm=1.0)
     config_dict = build_config(info, train_args, user)
     if info.zero.stage == 3:
@@ -195,6 +195,7 @@ def suite_zero3_build(runtime: Runtime, workdir: Path) -> dict:
         with deepspeed.zero.GatheredParameters(parameters):
             return {name: tensor.detach().clone() for name, tensor in unwrap(model).state_dict().items()}
 
+    dist_worker.GLOBAL_BATCH = 2 * runtime.world_size  # nothing trains here: any world size will do
     results = {}
     for name, config, precision in (("tiny", tiny_config(), "32-true"), ("tiny_bf16", tiny_config(), "bf16-mixed"),
                                     ("uneven_tied", uneven_tied_config(), "32-true")):
@@ -202,18 +203,23 @@ def suite_zero3_build(runtime: Runtime, workdir: Path) -> dict:
         held, whole = partitioned_numel(model)
         results[name] = {"held": held, "whole": whole, "weights": gathered(model),
                          "tied": unwrap(model).lm_head.weight is unwrap(model).wte.weight}
-    # LoRA on a base read from a model directory: the base's weights, adapters as reset_lora_parameters draws them.
-    base_dir = workdir / "base"
-    if runtime.is_main:
-        base_dir.mkdir(exist_ok=True)
-        base = {key: tensor.float() * 3 for key, tensor in results["tiny"]["weights"].items()}
-        save_file(base, str(base_dir / "model.safetensors"))
+    # Weights from model directories (each built model's weights times 3; a tied output layer is not stored): LoRA
+    # on the tiny model, whose adapters are as reset_lora_parameters draws them, and the uneven tied model.
+    for name in ("tiny", "uneven_tied"):
+        if runtime.is_main:
+            (workdir / name).mkdir(exist_ok=True)
+            weights = {key: tensor.float() * 3 for key, tensor in results[name]["weights"].items()
+                       if not (key == "lm_head.weight" and results[name]["tied"])}
+            save_file(weights, str(workdir / name / "model.safetensors"))
     torch.distributed.barrier()
     lora = LoRAArgs(lora_r=4, lora_alpha=8, lora_query=True, lora_value=True, lora_mlp=True)
     model, *_ = build_for_deepspeed(runtime, "deepspeed_stage_3", lora=lora)
-    load_partitioned_weights(model, base_dir)
+    load_partitioned_weights(model, workdir / "tiny")
     results["lora"] = {"weights": gathered(model),
                        "trainable": sorted(n for n, p in unwrap(model).named_parameters() if p.requires_grad)}
+    model, *_ = build_for_deepspeed(runtime, "deepspeed_stage_3", config=uneven_tied_config())
+    load_partitioned_weights(model, workdir / "uneven_tied")
+    results["uneven_tied_loaded"] = {"weights": gathered(model)}
     return results
 
 

@@ -134,24 +134,23 @@ def test_bf16_training_under_each_zero_stage_follows_fsdp(parity_bf16, strategy)
         assert (ours["weights"][name] - tensor).norm() < 5e-2 * tensor.norm(), name
 
 
-@pytest.fixture(scope="module")
-def zero3_build(tmp_path_factory) -> dict:
-    workdir = tmp_path_factory.mktemp("ds-zero3-build")
-    return launch(2, "zero3_build", workdir, timeout_s=300, script=TESTS / "ds_worker.py")
-
-
 @needs_deepspeed
 @pytest.mark.multiproc
-def test_a_stage_3_model_is_built_partitioned_with_the_weights_of_every_other_strategy(zero3_build):
-    """Under deepspeed.zero.Init each of 2 ranks holds half of the parameters right after the build (with the
-    padding of each parameter to an even split), and the weights gathered whole equal, bit for bit, those that
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_stage_3_model_is_built_partitioned_with_the_weights_of_every_other_strategy(world_size, tmp_path):
+    """Under deepspeed.zero.Init each rank holds 1/world of the parameters right after the build (with the padding
+    of each parameter to an even split: on 3 ranks partitions start inside rows), and the weights gathered whole
+    equal, bit for bit, those that
     materialize gives a model built whole in one process with the same seed: in fp32, in bf16 (the fp32 draw
-    rounded), with tied embeddings and sizes 2 does not divide, and for LoRA on a base read from a file."""
+    rounded), with tied embeddings and sizes 2 does not divide; and so are weights read from a file (each rank its
+    own partitions' rows), for LoRA's base and for the tied, unevenly sized model."""
     from dist_worker import SEED, tiny_config, uneven_tied_config
 
     from llmtrain.distributed.parallelize import materialize
     from llmtrain.lora import LoRAArgs, apply_lora, reset_lora_parameters
     from llmtrain.model import GPT
+
+    zero3_build = launch(world_size, "zero3_build", tmp_path, timeout_s=300, script=TESTS / "ds_worker.py")
 
     def reference(config, lora=None) -> dict:
         with torch.device("meta"):
@@ -165,7 +164,8 @@ def test_a_stage_3_model_is_built_partitioned_with_the_weights_of_every_other_st
                                 ("uneven_tied", uneven_tied_config(), torch.float32)):
         built = zero3_build[name]
         assert built["whole"] == sum(p.numel() for p in GPT(config).parameters())
-        assert built["whole"] / 2 <= built["held"] <= built["whole"] / 2 + 2 * len(built["weights"]), name
+        held_at_most = built["whole"] / world_size + len(built["weights"])  # at most one padding element each
+        assert built["whole"] / world_size <= built["held"] <= held_at_most, name
         expected = reference(config)
         assert built["weights"].keys() == expected.keys()
         for key, tensor in expected.items():
@@ -181,6 +181,9 @@ def test_a_stage_3_model_is_built_partitioned_with_the_weights_of_every_other_st
         want = expected[key] if "lora_" in key else base[plain] * 3  # the file held the base weights times 3
         assert torch.equal(tensor, want), key
     assert zero3_build["lora"]["trainable"] and all("lora_" in n for n in zero3_build["lora"]["trainable"])
+    uneven = zero3_build["uneven_tied"]["weights"]
+    for key, tensor in zero3_build["uneven_tied_loaded"]["weights"].items():
+        assert torch.equal(tensor, uneven[key] * 3), key
 
 
 @needs_deepspeed

@@ -8,13 +8,14 @@ one module whole for a moment.
 
 The weights are the same as under every other strategy for the same seed: each initialiser of
 :func:`llmtrain.model.init_gpt_weights` (and LoRA's) runs on a full-size fp32 tensor, exactly as in one process,
-and the rank keeps its partition (:class:`_PartitionedInit`). Weights from a model directory are read one tensor
-at a time by every rank (:func:`load_partitioned_weights`).
+and the rank keeps its partition (:class:`_PartitionedInit`). Weights from a model directory are read by each
+rank for its own partitions only (:func:`load_partitioned_weights`).
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
+import math
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -96,8 +97,8 @@ class _SkipInitializers(TorchFunctionMode):
 class _PartitionedInit(TorchFunctionMode):
     """Run each initialiser of a partitioned parameter on a full-size tensor, drawn in fp32, and keep the partition.
 
-    Every rank draws the same full tensor (same seed, same calls); DeepSpeed's ``GatheredParameters`` with a
-    modifier rank then writes it into the parameter and re-partitions it. Only one full parameter exists at a time.
+    Every rank draws the same full tensor (same seed, same calls, as in one process) and copies out the elements
+    its partition holds: no communication. Only one full parameter exists at a time.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -105,16 +106,39 @@ class _PartitionedInit(TorchFunctionMode):
         target = args[0] if args else kwargs.get("tensor")
         if not (_overwrites(func) and _is_partitioned(target)):
             return func(*args, **kwargs)
-        import deepspeed
-
         full = torch.empty(target.ds_shape, dtype=_draw_dtype(target.dtype), device=target.device)
         if args:
             func(full, *args[1:], **kwargs)
         else:
             func(**{**kwargs, "tensor": full})
-        with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
-            target.data.copy_(full)
+        flat = full.view(-1)
+        _set_partition(target, lambda start, stop: flat[start:stop])
         return target
+
+
+def _set_partition(param: nn.Parameter, elements: Callable[[int, int], torch.Tensor]) -> None:
+    """Write this rank's partition of a ZeRO-3 parameter; ``elements(start, stop)``: the flattened parameter's
+    elements ``[start, stop)`` (every rank asks only for its own).
+
+    NOTE: ZeRO-3 pads a parameter's ``ds_numel`` elements to a multiple of the partition group's size and gives
+    rank r the r-th equal run of them in ``param.ds_tensor`` (DeepSpeed's ``_partition_param``; its
+    zero_to_fp32 and ds_to_universal read the files by the same rule). A partition swapped out to NVMe is not
+    in memory: there DeepSpeed's own ``GatheredParameters`` writes the whole parameter, through every rank.
+    """
+    import deepspeed
+
+    local = param.ds_tensor
+    if getattr(local, "final_location", None) == "nvme":  # OffloadDeviceEnum.nvme is a str
+        full = elements(0, param.ds_numel).view(param.ds_shape)
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            param.data.copy_(full)
+        return
+    rank = deepspeed.comm.get_rank(group=param.ds_process_group)
+    start = min(local.ds_numel * rank, param.ds_numel)
+    stop = min(start + local.ds_numel, param.ds_numel)
+    with torch.no_grad():
+        local.narrow(0, 0, stop - start).copy_(elements(start, stop))
+        local.narrow(0, stop - start, local.ds_numel - (stop - start)).zero_()  # the padding
 
 
 def partitioned_numel(model: nn.Module) -> tuple[int, int]:
@@ -132,13 +156,14 @@ def partitioned_numel(model: nn.Module) -> tuple[int, int]:
 
 
 def load_partitioned_weights(model: nn.Module, checkpoint_dir: Path) -> None:
-    """A model directory's ``model.safetensors`` into a partitioned model, one tensor at a time on every rank.
+    """A model directory's ``model.safetensors`` into a partitioned model: each rank reads only the bytes of its own
+    partitions.
 
-    Every rank reads each tensor itself (the file is memory-mapped), so no rank waits in a collective for another
-    one's disk and none holds more than one full tensor; the same checks as
-    :func:`llmtrain.checkpoint.weights.load_weights` (every non-adapter weight present with its shape).
+    The same checks as :func:`llmtrain.checkpoint.weights.load_weights` (every non-adapter weight present with its
+    shape), on every rank from the file's header. No collective and no rank 0: the file is memory-mapped and a
+    rank's partition of a parameter is one contiguous run of its rows, so N ranks read the file once between them
+    and none waits for another's disk.
     """
-    import deepspeed
     from safetensors import safe_open
 
     path = Path(checkpoint_dir) / layout.MODEL_FILE
@@ -155,14 +180,25 @@ def load_partitioned_weights(model: nn.Module, checkpoint_dir: Path) -> None:
             raise ValueError(f"{path} does not match the model config: missing keys {missing[:5]}, "
                              f"unexpected keys {unexpected[:5]}")
         for name, param in wanted.items():
-            tensor = weights.get_tensor(in_file.get(name, name))
+            stored_slice = weights.get_slice(in_file.get(name, name))
             shape = tuple(getattr(param, "ds_shape", param.shape))
-            if tuple(tensor.shape) != shape:
-                raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, the model config expects {shape}")
-            gathered = deepspeed.zero.GatheredParameters([param], modifier_rank=0) if _is_partitioned(param) \
-                else contextlib.nullcontext()
-            with gathered, torch.no_grad():
-                param.data.copy_(tensor)
+            if tuple(stored_slice.get_shape()) != shape:
+                raise ValueError(f"{path}: {name} has shape {tuple(stored_slice.get_shape())}, the model config "
+                                 f"expects {shape}")
+            if _is_partitioned(param):
+                _set_partition(param, functools.partial(_read_elements, stored_slice, shape))
+            else:
+                with torch.no_grad():
+                    param.copy_(stored_slice[:])
+
+
+def _read_elements(stored_slice, shape: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of a stored tensor, flattened, reading only the rows that hold them."""
+    if len(shape) < 2:
+        return stored_slice[start:stop].reshape(-1)
+    row = math.prod(shape[1:])
+    first, last = start // row, -(-stop // row)
+    return stored_slice[first:last].reshape(-1)[start - first * row:stop - first * row]
 
 
 def _file_names(gpt: nn.Module) -> dict[str, str]:
