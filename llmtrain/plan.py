@@ -460,11 +460,12 @@ def zero_state_bytes(config: Config, plan: ParallelPlan, parameters: int, traina
 
     DeepSpeed keeps the module in the compute dtype (bf16 or fp16 under mixed precision, else fp32) and, in its
     optimizer, an fp32 master copy of the trainable weights' partition (also in fp32 training: a clone), the
-    gradient partition in fp32 and AdamW's two fp32 moments. Over N ranks, stage 1 partitions the master copy,
-    gradient partition and moments; stage 2 also the module's gradients; stage 3 also its parameters, gathering
-    them a block or two at a time (prefetch). Offloading moves the optimizer (and its fp32 gradients), or the
-    parameter partitions (stage 3), to host memory. Not counted: DeepSpeed's communication buckets
-    (``reduce_bucket_size``, ``allgather_bucket_size`` and stage 3's prefetch and live-parameter limits in the config).
+    gradient partition in fp32 and AdamW's two fp32 moments (stage 1 in bf16: the whole fp32 gradient). Over N
+    ranks, stage 1 partitions the master copy, gradient partition and moments; stage 2 also the module's
+    gradients; stage 3 also its parameters, gathering them a block or two at a time (prefetch). Offloading moves
+    the optimizer (and its fp32 gradients), or the parameter partitions (stage 3), to host memory. Not counted:
+    DeepSpeed's communication buckets (``reduce_bucket_size``, ``allgather_bucket_size`` and stage 3's prefetch
+    and live-parameter limits in the config).
     """
     zero, shards = plan.zero, plan.data_parallel_size
     compute = _bytes(plan.precision.compute_dtype)
@@ -473,7 +474,12 @@ def zero_state_bytes(config: Config, plan: ParallelPlan, parameters: int, traina
         params = parameters * compute
     else:
         params = working + (0 if zero.offload_parameters else parameters * compute / shards)
-    gradients = trainable * compute if zero.stage == 1 else trainable * compute / shards + working
+    if zero.stage == 1:
+        # NOTE: bf16 gradients accumulate in fp32 (llmtrain_deepspeed.config), and stage 1 keeps them whole: in
+        # DeepSpeed's BF16_Optimizer, one fp32 buffer the size of the trainable weights.
+        gradients = trainable * (4 if plan.precision.name == "bf16-mixed" else compute)
+    else:
+        gradients = trainable * compute / shards + working
     optimizer = (4 + 4 + 8) * trainable / shards  # fp32 master, fp32 gradient partition, two fp32 moments
     if zero.offload_optimizer:
         optimizer = 0

@@ -62,11 +62,13 @@ def test_what_deepspeed_cannot_honour_is_refused_by_flag(overrides, words):
 
 def test_each_stage_divides_what_it_partitions(llama_8b):
     """bf16-mixed over 32 ranks: the module in bf16; the optimizer's fp32 master, fp32 gradient partition and two
-    moments (16 bytes per parameter) over 32; stage 2 also the gradients, stage 3 also the parameters."""
+    moments (16 bytes per parameter) over 32; stage 2 also the gradients, stage 3 also the parameters. Stage 1
+    accumulates the whole gradient in fp32 (DeepSpeed's BF16_Optimizer, as llmtrain's config asks), 4 bytes per
+    parameter; in fp32 training, as the module: also 4."""
     n = num_parameters(llama_8b)
     working = 2 * block_parameters_per_rank(llama_8b, 1) * 2
     expected = {
-        "deepspeed_stage_1": (2 * n, 2 * n, 16 * n / 32),
+        "deepspeed_stage_1": (2 * n, 4 * n, 16 * n / 32),
         "deepspeed_stage_2": (2 * n, 2 * n / 32 + working, 16 * n / 32),
         "deepspeed_stage_2_offload": (2 * n, 2 * n / 32 + working, 0),
         "deepspeed_stage_3": (2 * n / 32 + working, 2 * n / 32 + working, 16 * n / 32),
@@ -74,6 +76,7 @@ def test_each_stage_divides_what_it_partitions(llama_8b):
     }
     for name, (params, grads, optimizer) in expected.items():
         assert state_bytes(llama_8b, zero_plan(name)) == (int(params), int(grads), int(optimizer)), name
+    assert state_bytes(llama_8b, zero_plan("deepspeed_stage_1", precision="32-true"))[1] == 4 * n
     totals = [estimate_memory(llama_8b, zero_plan(name), seq_len=2048).total for name in expected]
     assert totals == sorted(totals, reverse=True)  # every step down the list saves memory
     # Stage 3 against FULL_SHARD over the same ranks: the same parameters and moments, differently kept. ZeRO
