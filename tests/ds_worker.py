@@ -267,8 +267,79 @@ def suite_final_stream(runtime: Runtime, workdir: Path) -> dict:
     return results
 
 
+UNIVERSAL_CASES = (("deepspeed_stage_3", "32-true"), ("deepspeed_stage_1", "bf16-mixed"))
+"""ZeRO 3's partitioned files, and ZeRO 1 in bf16 (DeepSpeed's BF16_Optimizer): what a universal resume converts."""
+
+
+def full_training_state(engine) -> dict:
+    """Every parameter's fp32 master and Adam moments, whole (on every rank), and the optimizer's step counts."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    state = {"weights": full_fp32_weights(engine)}
+    for key in ("exp_avg", "exp_avg_sq"):
+        state[key] = {name: safe_get_full_optimizer_state(param, key).clone().cpu()
+                      for name, param in unwrap(engine).named_parameters()}
+    return state
+
+
+def suite_universal_save(runtime: Runtime, workdir: Path) -> dict:
+    """Two AdamW steps, then a step checkpoint of DeepSpeedCheckpointer's files, for each UNIVERSAL_CASES."""
+    from llmtrain_deepspeed.checkpoint import DeepSpeedCheckpointer
+    from llmtrain_deepspeed.engine import initialize
+
+    results = {}
+    for strategy, precision in UNIVERSAL_CASES:
+        model, info, config, _ = build_for_deepspeed(runtime, strategy, precision=precision)
+        engine = initialize(model, torch.optim.AdamW(model.parameters(), lr=5e-3), config, runtime)
+        loader = iter(ListLoader(make_samples(), 1, runtime.data_parallel_rank, runtime.data_parallel_size))
+        for _ in range(2):
+            for index in range(info.batch.grad_accum_steps):
+                batch = next(loader)
+                engine.set_gradient_accumulation_boundary(index == info.batch.grad_accum_steps - 1)
+                logits = engine(batch["input_ids"])
+                engine.backward(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                                                  batch["labels"].flatten(), ignore_index=-100),
+                                scale_wrt_gas=False)
+            engine.step()
+        checkpointer = DeepSpeedCheckpointer.__new__(DeepSpeedCheckpointer)  # only what _write_tensors reads
+        checkpointer.model, checkpointer.runtime, checkpointer.optimizer = engine, runtime, engine.optimizer
+        directory = workdir / strategy / "step-00000002"
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        checkpointer._write_tensors(directory)
+        results[strategy] = full_training_state(engine)
+    return results
+
+
+def suite_universal_load(runtime: Runtime, workdir: Path) -> dict:
+    """Each UNIVERSAL_CASES checkpoint of suite_universal_save loaded here (another world size) as the recipe loads
+    it: the config's checkpoint.load_universal (config.resume_config), then DeepSpeedCheckpointer._load_universal."""
+    from llmtrain.checkpoint import files
+    from llmtrain_deepspeed.checkpoint import DeepSpeedCheckpointer
+    from llmtrain_deepspeed.config import resume_config
+    from llmtrain_deepspeed.engine import initialize
+
+    dist_worker.GLOBAL_BATCH = 4 * runtime.world_size  # nothing trains here: any world size will do
+    results = {}
+    for strategy, precision in UNIVERSAL_CASES:
+        directory = workdir / strategy / "step-00000002"
+        if runtime.is_main:
+            files.write_marker(directory, {"world_size": 2})  # what a step checkpoint's marker records
+        runtime.barrier()  # (one process has no process group before DeepSpeed's)
+        model, info, config, _ = build_for_deepspeed(runtime, strategy, precision=precision)
+        engine = initialize(model, torch.optim.AdamW(model.parameters(), lr=5e-3),
+                            resume_config(config, directory, runtime.world_size), runtime)
+        checkpointer = DeepSpeedCheckpointer.__new__(DeepSpeedCheckpointer)  # only what _load_universal reads
+        checkpointer.model, checkpointer.runtime, checkpointer.out_dir = engine, runtime, workdir / f"{strategy}-out"
+        assert engine.load_universal_checkpoint()
+        checkpointer._load_universal(directory)
+        results[strategy] = {**full_training_state(engine), "left": sorted(
+            p.name for p in checkpointer.out_dir.iterdir()) if checkpointer.out_dir.exists() else []}
+    return results
+
+
 SUITES = {"parity": suite_parity, "parity_bf16": suite_parity_bf16, "zero3_build": suite_zero3_build,
-          "final_stream": suite_final_stream}
+          "final_stream": suite_final_stream, "universal_save": suite_universal_save,
+          "universal_load": suite_universal_load}
 
 
 

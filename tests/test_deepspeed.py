@@ -204,6 +204,31 @@ def test_final_weights_stream_one_tensor_at_a_time_on_rank_0(tmp_path):
         assert stream["most_alive"] <= largest < sum(t.nbytes for t in stream["weights"].values()) / 4, strategy
 
 
+@pytest.fixture(scope="module")
+def universal_saved(tmp_path_factory) -> tuple[Path, dict]:
+    workdir = tmp_path_factory.mktemp("ds-universal")
+    return workdir, launch(2, "universal_save", workdir, timeout_s=300, script=TESTS / "ds_worker.py")
+
+
+@needs_deepspeed
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_zero_3_and_bf16_zero_1_checkpoints_of_2_ranks_load_on_another_number_exactly(universal_saved, world_size):
+    """ZeRO 3's partitioned files (fp32) and ZeRO 1's in bf16 (DeepSpeed's BF16_Optimizer), written by 2 ranks after
+    two AdamW steps, loaded by 1 and by 3 through the universal checkpoint: every parameter's fp32 master and both
+    Adam moments come back bit for bit, and the converted folder is gone."""
+    workdir, saved = universal_saved
+    loaded = launch(world_size, "universal_load", workdir, timeout_s=300, script=TESTS / "ds_worker.py")
+    for strategy, before in saved.items():
+        after = loaded[strategy]
+        for key in ("weights", "exp_avg", "exp_avg_sq"):
+            assert after[key].keys() == before[key].keys(), (strategy, key)
+            for name, tensor in before[key].items():
+                assert torch.equal(after[key][name], tensor), (strategy, key, name)
+        assert any(tensor.abs().sum() > 0 for tensor in before["exp_avg"].values())  # the moments are not empty
+        assert after["left"] == [], strategy
+
+
 # ------------------------------------------------------------------------------- the command line
 _REFERENCE: dict = {}
 
