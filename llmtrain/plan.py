@@ -136,8 +136,10 @@ def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, check
 
     Tensor parallelism splits the heads (q, k, v, SDPA) and the MLP width over ``tp`` ranks. The norms' tensors and
     the d-wide inputs of the linears are replicated on every rank, unless sequence parallelism splits them over the
-    sequence: then they are divided by ``tp`` too (NOTE: as Megatron-LM counts them, re-gathering the input of a
-    column-parallel linear in backward; torch's DTensor keeps the gathered input, a d-wide tensor per linear more).
+    sequence: then the norms' tensors are divided by ``tp``, but not the inputs of the column-parallel linears
+    (attention's q, k, v and the MLP's first): torch's DTensor gathers each over the sequence and keeps it whole for
+    the backward, where Megatron-LM gathers it again. NOTE: this estimate divided those by ``tp`` too until
+    ``--dry_run.simulate`` measured them whole (TinyLlama at tp 4: 1.0 GiB more than estimated at 32 ranks).
     The vocabulary-sharded head holds ``V / tp`` of each token's logits.
 
     ``attention_dtype`` (``llmtrain.model.attention_dtype``; default ``compute_dtype``): where attention computes
@@ -165,7 +167,9 @@ def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, check
     scores = _bytes(attention_dtype or compute_dtype) * config.n_head * attention_scores  # block attention's (above)
     upcast_saved = (q + 2 * kv if attention_scores else 2 * q + 2 * kv) * upcast  # q, k, v (and SDPA's output)
     split = (2 * q + 4 * kv) * a + upcast_saved + scores + (4 if gated else 2) * f * a  # heads, MLP
-    layer = replicated / sequence_split + split / tp
+    # the attention's and the MLP's gathered inputs, whole on every rank under sequence parallelism (above)
+    gathered_inputs = (2 if sequence_parallel and tp > 1 else 0) * d * a * (1 - 1 / tp)
+    layer = replicated / sequence_split + split / tp + gathered_inputs
     block_input = d * a / sequence_split
     mode = canonical_checkpointing(checkpointing)
     if mode == "op":
@@ -346,9 +350,10 @@ def communication_bytes_per_step(config: Config, plan: ParallelPlan, seq_len: in
 
     - FSDP (``dp_shard``): every unit's weights gathered for each micro-batch's forward (in the compute dtype under
       mixed precision), again for its backward where it was resharded after the forward (the embedding and the blocks
-      under FULL_SHARD and HYBRID_SHARD without a pipeline); SHARD_GRAD_OP gathers once per step, its weights held
-      through the micro-batches. Gradients reduce-scattered (fp32 under mixed precision) once per step under
-      --fsdp.skip_gradient_sync or a pipeline, else after every micro-batch.
+      under FULL_SHARD and HYBRID_SHARD); SHARD_GRAD_OP and a pipeline (whose schedule keeps the stages' weights
+      gathered and their gradients unreduced until the last micro-batch) gather once per step. Gradients
+      reduce-scattered (fp32 under mixed precision) once per step under --fsdp.skip_gradient_sync or a pipeline, else
+      after every micro-batch.
     - HYBRID_SHARD (``dp_replicate``): each reduce-scatter's shard all-reduced across the replicas.
     - DDP (``dp_replicate``): the gradients all-reduced once per step or per micro-batch, as above.
     - tensor parallelism (``tp``): :func:`tensor_parallel_bytes_per_step`.
@@ -369,25 +374,30 @@ def communication_bytes_per_step(config: Config, plan: ParallelPlan, seq_len: in
         shard_dim = "dp_shard" if "dp_shard" in dims else "dp_replicate"
         resharded = local - (_head_unit_parameters(config, plan, pipeline_rank) if pipeline_rank == plan.pp - 1
                              else 0)
-        if plan.sharding_strategy == "SHARD_GRAD_OP":
+        if plan.sharding_strategy == "SHARD_GRAD_OP" or plan.pp > 1:  # held through the step's micro-batches
             gathers = local
         elif plan.reshard_after_forward:
             gathers = m * (local + resharded)
         else:
             gathers = m * local
-        bytes_by_dim[shard_dim] = gathers * gathered + reductions * local * reduced
+        if _dim_size(plan, shard_dim) > 1:  # FSDP over one rank (HYBRID_SHARD's shard 1) moves nothing
+            bytes_by_dim[shard_dim] = gathers * gathered + reductions * local * reduced
         if plan.sharding_strategy == "HYBRID_SHARD" and plan.dp_replicate > 1:
             bytes_by_dim["dp_replicate"] = reductions * local * reduced / plan.dp_shard
     elif plan.wrapper == "ddp":
         bytes_by_dim["dp_replicate"] = reductions * local * reduced
-    if plan.tp > 1:
-        bytes_by_dim["tp"] = tensor_parallel_bytes_per_step(config, plan, seq_len)
+    if plan.tp > 1:  # what crosses the link is (tp - 1)/tp of each buffer
+        bytes_by_dim["tp"] = tensor_parallel_bytes_per_step(config, plan, seq_len) * plan.tp / (plan.tp - 1)
     if plan.pp > 1:
         boundaries = (pipeline_rank > 0) + (pipeline_rank < plan.pp - 1)
         activation = plan.batch.micro_batch_size * seq_len * config.n_embd * _bytes(precision.compute_dtype)
         activation /= plan.tp if plan.sequence_parallel else 1
         bytes_by_dim["pp"] = 2 * boundaries * m * plan.pp_virtual_stages * activation
     return bytes_by_dim
+
+
+def _dim_size(plan: ParallelPlan, dim: str) -> int:
+    return plan.mesh_shape().get(dim, 1)
 
 
 def _head_unit_parameters(config: Config, plan: ParallelPlan, pipeline_rank: int) -> int:

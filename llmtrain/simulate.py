@@ -106,6 +106,21 @@ def _group_name(value: Any) -> Optional[str]:
     return value.group_name if isinstance(value, dist.ProcessGroup) else None
 
 
+class HealthyReads(TorchDispatchMode):
+    """Answers a read of a fake tensor's value (``.item()``) as a healthy run's ranks would read it: 1.
+
+    NOTE: the fake process group delivers nothing, so a number that ranks agree on through a collective has no value
+    here. The reads in a step are such agreements: the pipeline schedule's vote that every stage knows its shapes (1),
+    and, for an optimizer that must be told on the host, whether the gradient norm is finite (1: it is).
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            tensor = args[0]
+            return True if tensor.dtype == torch.bool else 1 if not tensor.is_floating_point() else 1.0
+        return func(*args, **(kwargs or {}))
+
+
 class CollectiveCounter(TorchDispatchMode):
     """Counts every collective dispatched while it is active, by (mesh dimension, operator).
 
@@ -131,7 +146,7 @@ class CollectiveCounter(TorchDispatchMode):
         if func.namespace == "_c10d_functional":
             if name.startswith("wait") or name == "broadcast" and False:
                 return
-            group = next((a for a in args if isinstance(a, str)), kwargs.get("group_name"))
+            group = next((a for a in reversed(args) if isinstance(a, str)), kwargs.get("group_name"))  # after the op
             nbytes = _tensor_bytes(args[0])
             if name.startswith("all_gather_into_tensor"):
                 group_size = next(a for a in args[1:] if isinstance(a, int))
@@ -155,10 +170,11 @@ class CollectiveCounter(TorchDispatchMode):
 
 def group_dims(mesh: Any) -> dict[str, str]:
     """Process group name -> the mesh dimension it belongs to (``world`` for the default group)."""
-    dims = {dist.group.WORLD.group_name: "world"}
-    if mesh is not None:
+    dims = {}
+    if mesh is not None:  # a dimension over every rank (FULL_SHARD over the world) is the default group itself
         for name in mesh.mesh_dim_names:
             dims.setdefault(mesh.get_group(name).group_name, name)
+    dims.setdefault(dist.group.WORLD.group_name, "world")
     return dims
 
 
@@ -195,33 +211,69 @@ class RankReport:
 
 
 def _memory_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-    """torch's memory tracker for ``model``: FSDP's own categories where FSDP shards it."""
+    """torch's memory tracker for ``model`` (a pipeline rank's stages together): FSDP's own categories where FSDP
+    shards it, else the generic one.
+
+    NOTE: torch's trackers keep per-module statistics for one forward of the root, and raise when a module runs again,
+    which a step's next micro-batch does; the peak by category, all the simulation reads, is global, so a module's
+    statistics are forgotten before each of its forwards. FSDP's tracker also expects every sharded module to run its
+    own forward, which a head whose weight the fused loss reads directly never does: every module gets statistics
+    before the first.
+    """
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(model, FSDPModule):
-        return _fsdp_tracker(model, optimizer)
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
+    roots = list(getattr(model, "stages", [model]))  # a pipeline rank's stages are the modules its schedule calls
+    if all(isinstance(root, FSDPModule) for root in roots):
+        tracker = _fsdp_tracker(roots, optimizer)
+    else:
+        tracker = _generic_tracker(roots)
+        tracker.track_external(model, optimizer)
     return tracker
 
 
-def _fsdp_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+_PROPAGATING = [0]
+"""How deep this process is in DTensor's sharding propagation (:func:`_untrack_sharding_propagation`)."""
+
+
+def _untrack_sharding_propagation() -> None:
+    """Keep DTensor's shape propagation out of the memory trackers (in a simulated rank's own process).
+
+    NOTE: to find an operator's output layout DTensor runs it on fake tensors of its own, which it caches with the
+    operator's schema; a real run allocates nothing for them, but under the simulation's fake tensors the trackers
+    counted each as a live temporary: 5.9 GiB of the 27.6 GiB measured on the last pipeline stage of a 70B model at
+    tp 8, none of which a GPU would hold.
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+    if getattr(propagate, "_llmtrain_untracked", False):
+        return
+
+    def untracked(self, *args, **kwargs):
+        _PROPAGATING[0] += 1
+        try:
+            return propagate(self, *args, **kwargs)
+        finally:
+            _PROPAGATING[0] -= 1
+
+    untracked._llmtrain_untracked = True
+    ShardingPropagator._propagate_tensor_meta_non_cached = untracked
+
+
+def _fsdp_tracker(roots: list[torch.nn.Module], optimizer: torch.optim.Optimizer):
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModMemStats
 
     class StepTracker(FSDPMemTracker):
-        """FSDPMemTracker for a whole training step. NOTE: torch's keeps per-module statistics for one forward of the
-        root, and raises when the root runs again (the step's next micro-batch); it also expects every sharded
-        module to run its own forward, which a head whose weight the fused loss reads directly never does. The peak
-        by category, which is all the simulation reads, is global: forget the root's statistics before each of its
-        forwards, and give every module statistics before the first."""
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if _PROPAGATING[0]:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
 
         def _fsdp_state_pre_forward(self, fsdp_mod, orig):
             inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
 
             def forget_root_first(*args, **kwargs):
-                if fsdp_mod is model and not self._mod_tracker.is_bw:
+                if not self._mod_tracker.is_bw:  # a forward again: the next micro-batch
                     self.memory_tracking.pop(fsdp_mod, None)
                 return inner(*args, **kwargs)
 
@@ -229,12 +281,33 @@ def _fsdp_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
 
         def __enter__(self):
             entered = super().__enter__()
-            for name, module in model.named_modules():
-                if module is not model and module not in self.memory_tracking and hasattr(module, "_get_fsdp_state"):
+            for name, module in self._root_mod.named_modules():
+                if (not any(module is root for root in roots) and module not in self.memory_tracking
+                        and hasattr(module, "_get_fsdp_state")):
                     self.memory_tracking[module] = _FSDPModMemStats(name)
             return entered
 
-    return StepTracker(model, optimizer)
+    tracker = StepTracker(roots[0], optimizer)
+    if len(roots) > 1:
+        tracker._root_mod = torch.nn.ModuleList(roots)  # every stage's modules, instrumented alike
+    return tracker
+
+
+def _generic_tracker(roots: list[torch.nn.Module]):
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepTracker(MemTracker):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if _PROPAGATING[0]:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def _pre_fw_hook(self, module, inputs):
+            if not self._mod_tracker.is_bw:  # a forward again: the next micro-batch
+                self.memory_tracking.pop(module, None)
+            return super()._pre_fw_hook(module, inputs)
+
+    return StepTracker()
 
 
 def _peak_by_category(tracker: Any) -> dict[str, int]:
@@ -288,6 +361,7 @@ def simulate_rank(config: Config, plan: ParallelPlan, rank: int, *, seq_len: int
     from llmtrain.recipes.build import build_model
 
     started = time.perf_counter()
+    _untrack_sharding_propagation()
     # NOTE: fake tensors of a CUDA plan cannot stand on a CPU-only torch (FSDP asks the device for streams); the rank
     # runs on a CPU mesh and the model and FSDP choose as on the plan's device (simulated_device_type).
     estimated_plan, plan = plan, replace(plan, device_type="cpu")
@@ -297,11 +371,12 @@ def simulate_rank(config: Config, plan: ParallelPlan, rank: int, *, seq_len: int
         runtime = Runtime.simulated(plan, rank)
         model = build_model(config, plan=plan, runtime=runtime, seed=seed, lora=lora, allocating=lambda: fake)
         timings["build"] = time.perf_counter() - started
-        with fake:
+        with fake, contextlib.ExitStack() as stack:
             model.max_seq_length = seq_len  # GPT and a pipeline rank's parts alike
             optimizer = build_optimizer(optimizer_spec, [p for p in model.parameters() if p.requires_grad])
             mesh = getattr(model, "mesh", None) or _mesh_of(model)
             train_step = _train_step(config, plan, runtime, model, optimizer, train, seq_len)
+            stack.enter_context(HealthyReads())
             _create_optimizer_state(optimizer)  # the state every step after the first holds
             tracker, counter = _memory_tracker(model, optimizer), CollectiveCounter(group_dims(mesh))
             with tracker, counter:

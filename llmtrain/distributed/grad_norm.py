@@ -90,7 +90,8 @@ def _sum_of_squares(grads: list[torch.Tensor], mesh) -> torch.Tensor:
     for split, tensors in by_split.items():
         square = torch.nn.utils.get_total_norm(tensors, norm_type=2.0).float().pow(2)
         for dim in split:
-            dist.all_reduce(square, group=mesh.get_group(dim))
+            if mesh.size(dim) > 1:
+                dist.all_reduce(square, group=mesh.get_group(dim))
         total = square if total is None else total + square
     return total
 

@@ -18,6 +18,7 @@ sends the step's micro-batches (the batch plan's accumulation steps) through the
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, ContextManager, NamedTuple, Optional
 
 import torch
@@ -396,9 +397,11 @@ def _transfer_device(mesh) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
 
 
-def build_pipeline_model(config: Config, *, plan, runtime, seed: int, compile: bool = False) -> PipelineParts:
+def build_pipeline_model(config: Config, *, plan, runtime, seed: int, compile: bool = False,
+                         allocating: Callable[[], ContextManager] = contextlib.nullcontext) -> PipelineParts:
     """This rank's stages built on the meta device, each parallelized (checkpointing, compile, FSDP over the
-    data-parallel ranks), then materialised with the weights the whole model gets from ``seed``."""
+    data-parallel ranks), then materialised (in the ``allocating`` context, see
+    :func:`llmtrain.recipes.build.build_model`) with the weights the whole model gets from ``seed``."""
     from llmtrain.distributed.parallelize import materialize, parallelize
 
     mesh = plan.build_mesh()
@@ -408,7 +411,8 @@ def build_pipeline_model(config: Config, *, plan, runtime, seed: int, compile: b
     parts.to(plan.precision.param_dtype)
     for stage in parts.stages:
         parallelize(stage, plan, device=runtime.device, compile=compile, mesh=mesh)
-    materialize(parts, runtime.device, seed, cpu_offload=plan.cpu_offload)
+    with allocating():
+        materialize(parts, runtime.device, seed, cpu_offload=plan.cpu_offload)
     parts.mesh = mesh
     return parts
 
@@ -424,7 +428,11 @@ class Pipeline:
     """
 
     def __init__(self, parts: PipelineParts, *, schedule: str, n_microbatches: int, micro_batch_size: int,
-                 device: torch.device, autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+                 device: torch.device, autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+                 activation_dtype: Optional[torch.dtype] = None, sequence_parallel: bool = False) -> None:
+        """``activation_dtype``: the dtype of the hidden states between stages, which with ``sequence_parallel`` (the
+        stream a DTensor split over the sequence on the ``tp`` ranks) fixes every shape the stages exchange; None
+        leaves torch to infer them from a first forward and backward, exchanged between the stages at the start."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.parts = parts
@@ -441,7 +449,11 @@ class Pipeline:
 
         for stage in parts.stages:
             _forward_under(autocast, stage)
-        self.stages = [PipelineStage(stage, index, parts.n_stages, device, group=group, get_mesh=get_mesh)
+        shapes = (lambda index: {}) if activation_dtype is None else functools.partial(
+            _stage_shapes, parts, micro_batch_size, activation_dtype,
+            sequence_parallel)
+        self.stages = [PipelineStage(stage, index, parts.n_stages, device, group=group, get_mesh=get_mesh,
+                                     **shapes(index))
                        for stage, index in zip(parts.stages, parts.stage_indices)]
         self.has_first = any(stage.is_first for stage in self.stages)
         self.has_last = any(stage.is_last for stage in self.stages)
@@ -531,6 +543,36 @@ def concatenated_batches(batches: list[Optional[dict]], rows: int, columns: int,
     return input_ids, labels
 
 
+def _stage_shapes(parts: PipelineParts, micro_batch_size: int, activation_dtype: torch.dtype, sequence_parallel: bool,
+                  index: int) -> dict:
+    """What stage ``index`` receives and sends, for torch's PipelineStage (its input_args, output_args and, for
+    DTensors, their gradients' input_grads and output_grads), as meta tensors.
+
+    NOTE: every micro-batch is padded to (micro batch size, the model's sequence length) (:meth:`Pipeline._concatenated`),
+    so each stage's shapes are known before any data: the first stage takes the token ids, every stage sends hidden
+    states (B, T, C) in ``activation_dtype``, under sequence parallelism a DTensor ``Shard(1)`` over the ``tp`` ranks.
+    Given them, torch's schedules skip the first step's exchange of shapes between the stages (pickled objects sent
+    rank to rank), and ``--dry_run.simulate``, whose fake process group delivers nothing, can run a pipeline.
+    """
+    rows, columns, width = micro_batch_size, parts.max_seq_length, parts.config.n_embd
+
+    def hidden(requires_grad: bool) -> torch.Tensor:
+        if not sequence_parallel:
+            return torch.empty(rows, columns, width, dtype=activation_dtype, device="meta", requires_grad=requires_grad)
+        from torch.distributed.tensor import DTensor, Shard
+
+        tp_mesh = parts.mesh["tp"]
+        local = torch.empty(rows, columns // tp_mesh.size(), width, dtype=activation_dtype, device="meta",
+                            requires_grad=requires_grad)
+        return DTensor.from_local(local, tp_mesh, [Shard(1)], run_check=False)
+
+    ids = torch.empty(rows, columns, dtype=torch.long, device="meta")
+    shapes = {"input_args": ids if index == 0 else hidden(True), "output_args": hidden(True)}
+    if sequence_parallel:  # DTensors: torch asks for the gradients' layouts too (the same as the tensors')
+        shapes.update(input_grads=None if index == 0 else hidden(False), output_grads=hidden(False))
+    return shapes
+
+
 def _forward_under(autocast: Callable[[], ContextManager], stage: nn.Module) -> None:
     """Run ``stage``'s forward, and only its forward, under ``autocast``.
 
@@ -549,6 +591,10 @@ def _forward_under(autocast: Callable[[], ContextManager], stage: nn.Module) -> 
 
 def build_pipeline(parts: PipelineParts, plan, runtime) -> Pipeline:
     """The pipeline of a recipe's run: the plan's schedule over its micro-batches, with the loop's autocast."""
+    # The stream between stages is in the compute dtype where FSDP casts the weights (its mixed-precision policy);
+    # under autocast it stays in the weights' dtype (the embedding's output, to which each block adds its own).
+    activation_dtype = plan.precision.compute_dtype if plan.mixed_precision_policy else plan.precision.param_dtype
     return Pipeline(parts, schedule=plan.pp_schedule, n_microbatches=plan.pp_microbatches,
                     micro_batch_size=plan.batch.micro_batch_size, device=runtime.device,
-                    autocast=lambda: plan.precision.autocast(runtime.device, not plan.mixed_precision_policy))
+                    autocast=lambda: plan.precision.autocast(runtime.device, not plan.mixed_precision_policy),
+                    activation_dtype=activation_dtype, sequence_parallel=plan.sequence_parallel)

@@ -44,7 +44,6 @@ healthy jobs at the start. A task that never comes still fails the run, after th
 """
 
 
-
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else default
@@ -64,7 +63,6 @@ def rendezvous_timeout_s() -> float:
         raise ValueError(f"{RDZV_TIMEOUT_ENV}={value!r} must be a number of seconds above 0 (how long the processes "
                          f"wait for each other to meet); unset it for the default {RDZV_TIMEOUT_S:g}")
     return seconds
-
 
 
 @dataclass
@@ -144,14 +142,26 @@ class Runtime:
             known = os.environ.get("LOCAL_WORLD_SIZE")
             start_process_group(device, rank, world_size, timeout_s, rdzv_timeout_s, backend,
                                 local_layout=_local_layout()[:2] if known else None)
+        return cls._at(rank, world_size, plan, device, local_rank=_env_int("LOCAL_RANK", 0),
+                       local_world_size=_env_int("LOCAL_WORLD_SIZE", world_size))
+
+    @classmethod
+    def simulated(cls, plan: Any, rank: int) -> "Runtime":
+        """Rank ``rank`` of ``plan`` as ``--dry_run.simulate`` runs it: in this process, on the CPU, under a fake
+        process group that the caller created (:func:`llmtrain.simulate.fake_world`)."""
+        return cls._at(rank, plan.world_size, plan, torch.device("cpu"), local_rank=rank % plan.devices,
+                       local_world_size=plan.devices)
+
+    @classmethod
+    def _at(cls, rank: int, world_size: int, plan: Any, device: torch.device, *, local_rank: int,
+            local_world_size: int) -> "Runtime":
         # Ranks are laid out pp × dp_replicate × dp_shard × tp, tp innermost: consecutive ranks share a
         # data-parallel shard only under tensor parallelism.
         tp = plan.tp if plan is not None else 1
         pp = plan.pp if plan is not None else 1
         dp_size = plan.data_parallel_size if plan is not None else world_size
-        return cls(rank=rank, world_size=world_size, local_rank=_env_int("LOCAL_RANK", 0),
-                   local_world_size=_env_int("LOCAL_WORLD_SIZE", world_size), device=device,
-                   data_parallel_rank=(rank // tp) % dp_size, data_parallel_size=dp_size,
+        return cls(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
+                   device=device, data_parallel_rank=(rank // tp) % dp_size, data_parallel_size=dp_size,
                    tp_rank=rank % tp, tp_size=tp, pp_rank=rank // (dp_size * tp), pp_size=pp)
 
     def barrier(self) -> None:
