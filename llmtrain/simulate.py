@@ -228,7 +228,22 @@ def _memory_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
     else:
         tracker = _generic_tracker(roots)
         tracker.track_external(model, optimizer)
+    # NOTE: the trackers hook every parameter's gradient, and torch refuses a hook on one that takes none (LoRA's frozen
+    # base): those count as hooked already.
+    for param in model.parameters():
+        if not param.requires_grad:
+            tracker._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
     return tracker
+
+
+class _NoHook:
+    """A hook handle for a parameter the trackers must not hook (:func:`_memory_tracker`)."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
 
 
 _PROPAGATING = [0]
