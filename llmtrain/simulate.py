@@ -336,26 +336,6 @@ def _peak_by_category(tracker: Any) -> dict[str, int]:
     return peak
 
 
-def estimate_parts(peak: dict[str, int]) -> dict[str, int]:
-    """The measured peak in the dry run's four parts. FSDP's gathered weights and all-gather buffers count as
-    parameters, its unsharded gradients and reduce-scatter buffers as gradients, everything autograd or a kernel
-    keeps (activations, temporaries, inputs) as activations."""
-    parts = {"parameters": 0, "gradients": 0, "optimizer": 0, "activations": 0}
-    for category, nbytes in peak.items():
-        name = category.lower()
-        if name == "total":
-            continue
-        if "param" in name or "all gather" in name or "buffer" in name:
-            parts["parameters"] += nbytes
-        elif "grad" in name or "reduce scatter" in name:
-            parts["gradients"] += nbytes
-        elif "opt" in name:
-            parts["optimizer"] += nbytes
-        else:
-            parts["activations"] += nbytes
-    return parts
-
-
 def _micro_batches(plan: ParallelPlan, seq_len: int, vocab_size: int) -> list[dict]:
     """One step's micro-batches, as the loaders hand them: token ids and labels of (micro batch, seq_len)."""
     shape = (plan.batch.micro_batch_size, seq_len)
@@ -578,13 +558,14 @@ def describe(reports: list[RankReport], plan: ParallelPlan) -> str:
     lines = [f"simulated    {len(reports)} rank(s) of {plan.world_size} through the real parallelize, training step "
              "and full-checkpoint gathering (torch's fake process group and fake tensors; peak by torch's tracker)"]
     for report in reports:
-        parts = estimate_parts(report.peak)
         estimate = report.estimate
         where = ", ".join(f"{name} {value}" for name, value in report.coordinates.items())
         lines.append(f"  rank {report.rank:<5} {report.why} ({where}), {report.seconds:.1f}s")
-        lines.append(f"    memory     measured {_size(report.peak_total)}: parameters {_size(parts['parameters'])} | "
-                     f"gradients {_size(parts['gradients'])} | optimizer {_size(parts['optimizer'])} | activations "
-                     f"{_size(parts['activations'])}")
+        # NOTE: torch's own categories, as its tracker names them: at the peak FSDP's accumulated gradients, for one,
+        # may be counted among the temporaries of the backward that made them.
+        measured = " | ".join(f"{category.lower()} {_size(nbytes)}" for category, nbytes in report.peak.items()
+                              if category != "total" and nbytes >= 2**20)
+        lines.append(f"    memory     measured {_size(report.peak_total)} (torch's tracker): {measured}")
         lines.append(f"               estimate {_size(estimate.total)} ({report.agreement:.0%} of measured): "
                      "parameters "
                      f"{_size(estimate.parameters)} | gradients {_size(estimate.gradients)} | optimizer "

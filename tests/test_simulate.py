@@ -6,7 +6,9 @@ trackers measured there, within 15%, and check what only shows at scale: no coll
 with the world, and rank 0 never receiving more than one tensor at a time of a full checkpoint.
 
 The layouts use one micro-batch per step (two or eight for a pipeline, which needs them): the simulation's cost is
-one dispatch per operator, whatever the tensors' sizes, so a step of a 70B model takes seconds.
+one dispatch per operator, whatever the tensors' sizes, so a step of a 70B model takes seconds. The usage line, dp x tp,
+the clipping and the command line are in the fast tier (about 30 s together); the layouts with a pipeline or a large
+model take 8 to 14 s each and are marked slow.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ def test_clipping_fsdp_and_tensor_parallel_gradients_gathers_none_whole():
     assert report.peak_total < 4 * num_parameters(config)  # less than the whole model's fp32 gradients, all told
 
 
+@pytest.mark.slow
 def test_pipeline_data_and_tensor_parallel_2_by_4_by_4_at_32_ranks():
     config, plan, train = layout("tiny-llama-1.1b", nodes=4, micro=2, accumulation=2, tp=4, pp=2)
     reports = run(config, plan, train)
@@ -136,6 +139,7 @@ def test_a_70b_model_at_512_ranks_over_pipeline_data_and_tensor_parallel():
     assert_estimates_hold(reports)
 
 
+@pytest.mark.slow
 def test_a_full_checkpoint_under_pipeline_parallelism_sends_rank_0_one_tensor_at_a_time():
     """save (a full step checkpoint), final/ and a full resume gather the same way; rank 0's bytes must not grow with
     the world, and no collective may carry more than the model's largest tensor (or its optimizer state's)."""
