@@ -275,15 +275,20 @@ def _untrack_sharding_propagation() -> None:
     ShardingPropagator._propagate_tensor_meta_non_cached = untracked
 
 
+class _LeavesOutPropagation:
+    """Mixed into a memory tracker: what DTensor's shape propagation dispatches is not tracked
+    (:func:`_untrack_sharding_propagation`)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _PROPAGATING[0]:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def _fsdp_tracker(roots: list[torch.nn.Module], optimizer: torch.optim.Optimizer):
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModMemStats
 
-    class StepTracker(FSDPMemTracker):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if _PROPAGATING[0]:
-                return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
+    class StepTracker(_LeavesOutPropagation, FSDPMemTracker):
         def _fsdp_state_pre_forward(self, fsdp_mod, orig):
             inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
 
@@ -311,12 +316,7 @@ def _fsdp_tracker(roots: list[torch.nn.Module], optimizer: torch.optim.Optimizer
 def _generic_tracker(roots: list[torch.nn.Module]):
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    class StepTracker(MemTracker):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if _PROPAGATING[0]:
-                return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
+    class StepTracker(_LeavesOutPropagation, MemTracker):
         def _pre_fw_hook(self, module, inputs):
             if not self._mod_tracker.is_bw:  # a forward again: the next micro-batch
                 self.memory_tracking.pop(module, None)
