@@ -62,8 +62,9 @@ class DryRunArgs:
     """Model FLOPs utilization assumed with `gpu` (default 0.4)."""
     simulate: bool = False
     """Also run rank 0, a rank of the last node and the last pipeline stage's first rank through the real parallelize,
-    training step and full-checkpoint gathering, in this process (torch's fake process group and fake tensors: nothing
-    is allocated or computed), and print their measured peak memory and per-step communication beside the estimate."""
+    training step and full-checkpoint gathering on this machine, each in a child process (torch's fake process group
+    and fake tensors: nothing is allocated or computed), and print their measured peak memory and per-step
+    communication beside the estimate."""
 
     DEFAULT_MFU = 0.4
 

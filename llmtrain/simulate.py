@@ -1,4 +1,4 @@
-"""``--dry_run.simulate``: chosen ranks of a large job, run one at a time in this process through the real code.
+"""``--dry_run.simulate``: chosen ranks of a large job, run on this machine through the real code, no cluster needed.
 
 The dry run's memory and communication figures are arithmetic (:mod:`llmtrain.plan`). The simulation checks them
 against what the code actually allocates and sends, at the world size the user will run, on a laptop:
