@@ -3,10 +3,12 @@ of token shards and a manifest that training reads lazily (``--data Prepared --d
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Union
 
+from llmtrain.checkpoint import lock as out_dir_lock
 from llmtrain.data.base import DataModule, PretrainDataModule
 from llmtrain.data.manifest import check_shards
 from llmtrain.data.prepare import Preparation, check_writable, finished, plan, prepare_rank
@@ -88,7 +90,9 @@ def setup(
     devices, _ = resolve_devices(devices, num_nodes, "cpu")
     plan_launch(devices, num_nodes)  # the launcher's environment agrees with the flags
     workers = num_workers or max(1, available_cpu_count() // devices)
-    launch(run, args=(PrepareJob(preparation, units, Path(out_dir), workers),), devices=devices, num_nodes=num_nodes)
+    with out_dir_lock.hold(out_dir) if is_first_process() else contextlib.nullcontext():  # one writer (run.prepare)
+        launch(run, args=(PrepareJob(preparation, units, Path(out_dir), workers),), devices=devices,
+               num_nodes=num_nodes)
 
 
 def run(job: PrepareJob) -> None:

@@ -10,6 +10,7 @@ fine-tuning recipes, and calls the one ``fit()``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +25,7 @@ from llmtrain.data.base import DataModule
 from llmtrain.data.streaming import check_stream_resume
 from llmtrain.data.tokens import cache_dir
 from llmtrain.checkpoint import files, layout
+from llmtrain.checkpoint import lock as out_dir_lock
 from llmtrain.checkpoint.checkpointer import Checkpointer, build_checkpointer
 from llmtrain.checkpoint.lora import write_lora_settings
 from llmtrain.checkpoint.resume import (check_deepspeed_resume, check_resume_lora, check_resume_model,
@@ -164,7 +166,9 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
     if spec.lora is not None and spec.fsdp.async_save:
         raise ValueError("--fsdp.async_save is for sharded checkpoints; LoRA checkpoints hold only the "
                          "adapters and are written by rank 0: drop --fsdp.async_save")
-    launch(run, args=(spec,), devices=plan.devices, num_nodes=plan.num_nodes)
+    # One writer per out_dir, for the whole run: the launching process (rank 0 under torchrun or srun) holds the lock.
+    with out_dir_lock.hold(spec.out_dir) if is_first_process() else contextlib.nullcontext():
+        launch(run, args=(spec,), devices=plan.devices, num_nodes=plan.num_nodes)
 
 
 def _resumed_step(resume_from: Optional[Path]) -> int:
