@@ -38,6 +38,7 @@ def hold(out_dir: Path, flag: str = "--out_dir") -> Iterator[None]:
     import fcntl
 
     out_dir = Path(out_dir)
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / layout.LOCK_FILE
     descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -58,3 +59,8 @@ def hold(out_dir: Path, flag: str = "--out_dir") -> Iterator[None]:
         yield
     finally:
         os.close(descriptor)  # drops the lock
+        if created:  # a run refused before it wrote anything leaves no folder behind (it found none)
+            with contextlib.suppress(OSError):
+                if os.listdir(out_dir) == [layout.LOCK_FILE]:
+                    path.unlink()
+                    out_dir.rmdir()
