@@ -188,7 +188,9 @@ class Config:
     @classmethod
     def from_file(cls, path: str | Path) -> "Config":
         """Read a config written by `save`."""
-        return cls.from_dict(yaml.safe_load(Path(path).read_text()))
+        from llmtrain.yaml_file import read_yaml
+
+        return cls.from_dict(read_yaml(path))
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -32,6 +32,7 @@ from typing import Any, ClassVar, NamedTuple, Optional, Union
 import yaml
 
 from llmtrain.checkpoint.layout import CHAT_TEMPLATE_FILE, PROMPT_STYLE_FILE, TOKENIZER_CONFIG_FILE
+from llmtrain.yaml_file import read_yaml
 
 """Written beside the weights, so that generation and further fine-tuning use the style a model was tuned with."""
 
@@ -720,7 +721,7 @@ def load_prompt_style(checkpoint_dir: Union[Path, str]) -> PromptStyle:
     path = Path(checkpoint_dir) / PROMPT_STYLE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; pass the prompt style by name instead")
-    values = yaml.safe_load(path.read_text(encoding="utf-8"))
+    values = read_yaml(path)
     if not isinstance(values, dict):
         raise ValueError(f"{path} must hold a mapping like 'name: alpaca', not {values!r}")
     try:

@@ -21,6 +21,7 @@ import yaml
 
 from llmtrain.checkpoint import layout
 from llmtrain.train import callbacks
+from llmtrain.yaml_file import read_yaml
 
 
 # ----------------------------------------------------------------------------------- housekeeping
@@ -332,4 +333,4 @@ def link_model_dir(source: Path, target: Path) -> Path:
 
 def read_hyperparameters(checkpoint_dir: Path) -> dict:
     path = Path(checkpoint_dir) / layout.HPARAMS_FILE
-    return yaml.safe_load(path.read_text()) if path.is_file() else {}
+    return read_yaml(path) if path.is_file() else {}

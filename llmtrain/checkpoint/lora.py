@@ -20,6 +20,7 @@ from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint.model_dir import build_model_from_dir, build_quantized_model_from_dir, check_model_dir
 from llmtrain.config import Config
 from llmtrain.distributed.parallelize import unwrap
+from llmtrain.yaml_file import read_yaml
 from llmtrain.lora import (LoRAArgs, LoRALinear, apply_lora, fold_lora, is_lora_parameter, load_lora_state_dict,
                            lora_modules)
 from llmtrain.quantize import compute_dtype_of, dequantize_weight, is_quantized_linear
@@ -42,7 +43,7 @@ def read_lora_settings(checkpoint_dir: Path) -> tuple[LoRAArgs, Path, Optional[s
             raise FileNotFoundError(f"{checkpoint_dir} has no {name}: it is not a finetune_lora checkpoint, so there "
                                     "are no adapters to merge")
     path = checkpoint_dir / layout.LORA_SETTINGS_FILE
-    settings = yaml.safe_load(path.read_text())
+    settings = read_yaml(path)
     if not isinstance(settings, dict) or "base_checkpoint_dir" not in settings:
         raise ValueError(f"{path} must name the base model (base_checkpoint_dir); it was written by finetune_lora")
     base_dir = Path(settings.pop("base_checkpoint_dir"))
