@@ -225,6 +225,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     try:
         run_cli(args)
+    except KeyboardInterrupt:  # Ctrl-C: a choice, not a failure; the exit code says it (llmtrain.train.signals)
+        if debug or not from_command_line:
+            raise
+        print("interrupted (Ctrl-C): the run stopped without a checkpoint of its own; --resume auto continues from the "
+              "last one written (SIGTERM or SIGUSR1 checkpoint before they stop)", file=sys.stderr)
+        sys.exit(130)
     except NonFiniteError as error:  # the run stopped itself with a reason; its checkpoints are sound
         if debug or not from_command_line:
             raise

@@ -70,3 +70,4 @@ def test_a_run_into_a_folder_in_use_exits_2_before_touching_it(tmp_path, tiny_mo
     assert sorted(path.name for path in out_dir.iterdir()) == [layout.LOCK_FILE]  # nothing written beside it
     main(tiny_args(tiny_model_file, out_dir, "--train.max_steps", "2"))  # the folder is free again: the run goes on
     assert (out_dir / layout.FINAL_DIR / layout.MODEL_FILE).is_file()
+
