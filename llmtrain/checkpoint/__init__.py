@@ -7,12 +7,14 @@ never pulls in torch. Import what you need from its module:
 ``layout``        every file and folder name (model.safetensors, checkpoint.json, step-NNNNNNNN, final/, ...),
                   ``step_dir_name``, ``is_complete``, ``list_checkpoints``, ``latest_checkpoint``
 ``files``         atomic writes: ``write_model_dir``, ``link_model_dir``, ``write_marker`` (the one marker writer;
-                  it records every file's size), ``read_marker``, ``remove_leftovers``, ``prune_checkpoints``
+                  it records every file's size and checksum), ``read_marker``, ``remove_leftovers``,
+                  ``prune_checkpoints``
 ``state``         the training-state schema: ``build_training_state``, ``restore_training_state``,
                   ``load_training_state`` (weights_only; damage raises ``DamagedCheckpointError``), RNG capture
-``resume``        ``verify_checkpoint`` (sizes, safetensors headers, DCP index, training state),
+``resume``        ``verify_checkpoint`` (sizes, safetensors headers, DCP index, training state), ``verify_checksums``,
                   ``resolve_resume`` (newest intact checkpoint), ``checkpoint_format``
-``checkpointer``  ``Checkpointer`` (full, sharded/DCP, LoRA formats; ``save``, ``wait``, ``save_final``, ``load``),
+``checkpointer``  ``Checkpointer`` (full, sharded/DCP, LoRA formats; ``save``, ``wait``, ``save_final``, ``resume``,
+                  ``load``),
                   ``build_checkpointer``, ``NonFiniteWeightsError``
 ``weights``       ``load_weights`` (a model directory into a plain, LoRA, DDP or FSDP model),
                   ``gather_full_model_state``, ``load_full_model_state``

@@ -30,8 +30,9 @@ import torch
 
 from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint.lora import iter_merged_weights, merged_state_dict
-from llmtrain.checkpoint.resume import CheckpointFormat, checkpoint_format, verify_checkpoint
+from llmtrain.checkpoint.resume import CheckpointFormat, checkpoint_format, verify_checkpoint, verify_checksums
 from llmtrain.checkpoint.state import (
+    DamagedCheckpointError,
     Stateful,
     build_training_state,
     capture_rng_state,
@@ -59,6 +60,8 @@ class _PendingSave:
     tmp: Path
     target: Path
     marker: dict
+    checksums: dict[str, str]
+    """Of the files this rank hashed as it wrote them."""
 
 
 class Checkpointer:
@@ -115,17 +118,18 @@ class Checkpointer:
         rng_states = self.runtime.all_gather_object(capture_rng_state(self.runtime.device))
         data = data_state(self.train_loader, self.runtime.all_gather_object)
         future, optimizer_state = self._write_tensors(tmp)
+        checksums: dict[str, str] = {}
         if self.runtime.is_main:
             training_state = build_training_state(
                 state=state, data=data, scaler=self.scaler, rng_states=rng_states,
                 world_size=self.runtime.world_size, optimizer_state=optimizer_state,
                 include_optimizer=self.format in ("full", "lora"))
-            torch.save(training_state, tmp / layout.STATE_FILE)
+            checksums[layout.STATE_FILE] = files.save_checksummed(training_state, tmp / layout.STATE_FILE)
             files.write_metadata_files(tmp, model_config=self.model_config, hyperparameters=self.hyperparameters,
                                        tokenizer=self.tokenizer, write_extras=self.write_extras)
         marker = {"kind": "training", "format": self.format, "step": state.step, "tokens": state.tokens,
                   "world_size": self.runtime.world_size}
-        self._pending = _PendingSave(future, tmp, target, marker)
+        self._pending = _PendingSave(future, tmp, target, marker, checksums)
         if future is None:
             self.wait()
         return target
@@ -181,16 +185,29 @@ class Checkpointer:
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
+        checksums = pending.checksums
         if pending.future is not None:
             pending.future.result()  # this rank's shards are written (rank 0's also wrote .metadata: all ranks are)
             self.runtime.barrier()
+        if self.format in ("sharded", "deepspeed"):  # every rank wrote files: each hashes its own
+            checksums = self._checksums_of_shares(pending.tmp, checksums)
         if self.runtime.is_main:
-            files.write_marker(pending.tmp, pending.marker)
+            files.write_marker(pending.tmp, pending.marker, checksums)
             files.install_dir(pending.tmp, pending.target)
         self.runtime.barrier()
         self.last_saved = pending.target
         if self.runtime.is_main:
             files.prune_checkpoints(self.out_dir, self.keep_last, keep=pending.target)
+
+    def _checksums_of_shares(self, directory: Path, known: dict[str, str]) -> dict[str, str]:
+        """The checksum of every file in ``directory`` (every rank's writes done), each computed by the rank that
+        wrote it while its pages are likely still cached (:func:`files.checksum_share`), unless it is ``known``
+        already; gathered on every rank."""
+        self.runtime.barrier()  # every rank's files are in place
+        share = files.checksum_share(files.file_sizes(directory), self.runtime.rank, self.runtime.world_size)
+        mine = {**files.file_checksums(directory, [relative for relative in share if relative not in known]), **known}
+        return {relative: digest for gathered in _host_all_gather(self.runtime, mine)
+                for relative, digest in gathered.items()}
 
     def save_final(self, state: Any) -> Path:
         """``out_dir/final/``: a full model directory of the model at ``state``, whatever the step format."""
@@ -240,7 +257,35 @@ class Checkpointer:
             self.write_extras(directory)
 
     # ------------------------------------------------------------------------------------ loading
-    def load(self, checkpoint_dir: Path, state: Any) -> None:
+    def resume(self, checkpoint_dir: Path, fallbacks: tuple[Path, ...], state: Any) -> Path:
+        """Load ``checkpoint_dir``, or when it is damaged the first intact one of ``fallbacks`` (each skipped one
+        named in a warning); return the one loaded. Every rank calls it, and all load the same one."""
+        for candidate in (checkpoint_dir, *fallbacks):
+            problem = self.damage(candidate)
+            if problem is None:
+                self.load(candidate, state, checked=True)
+                return candidate
+            if not fallbacks:
+                raise DamagedCheckpointError(f"--resume {candidate}: {problem}. Resume from an earlier checkpoint "
+                                             "(--resume auto takes the newest intact one)")
+            if self.runtime.is_main:
+                warnings.warn(f"--resume: skipping {candidate.name}: {problem}")
+        raise DamagedCheckpointError(f"--resume: no intact checkpoint in {checkpoint_dir.parent} (all "
+                                     f"{1 + len(fallbacks)} are damaged, see the warnings)")
+
+    def damage(self, checkpoint_dir: Path) -> Optional[str]:
+        """What is wrong with ``checkpoint_dir`` (:func:`verify_checkpoint`; :func:`verify_checksums`, each rank
+        for its share of the files), the same on every rank; None when it is intact. Every rank calls it: one
+        gather of a short message agrees, so all ranks load or fall back together."""
+        try:
+            verify_checkpoint(checkpoint_dir, load_state=False)
+            verify_checksums(checkpoint_dir, self.runtime.rank, self.runtime.world_size)
+            problem = None
+        except (ValueError, OSError) as error:
+            problem = str(error)
+        return next((found for found in _host_all_gather(self.runtime, problem) if found is not None), None)
+
+    def load(self, checkpoint_dir: Path, state: Any, checked: bool = False) -> None:
         """Restore model, optimizer, counters, data position and this rank's RNG from a checkpoint of any format.
 
         Under DDP or FSDP only rank 0 reads full weights and optimizer state and broadcasts them; a pipeline
@@ -251,7 +296,7 @@ class Checkpointer:
         never hold eight copies of the optimizer.
         """
         checkpoint_dir = Path(checkpoint_dir)
-        verify_checkpoint(checkpoint_dir, load_state=False)
+        self.check(checkpoint_dir, checked)
         fmt = checkpoint_format(checkpoint_dir)
         if fmt == "deepspeed":
             raise ValueError(f"{checkpoint_dir} was written by DeepSpeed (--strategy deepspeed_*): resume it with the "
@@ -268,6 +313,13 @@ class Checkpointer:
                                settings=settings)
         # A step directory of another format has no files for this format's final/ to reuse.
         self.last_saved = checkpoint_dir if fmt == self.format else None
+
+    def check(self, checkpoint_dir: Path, checked: bool) -> None:
+        """Raise :class:`DamagedCheckpointError` on every rank unless ``checkpoint_dir`` is intact (:meth:`damage`),
+        or ``checked`` already."""
+        problem = None if checked else self.damage(checkpoint_dir)
+        if problem is not None:
+            raise DamagedCheckpointError(problem)
 
     def _load_full(self, checkpoint_dir: Path, fmt: CheckpointFormat, optimizer_state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict  # NOTE: slow
@@ -368,6 +420,18 @@ def check_finite_weights(model: torch.nn.Module, runtime: Runtime, target: Path)
         f"refusing to write {target}: {len(names)} weight tensor(s) hold NaN or inf ({shown}). The run has "
         "diverged; resume from an earlier checkpoint (--resume PATH) with a lower learning rate, a longer "
         "warmup or stronger clipping (--train.max_norm)")
+
+
+def _host_all_gather(runtime: Runtime, obj: Any) -> list[Any]:
+    """``obj`` of every rank, gathered over the gloo group that waits for host work (:func:`host_group`): the ranks
+    get here after reading or writing files, which the collective timeout must not bound."""
+    if not runtime.is_distributed:
+        return [obj]
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * runtime.world_size
+    dist.all_gather_object(gathered, obj, group=host_group())
+    return gathered
 
 
 @contextlib.contextmanager

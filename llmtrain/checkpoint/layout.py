@@ -21,7 +21,7 @@ A model directory (``final/``, a full ``step-*/``, a converted transformers mode
     lora.yaml                LoRA: the adapter settings and the base model they were trained on
     training_state.pt        step checkpoints: counters, data position, RNG, optimizer (full format)
     dcp/                     sharded step checkpoints: model + optimizer shards (torch.distributed.checkpoint)
-    checkpoint.json          the marker, written last: format, step, and every file's size
+    checkpoint.json          the marker, written last: format, step, and every file's size and checksum
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import re
 from pathlib import Path
 from typing import Optional
 
-FORMAT_VERSION = 2
-"""2: the marker records every file's size (``"sizes"``). Version 1 markers (no sizes) still load."""
+FORMAT_VERSION = 3
+"""3: the marker records every file's checksum (``"checksums"``); 2: its size (``"sizes"``). Older markers still
+load, checked for what they record."""
 
 MODEL_FILE = "model.safetensors"
 LORA_FILE = "lora.safetensors"
@@ -46,6 +47,9 @@ LOCK_FILE = ".llmtrain.lock"
 DCP_DIR = "dcp"
 DCP_METADATA_FILE = ".metadata"
 """The index torch.distributed.checkpoint writes beside the shards (a pickle: read with care)."""
+WRITER_RANK = re.compile(r"(?:^|/)(?:__(\d+)_\d+\.distcp|(?:bf16_)?zero_pp_rank_(\d+)_)")
+"""The files one rank writes and reads on its own: a DCP shard (``dcp/__R_N.distcp``, torch's FileSystemWriter) or
+a DeepSpeed partition (``zero_pp_rank_R_mp_rank_00_optim_states.pt``); group 1 or 2 is the rank R."""
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -107,6 +111,12 @@ def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
         if match and child.is_dir() and is_training_checkpoint(child):
             found.append((int(match.group(1)), child))
     return sorted(found)
+
+
+def writer_rank(relative: str) -> Optional[int]:
+    """The rank that wrote the checkpoint file ``relative`` (a path inside the checkpoint) on its own, if any."""
+    match = WRITER_RANK.search(relative)
+    return None if match is None else int(match.group(1) or match.group(2))
 
 
 def latest_checkpoint(out_dir: Path) -> Optional[Path]:

@@ -4,7 +4,8 @@ A checkpoint is intact when its marker reads, every file has the size the marker
 shards included), its safetensors headers describe the bytes that follow them, its DCP index names
 nothing a distributed checkpoint never holds, and ``training_state.pt`` loads with
 ``torch.load(weights_only=True)``. :func:`resolve_resume` checks this in the launching process
-before any worker starts; the checkpointer checks again when it loads.
+before any worker starts; the checkpointer checks again when it loads, and then also every file's
+checksum (:func:`verify_checksums`): there the ranks share the reading, and agree on the verdict.
 """
 
 from __future__ import annotations
@@ -59,6 +60,22 @@ def verify_checkpoint(checkpoint_dir: Path, load_state: bool = True) -> None:
             check_safetensors(checkpoint_dir / name)
     if load_state and (checkpoint_dir / layout.STATE_FILE).is_file():
         load_training_state(checkpoint_dir, mmap=True)
+
+
+def verify_checksums(checkpoint_dir: Path, rank: int = 0, world_size: int = 1) -> None:
+    """Raise :class:`DamagedCheckpointError`, naming the file, when a file of ``rank``'s share
+    (:func:`files.checksum_share`) does not have the checksum its marker recorded. A marker written before
+    checksums (format 2) records none: its sizes are all there is to check."""
+    checkpoint_dir = Path(checkpoint_dir)
+    marker = files.read_marker(checkpoint_dir)
+    if marker.get("checksum_algorithm") != files.CHECKSUM_ALGORITHM:
+        return
+    recorded = marker.get("checksums", {})
+    for relative in files.checksum_share(recorded, rank, world_size):
+        if files.checksum(checkpoint_dir / relative) != recorded[relative]:
+            raise DamagedCheckpointError(
+                f"{checkpoint_dir / relative} does not match the checksum {layout.MARKER_FILE} recorded: its bytes "
+                "changed after the save (a disk, copy or transfer error)")
 
 
 def check_safetensors(path: Path) -> None:
@@ -265,6 +282,15 @@ def check_resume_lora(checkpoint_dir: Path, lora: Any, quantize: Optional[str] =
 def _flag(value: Any) -> str:
     """A value as a command line spells it (``true``, not ``True``)."""
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def resume_fallbacks(resume: Union[bool, str, Path, None], resume_from: Optional[Path]) -> tuple[Path, ...]:
+    """What a run may resume from instead of ``resume_from`` when the workers find it damaged (a checksum, which
+    only they check): under ``--resume auto`` or ``true``, the older checkpoints beside it, newest first."""
+    if resume not in ("auto", True) or resume_from is None:
+        return ()
+    older = [path for _, path in layout.list_checkpoints(Path(resume_from).parent) if path.name < resume_from.name]
+    return tuple(reversed(older))
 
 
 def newest_intact(checkpoints: list[Path], flag: str) -> Path:

@@ -29,7 +29,7 @@ from llmtrain.checkpoint import lock as out_dir_lock
 from llmtrain.checkpoint.checkpointer import Checkpointer, build_checkpointer
 from llmtrain.checkpoint.lora import write_lora_settings
 from llmtrain.checkpoint.resume import (check_deepspeed_resume, check_resume_lora, check_resume_model,
-                                        check_resume_optimizer)
+                                        check_resume_optimizer, resume_fallbacks)
 from llmtrain.checkpoint.size import check_disk_space, final_is_separate
 from llmtrain.checkpoint.state import load_training_state
 from llmtrain.distributed.launch import is_first_process, launch, plan_launch, resolve_devices
@@ -73,6 +73,8 @@ class RunSpec:
     compile: CompileSetting = False
     logger_name: LoggerName = "csv"
     resume_from: Optional[Path] = None
+    resume_fallbacks: tuple[Path, ...] = ()
+    """What the ranks resume from instead when they find ``resume_from`` damaged (resume.resume_fallbacks)."""
     initial_checkpoint_dir: Optional[Path] = None
     """Weights to start from (pretraining's --initial_checkpoint_dir, fine-tuning's CHECKPOINT_DIR)."""
     tokenizer_dir: Optional[Path] = None
@@ -160,6 +162,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
                    train=train, eval=flags["eval"], optimizer=flags["optimizer"], seq_len=seq_len,
                    hyperparameters=hyperparameters, fsdp=fsdp, seed=flags["seed"], compile=flags["compile"],
                    logger_name=flags["logger_name"], resume_from=resume_from,
+                   resume_fallbacks=resume_fallbacks(flags["resume"], resume_from),
                    initial_checkpoint_dir=initial_checkpoint_dir, tokenizer_dir=tokenizer_dir, lora=lora,
                    quantize=quantize, prompt_style=prompt_style, profile=profile, dist_timeout=flags["dist_timeout"],
                    deepspeed_config=deepspeed_config)
@@ -330,9 +333,9 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
                                        train_loader=train_loader, tokenizer=tokenizer, scaler=scaler,
                                        write_extras=_extras_writer(spec, prompt_style))
     if spec.resume_from is not None:
-        checkpointer.load(spec.resume_from, state)
-        say(f"resumed from {spec.resume_from} at step {state.step} ({state.tokens:,} tokens)")
-        if runtime.is_main and (moved := files.set_aside_newer(spec.out_dir, spec.resume_from)):
+        resumed = checkpointer.resume(spec.resume_from, spec.resume_fallbacks, state)
+        say(f"resumed from {resumed} at step {state.step} ({state.tokens:,} tokens)")
+        if runtime.is_main and (moved := files.set_aside_newer(spec.out_dir, resumed)):
             say(f"moved the {len(moved)} newer checkpoint(s) of the branch this run rewinds into "
                 f"{moved[0].parent} (--resume auto would have picked them after a crash)")
     say(f"{spec.recipe}: model {spec.config.name or 'custom'}, {n_params / 1e6:.2f}M parameters "

@@ -26,7 +26,7 @@ import torch
 
 from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint.checkpointer import Checkpointer
-from llmtrain.checkpoint.resume import check_deepspeed_resume, verify_checkpoint
+from llmtrain.checkpoint.resume import check_deepspeed_resume
 from llmtrain.checkpoint.state import load_training_state, optimizer_settings, restore_training_state
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.lora import LoRALinear, fold_lora
@@ -61,9 +61,9 @@ class DeepSpeedCheckpointer(Checkpointer):
                 (directory.parent / script).unlink(missing_ok=True)
         return None, {"param_groups": self.optimizer.param_groups}
 
-    def load(self, checkpoint_dir: Path, state: Any) -> None:
+    def load(self, checkpoint_dir: Path, state: Any, checked: bool = False) -> None:
         checkpoint_dir = Path(checkpoint_dir)
-        verify_checkpoint(checkpoint_dir, load_state=False)
+        self.check(checkpoint_dir, checked)
         check_deepspeed_resume(checkpoint_dir, deepspeed=True, zero_stage=self.model.zero_optimization_stage(),
                                bf16=self.model.bfloat16_enabled())
         training_state = load_training_state(checkpoint_dir, mmap=True)
