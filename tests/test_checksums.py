@@ -1,13 +1,15 @@
-"""Checkpoint checksums (issue 42, deliverable 3).
+"""Checkpoint checksums (issue 42, deliverable 3; cases 15 and 16).
 
 The marker records every file's checksum; resume checks them, each rank the files it reads, and falls back
 to the previous checkpoint when one was changed after the save, so the run goes on exactly as if the damaged
-checkpoint had never been written.
+checkpoint had never been written. Step directories that are no checkpoint (no marker, or unreadable) are
+named and passed over.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import zipfile
 from pathlib import Path
@@ -108,6 +110,40 @@ def test_a_marker_without_checksums_is_checked_by_sizes_only(trained, tmp_path):
         del marker[field]
     (checkpoint / layout.MARKER_FILE).write_text(json.dumps({**marker, "format_version": 2}))
     verify_checksums(checkpoint)
+
+
+def test_a_step_directory_without_marker_is_named_once(trained, tmp_path):
+    """Case 15: a step directory without its marker was passed over without a word."""
+    out_dir = copy_run(trained, tmp_path / "run")
+    for step in (12, 16):  # e.g. copied in part from another machine
+        shutil.copytree(out_dir / layout.step_dir_name(STEPS), out_dir / layout.step_dir_name(step))
+        (out_dir / layout.step_dir_name(step) / layout.MARKER_FILE).unlink()
+    with pytest.warns(UserWarning) as warned:
+        assert resolve_resume("auto", out_dir, None) == out_dir / layout.step_dir_name(STEPS)
+    named = [str(w.message) for w in warned if "step-00000012" in str(w.message)]
+    assert len(named) == 1 and "step-00000016" in named[0] and layout.MARKER_FILE in named[0], named
+
+
+def test_an_unreadable_newest_step_directory_is_skipped(trained, tmp_path, monkeypatch):
+    """Case 16: a newest step directory this process may not read (chmod 000) aborted the resume with a
+    PermissionError; now it is named and resume falls back to the previous checkpoint."""
+    out_dir = copy_run(trained, tmp_path / "run")
+    unreadable = out_dir / layout.step_dir_name(STEPS)
+    unreadable.chmod(0)
+    if os.geteuid() == 0:  # root reads it anyway: every look inside fails as it would for anyone else
+        real_stat = Path.stat
+
+        def stat(path, *args, **kwargs):
+            if str(path).startswith(f"{unreadable}{os.sep}"):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_stat(path, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "stat", stat)
+    try:
+        with pytest.warns(UserWarning, match=f"passing over {unreadable.name}"):
+            assert resolve_resume("auto", out_dir, None) == out_dir / layout.step_dir_name(INTERVAL)
+    finally:
+        unreadable.chmod(0o755)
 
 
 @pytest.mark.multiproc

@@ -91,8 +91,12 @@ def trash_dir(target: Path, process_id: int) -> Path:
 
 
 def is_complete(path: Path) -> bool:
-    """A checkpoint counts only when its marker, written last, is there."""
-    return (Path(path) / MARKER_FILE).is_file()
+    """A checkpoint counts only when its marker, written last, is there (and can be seen: not in a folder this
+    process may not read)."""
+    try:
+        return (Path(path) / MARKER_FILE).is_file()
+    except PermissionError:
+        return False
 
 
 def is_training_checkpoint(path: Path) -> bool:
@@ -111,6 +115,16 @@ def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
         if match and child.is_dir() and is_training_checkpoint(child):
             found.append((int(match.group(1)), child))
     return sorted(found)
+
+
+def incomplete_step_dirs(out_dir: Path) -> list[Path]:
+    """``step-*`` directories in ``out_dir`` that are no training checkpoint (no marker or training state, or
+    unreadable), oldest first: no save of llmtrain leaves one (it writes under a temporary name), so a user should
+    hear of them."""
+    out_dir = Path(out_dir)
+    complete = {path for _, path in list_checkpoints(out_dir)}
+    return sorted(child for child in out_dir.iterdir() if STEP_DIR.match(child.name) and child.is_dir()
+                  and child not in complete) if out_dir.is_dir() else []
 
 
 def writer_rank(relative: str) -> Optional[int]:

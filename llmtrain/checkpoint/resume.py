@@ -152,6 +152,7 @@ def resolve_resume(resume: Union[bool, str, Path, None], out_dir: Path,
         return None
     if resume == "auto" or resume is True:
         flag = "--resume auto" if resume == "auto" else "--resume true"
+        _warn_incomplete(out_dir, flag)
         if not checkpoints:
             if resume is True:
                 raise FileNotFoundError(f"--resume true: no complete checkpoint in --out_dir {out_dir}; "
@@ -291,6 +292,23 @@ def resume_fallbacks(resume: Union[bool, str, Path, None], resume_from: Optional
         return ()
     older = [path for _, path in layout.list_checkpoints(Path(resume_from).parent) if path.name < resume_from.name]
     return tuple(reversed(older))
+
+
+def _warn_incomplete(out_dir: Path, flag: str) -> None:
+    """Name, in one line, the step directories that resume passes over because they are no checkpoint."""
+    skipped = layout.incomplete_step_dirs(out_dir)
+    if skipped:
+        warnings.warn(f"{flag}: passing over {', '.join(f'{path.name} ({_incomplete(path)})' for path in skipped)} "
+                      f"in {out_dir}: no complete training checkpoint (a save that never finished, a copy in part); "
+                      "delete or repair them")
+
+
+def _incomplete(path: Path) -> str:
+    """What a step directory that is no training checkpoint lacks."""
+    try:
+        return f"no {layout.MARKER_FILE}" if not (path / layout.MARKER_FILE).is_file() else f"no {layout.STATE_FILE}"
+    except OSError as error:
+        return f"unreadable: {error.strerror}"
 
 
 def newest_intact(checkpoints: list[Path], flag: str) -> Path:
