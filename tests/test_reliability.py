@@ -215,7 +215,7 @@ def assert_same_weights(out_dir: Path, expected: dict[str, torch.Tensor]) -> Non
 
 
 def leftovers(out_dir: Path) -> list[str]:
-    return sorted(p.name for p in Path(out_dir).iterdir() if p.name.startswith("."))
+    return sorted(p.name for p in Path(out_dir).iterdir() if p.name.startswith(".") and p.name != layout.LOCK_FILE)
 
 
 def step_of(checkpoint: Path) -> int:
