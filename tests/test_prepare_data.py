@@ -17,6 +17,7 @@ from conftest import LAUNCHER_PREFIXES, LAUNCHER_VARS
 from test_prepared_loader import global_samples, loaders, same_rows
 
 from llmtrain.data import BuiltinStories, HFDataset, Prepared, PythonStdlib, TextFiles
+from llmtrain.checkpoint.layout import LOCK_FILE
 from llmtrain.data import manifest as layout
 from llmtrain.data.prepare import KILL_AFTER_UNITS_ENV
 from llmtrain.data.tokens import open_tokens
@@ -69,9 +70,9 @@ def text_flags(corpus: Path, tokenizer, out_dir: Path, *extra: str) -> list[str]
 
 
 def contents(root: Path) -> dict[str, bytes]:
-    """Every file of a prepared folder but the progress records, by relative path."""
+    """Every file of a prepared folder but the progress records and the lock file (it names its holder), by path."""
     return {str(path.relative_to(root)): path.read_bytes() for path in sorted(root.rglob("*"))
-            if path.is_file() and layout.PROGRESS_DIR not in path.parts}
+            if path.is_file() and layout.PROGRESS_DIR not in path.parts and path.name != LOCK_FILE}
 
 
 def prepared_tokens(root: Path, split: str = "train") -> list[int]:
