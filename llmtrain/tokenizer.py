@@ -48,7 +48,7 @@ class Tokenizer:
             )
         # Read the file once: the fingerprint must describe exactly what was loaded.
         tokenizer_json = tokenizer_path.read_bytes()
-        self.processor = HFTokenizer.from_str(tokenizer_json.decode("utf-8"))
+        self.processor = _parse_tokenizer(tokenizer_path, tokenizer_json)
         settings = _read_special_token_settings(self.checkpoint_dir)
         self.bos_id: Optional[int] = self._resolve_id(settings.get("bos_token"), settings.get("bos_token_id"))
         if self.bos_id is None:
@@ -255,11 +255,27 @@ def _token_content(token: Union[str, dict, None]) -> Optional[str]:
     return token
 
 
+def _parse_tokenizer(path: Path, content: bytes) -> HFTokenizer:
+    """The tokenizer in ``content`` (``path``'s bytes); a ValueError naming the file if the library cannot read it."""
+    try:
+        return HFTokenizer.from_str(content.decode("utf-8"))
+    except Exception as error:  # noqa: BLE001  (the library raises a bare Exception, from its Rust parser)
+        raise ValueError(f"{path} is not a tokenizer file the tokenizers library can read ({error}): it is cut short "
+                         "or damaged; copy it again from the model it belongs to, or pass another "
+                         "--tokenizer_dir") from None
+
+
 def _read_json(path: Path) -> dict:
+    """A settings file's object ({} when absent); a ValueError naming the file when it is no JSON (a file cut short,
+    or nested deeper than Python's reader goes)."""
     if not path.is_file():
         return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        problem = "it is nested too deeply" if isinstance(error, RecursionError) else error
+        raise ValueError(f"{path} is not a JSON file llmtrain can read ({problem}): fix it, or copy it again from "
+                         "the model it belongs to") from None
     return data if isinstance(data, dict) else {}
 
 

@@ -17,6 +17,7 @@ These datasets are small: they are tokenized once, in memory, by `prepare_data()
 
 import json
 import math
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,6 +222,8 @@ def read_json_records(path: Path) -> list[tuple[Any, str]]:
     if path.suffix == ".json":
         try:
             records = json.loads(text)
+        except RecursionError:
+            raise ValueError(too_deep(path)) from None
         except json.JSONDecodeError as error:
             if error.msg != "Extra data":
                 raise ValueError(f"{path} is not valid JSON: {error.msg} at line {error.lineno}, "
@@ -241,10 +244,19 @@ def _read_json_lines(path: Path, text: str) -> list[tuple[Any, str]]:
             continue
         try:
             record = json.loads(line)
+        except RecursionError:
+            raise ValueError(too_deep(f"{path} line {number}")) from None
         except json.JSONDecodeError as error:
             raise ValueError(f"{path} line {number} is not valid JSON: {error.msg} (column {error.colno})") from error
         records.append((record, f"{path} line {number} (record {len(records)})"))
     return records
+
+
+def too_deep(where: Any) -> str:
+    """Why a JSON document nested deeper than Python's recursion limit cannot be read (a RecursionError, which no
+    record needs)."""
+    return (f"{where} nests its JSON deeper than Python's reader goes ({sys.getrecursionlimit()} levels): no record "
+            "needs that; fix or drop it")
 
 
 def record_to_conversation(record: Any, where: str) -> Conversation:
