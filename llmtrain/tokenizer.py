@@ -5,6 +5,7 @@ order transformers itself trusts them: tokenizer_config.json, special_tokens_map
 generation_config.json.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -69,6 +70,13 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.processor.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's text, in characters (bytes, for byte-level tokens): no token covers more of a text,
+        so n tokens never span more than n × this many characters (before the normalizer, which the common ones
+        do not shorten)."""
+        return max(map(len, self.processor.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, bos: Optional[bool] = None, eos: bool = False) -> list[int]:
         """Token ids of `text`. `bos=None` follows the tokenizer's own default."""

@@ -36,6 +36,11 @@ COMPILE_PAD_MULTIPLE = 64
 """Under --compile, batches are padded to a multiple of this many tokens (at most --train.max_seq_length)."""
 
 
+CHARS_KEPT = 2
+"""A record is cut to this many times the characters its kept tokens can span before it is tokenized (see
+:func:`cut_segments`): a 50 MB record costs what a short one does, and a sample equals the whole record's."""
+
+
 def pad_multiple(compile: bool, sequence_shards: int = 1) -> int:
     """What a batch's width is rounded up to: 1 (its longest sample) unless the model is compiled or sequence
     parallelism splits each sequence over ``sequence_shards`` ranks (``--tp_size``), which must divide it.
@@ -310,7 +315,8 @@ def tokenize_conversations(
 
     Their batches are padded to a multiple of `pad_multiple` tokens, at most `max_seq_length`.
     """
-    rendered = [style.render(conversation) for conversation in conversations]
+    budget = CHARS_KEPT * (max_seq_length + 1) * tokenizer.max_token_chars
+    rendered = [cut_segments(style.render(conversation), budget) for conversation in conversations]
     # NOTE: the tokens are those of the whole text, as generation will see it; encoding each segment
     # alone would differ where a tokenizer prepends a space to every call (sentencepiece-style ones).
     # A segment ends where the tokens of the text up to its end stop agreeing with the whole text's.
@@ -347,6 +353,22 @@ def tokenize_conversations(
     pad_id = pad_id if pad_id is not None else (tokenizer.eos_id if tokenizer.eos_id is not None else 0)
     samples = PaddedSamples(inputs, labels, pad_id, pad_multiple=pad_multiple, max_width=max_seq_length)
     return samples, truncated, emptied
+
+
+def cut_segments(segments: list[Segment], budget: int) -> list[Segment]:
+    """The segments' first ``budget`` characters: a record of any length costs the tokenizer at most that.
+
+    With ``budget`` = CHARS_KEPT × tokens kept × the longest token's characters, the text cut off lies past
+    twice the characters the kept tokens can span, so they are those of the whole text (only the word cut in
+    two tokenizes differently, and it begins after them in any text of ordinary words).
+    """
+    kept, used = [], 0
+    for segment in segments:
+        if used >= budget:
+            break
+        kept.append(segment._replace(text=segment.text[: budget - used]))
+        used += len(kept[-1].text)
+    return kept
 
 
 def _running_texts(segments: list[Segment]) -> list[str]:
