@@ -101,9 +101,8 @@ def connected(root: Path, tokenizer, verify: bool = False, micro_batch_size: int
 
 
 def setup_error(root: Path, tokenizer, verify: bool = False) -> str:
-    data = connected(root, tokenizer, verify)
     with pytest.raises(ValueError) as caught:
-        data.setup()
+        connected(root, tokenizer, verify).setup()
     assert "\n" not in str(caught.value)
     return str(caught.value)
 

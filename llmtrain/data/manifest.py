@@ -147,26 +147,26 @@ def read_manifest(root: Path, flag: str = "--data.path") -> Manifest:
     return manifest
 
 
-def check_shards(root: Path, manifest: Manifest, *, flag: str = "--data.path", checksums: bool = False, rank: int = 0,
+def check_shards(root: Path, manifest: Manifest, *, flag: str = "--data.path", check: str = "sample", rank: int = 0,
                  world: int = 1) -> None:
     """Shards ``rank``, ``rank + world``, ... of the folder present and intact, else one error naming the damaged
     ones and the repair. Each of ``world`` ranks checking its share checks every shard once, whatever the count."""
-    damaged = damaged_shards(root, manifest, checksums=checksums, rank=rank, world=world)
+    damaged = damaged_shards(root, manifest, check=check, rank=rank, world=world)
     if damaged:
-        verify = " with --verify true" if checksums else ""
+        verify = " with --verify true" if check == "sha256" else ""
         raise ValueError(f"{flag} {root}: {describe_damage(damaged)}. Repair: run the prepare_data command that "
                          f"made the folder again{verify} (its source: {manifest.source}): it finds the damaged "
                          "shards and prepares their units again, keeping the rest")
 
 
-def damaged_shards(root: Path, manifest: Manifest, *, checksums: bool = False, rank: int = 0,
+def damaged_shards(root: Path, manifest: Manifest, *, check: str = "sample", rank: int = 0,
                    world: int = 1) -> list[tuple[Shard, str]]:
-    """Shards ``rank``, ``rank + world``, ... that are missing, of another size than their token count, or unlike
-    the manifest's sha256 (with ``checksums``: reads all of each) or else its :func:`sample_digest` (reads 2
-    blocks of SAMPLE_BLOCK bytes), each with what is wrong."""
+    """Shards ``rank``, ``rank + world``, ... that are missing, of another size than their token count, or at odds
+    with the manifest's :func:`sample_digest` (``check`` "sample": reads 2 blocks of SAMPLE_BLOCK bytes) or sha256
+    ("sha256": reads all of each), each with what is wrong. ``check`` "size" stats them only."""
     itemsize = np.dtype(manifest.dtype).itemsize
     shards = [shard for split in manifest.splits.values() for shard in split.shards][rank::world]
-    return [(shard, problem) for shard in shards if (problem := shard_problem(Path(root), shard, itemsize, checksums))]
+    return [(shard, problem) for shard in shards if (problem := shard_problem(Path(root), shard, itemsize, check))]
 
 
 def describe_damage(damaged: list[tuple[Shard, str]], shown: int = 3) -> str:
@@ -175,7 +175,7 @@ def describe_damage(damaged: list[tuple[Shard, str]], shown: int = 3) -> str:
     return "; ".join(problem for _, problem in damaged[:shown]) + more
 
 
-def shard_problem(root: Path, shard: Shard, itemsize: int, checksums: bool) -> str:
+def shard_problem(root: Path, shard: Shard, itemsize: int, check: str) -> str:
     """Why one shard is damaged ("" when it is not)."""
     path = root / shard.name
     if not path.is_file():
@@ -184,9 +184,9 @@ def shard_problem(root: Path, shard: Shard, itemsize: int, checksums: bool) -> s
     if size != expected:
         return (f"{path} has {size} bytes, not the {expected} of its {shard.tokens} tokens in {MANIFEST}: it is "
                 f"{'truncated' if size < expected else 'damaged'}")
-    if checksums and file_sha256(path) != shard.sha256:
+    if check == "sha256" and file_sha256(path) != shard.sha256:
         return f"{path} does not match its sha256 in {MANIFEST}"
-    if not checksums and shard.sample and read_sample_digest(path, shard.sha256) != shard.sample:
+    if check == "sample" and shard.sample and read_sample_digest(path, shard.sha256) != shard.sample:
         return f"{path} does not match its sampled checksum in {MANIFEST}"
     return ""
 

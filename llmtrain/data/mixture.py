@@ -20,7 +20,7 @@ import numpy as np
 from llmtrain.data import manifest as layout
 from llmtrain.data.base import DataModule, PermutationOrder, SampleOrder, TrainLoader, ValLoader
 from llmtrain.data.prepared import (MIXTURE_PERMUTATION, PreparedSplits, ShardOrder, SpanWindows, check_windows,
-                                    read_prepared, split_spans)
+                                    read_prepared, shard_check, split_spans)
 from llmtrain.tokenizer import Tokenizer
 
 BLOCK = 10_000
@@ -197,7 +197,7 @@ class Mixture(DataModule):
         self._dp_rank, self._dp_size = dp_rank, dp_size
         for index, (source, manifest) in enumerate(zip(self.sources, self._read())):
             layout.check_shards(Path(source.path).expanduser(), manifest, flag=f"--data.sources[{index}].path",
-                                checksums=self.verify, rank=dp_rank, world=dp_size)
+                                check=shard_check(self.verify), rank=dp_rank, world=dp_size)
         for source, split in zip(self.sources, self._splits):
             # Each source repeats on its own once used up, so one window each is enough to train.
             check_windows(self._windows(split.train), f"--data.sources path {source.path}", 1,

@@ -19,6 +19,7 @@ import torch
 
 from llmtrain.data import manifest as layout
 from llmtrain.data.base import Batch, DataModule, TrainLoader, ValLoader
+from llmtrain.distributed.launch import is_first_process
 from llmtrain.tokenizer import Tokenizer
 
 SHARD_PERMUTATION, WINDOW_PERMUTATION, MIXTURE_PERMUTATION = 1, 2, 3
@@ -233,7 +234,7 @@ class Prepared(DataModule):
         self._require_connected()
         self._splits = split_spans(Path(self.path).expanduser(), self._read(), self.val_split_fraction, "--data.path")
         self._dp_rank, self._dp_size = dp_rank, dp_size
-        layout.check_shards(Path(self.path).expanduser(), self._read(), checksums=self.verify,
+        layout.check_shards(Path(self.path).expanduser(), self._read(), check=shard_check(self.verify),
                             rank=dp_rank, world=dp_size)
         needed = dp_size * self.micro_batch_size
         check_windows(self._windows(self._splits.train), f"--data.path {self.path}", needed,
@@ -271,10 +272,21 @@ class Prepared(DataModule):
         return self._splits
 
 
+def shard_check(verify: bool) -> str:
+    """What setup() compares each shard of its share with (the ``check`` of llmtrain.data.manifest.damaged_shards)."""
+    return "sha256" if verify else "sample"
+
+
 def read_prepared(path: Path, flag: str) -> layout.Manifest:
-    """A prepared folder's manifest, with training shards. The shards themselves are checked by setup(), where each
-    data-parallel rank checks its share (:func:`llmtrain.data.manifest.check_shards`)."""
+    """A prepared folder's manifest, with training shards.
+
+    The first process (the one that launches, or rank 0 of a launcher's) stats every shard before launch, so a
+    missing or truncated one is named in one line, not in a worker's traceback; the ranks check their shares'
+    sampled checksums (or sha256) in setup(), where each reads only its share.
+    """
     manifest = layout.read_manifest(Path(path).expanduser(), flag)
     if "train" not in manifest.splits or not manifest.splits["train"].shards:
         raise ValueError(f"{flag} {path} has no training shards: prepare it from data that is not empty")
+    if is_first_process():
+        layout.check_shards(Path(path).expanduser(), manifest, flag=flag, check="size")
     return manifest

@@ -83,7 +83,7 @@ def setup(
     manifest = finished(out_dir, preparation)
     # NOTE: sizes and sampled blocks (a stat and 128 KiB a shard), or with --verify every byte, in each launching
     # process: the ranks must agree on whether to launch before they can talk.
-    damaged = [] if manifest is None else damaged_shards(out_dir, manifest, checksums=verify)
+    damaged = [] if manifest is None else damaged_shards(out_dir, manifest, check="sha256" if verify else "sample")
     if manifest is not None and not damaged:
         if is_first_process():
             shards = sum(len(split.shards) for split in manifest.splits.values())
