@@ -228,7 +228,7 @@ def read_special_tokens(directory: Union[Path, str]) -> dict[str, str]:
     transformers hands them to a chat template; the first file that says wins."""
     tokens: dict[str, str] = {}
     for name in (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE):
-        data = _read_json(Path(directory) / name)
+        data = read_settings(Path(directory) / name)
         for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
             token = _token_content(data.get(key))
             if token is not None:
@@ -241,10 +241,10 @@ def _read_special_token_settings(directory: Path) -> dict:
     settings: dict = {key: token for key, token in read_special_tokens(directory).items()
                       if key in ("bos_token", "eos_token")}
     for name in (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE):
-        data = _read_json(directory / name)
+        data = read_settings(directory / name)
         if data.get("add_bos_token") is not None:
             settings.setdefault("add_bos_token", data["add_bos_token"])
-    generation = _read_json(directory / GENERATION_CONFIG_FILE)
+    generation = read_settings(directory / GENERATION_CONFIG_FILE)
     for key in ("bos_token_id", "eos_token_id"):
         value = generation.get(key)
         values = value if isinstance(value, list) else [value]
@@ -273,7 +273,7 @@ def _parse_tokenizer(path: Path, content: bytes) -> HFTokenizer:
                          "--tokenizer_dir") from None
 
 
-def _read_json(path: Path) -> dict:
+def read_settings(path: Path) -> dict:
     """A settings file's object ({} when absent); a ValueError naming the file when it is no JSON (a file cut short,
     or nested deeper than Python's reader goes)."""
     if not path.is_file():

@@ -20,7 +20,7 @@ from forked_cli import run_forked
 from llmtrain.data import Prepared, TextFiles
 from llmtrain.data import manifest as layout
 from llmtrain.data.instruct import read_json_records, tokenize_conversations, record_to_conversation
-from llmtrain.prompts import PromptStyle
+from llmtrain.prompts import PromptStyle, read_chat_template
 from llmtrain.recipes.prepare_data import setup as prepare_data
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,3 +243,10 @@ def test_broken_tokenizer_files_are_one_line_naming_the_file(tmp_path: Path, tok
         assert "Traceback" not in done.stderr
         error = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
         assert len(error) == 1 and str(path) in error[0], done.stderr
+
+
+def test_a_chat_template_in_a_broken_tokenizer_config_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}", "eos_token": ')
+    with pytest.raises(ValueError, match="tokenizer_config.json is not a JSON file") as caught:
+        read_chat_template(tmp_path)
+    assert str(tmp_path / "tokenizer_config.json") in str(caught.value)
