@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import LAUNCHER_PREFIXES, LAUNCHER_VARS
+from conftest import LAUNCHER_PREFIXES, LAUNCHER_VARS, write_tiny_model
 from forked_cli import run_forked
 
 from llmtrain.data import Prepared, TextFiles
@@ -169,6 +169,25 @@ def test_each_rank_checks_its_share_of_the_shards(folder: Path) -> None:
     found = [[shard.name for shard, _ in layout.damaged_shards(folder, manifest, rank=rank, world=2)]
              for rank in range(2)]
     assert found == [[shards[0].name], [shards[1].name]]
+
+
+@pytest.mark.multiproc
+def test_the_rank_whose_share_holds_a_damaged_shard_names_it(folder: Path, tokenizer, tmp_path: Path) -> None:
+    """A run on two ranks: shard 1 is rank 1's to check (rank 0 checks shards 0, 2, ...)."""
+    shard = layout.read_manifest(folder).splits["train"].shards[1]
+    write_id(folder / shard.name, 10, 7 if (folder / shard.name).read_bytes()[10] != 7 else 8)
+    env = {name: value for name, value in os.environ.items()
+           if name not in LAUNCHER_VARS and not name.startswith(LAUNCHER_PREFIXES)}
+    done = subprocess.run(
+        [sys.executable, "-m", "llmtrain", "pretrain", "--model_config", str(write_tiny_model(tmp_path / "tiny.yaml")),
+         "--out_dir", str(tmp_path / "out"), "--tokenizer_dir", str(tokenizer.checkpoint_dir), "--devices", "2",
+         "--train.max_steps", "1", "--train.global_batch_size", "4", "--train.micro_batch_size", "2",
+         "--train.max_seq_length", "16", "--data", "Prepared", "--data.path", str(folder)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env=dict(env, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", LLMTRAIN_CACHE_DIR=str(tmp_path / "cache")))
+    assert done.returncode != 0
+    assert f"rank 1 of 2 failed (exit code 1): ValueError: --data.path {folder}: {folder / shard.name} does not " \
+           "match its sampled checksum" in done.stderr, done.stderr[-3000:]
 
 
 def test_a_50_mb_instruction_record_is_cut_before_it_is_tokenized(tmp_path: Path, tokenizer) -> None:
