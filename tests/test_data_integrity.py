@@ -190,6 +190,7 @@ def test_the_rank_whose_share_holds_a_damaged_shard_names_it(folder: Path, token
            "match its sampled checksum" in done.stderr, done.stderr[-3000:]
 
 
+@pytest.mark.multiproc
 def test_a_50_mb_instruction_record_is_cut_before_it_is_tokenized(tmp_path: Path, tokenizer) -> None:
     """Peak memory of a process that reads and tokenizes it, under a 3 GB data limit (the whole record tokenized
     used to take 15 GB and two minutes)."""
