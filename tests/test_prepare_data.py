@@ -93,7 +93,7 @@ def reference(corpus: Path, tokenizer, tmp_path_factory: pytest.TempPathFactory)
 
 def test_the_prepared_folder_holds_the_token_cache_stream(reference: Path, corpus: Path, tokenizer) -> None:
     manifest = layout.read_manifest(reference)
-    layout.check_shards(reference, manifest, checksums=True)  # the manifest's sizes and checksums are the files'
+    layout.check_shards(reference, manifest, check="sha256")  # the manifest's sizes and checksums are the files'
     assert manifest.tokenizer == tokenizer.fingerprint and manifest.dtype == "uint16"
     assert list(manifest.splits) == ["train"]  # the held-out fraction is the reader's business
     shards = manifest.splits["train"].shards
