@@ -210,15 +210,6 @@ def _parser_class():
 QUIET_RANK_EXIT_DELAY_S = 10.0
 """How long a rank other than 0 waits before it exits on an input error that rank 0 reports (see main())."""
 
-_INVOCATION: list[str] = []
-
-
-def invocation() -> list[str]:
-    """The command :func:`main` is running, as ``llmtrain`` and the arguments it got, for messages that print a
-    command to run next (a diverged run's resume); empty outside main()."""
-    return list(_INVOCATION)
-
-
 # Errors that mean "this input is wrong": shown as one message, without a traceback, unless --debug.
 USER_ERRORS = (ValueError, OSError)  # OSError covers missing files, permissions and disk space
 
@@ -230,9 +221,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
+    from llmtrain.distributed.launch import record_invocation
     from llmtrain.train.loop import NonFiniteError
 
-    _INVOCATION[:] = ["llmtrain", *args]
+    record_invocation(args)
     try:
         run_cli(args)
     except KeyboardInterrupt:  # Ctrl-C: a choice, not a failure; the exit code says it (llmtrain.train.signals)

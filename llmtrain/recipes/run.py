@@ -20,7 +20,6 @@ import torch
 
 from llmtrain import plan as planning
 from llmtrain.args import BatchDefaults, EvalArgs, FSDPArgs, ProfileArgs, TrainArgs
-from llmtrain.cli import invocation
 from llmtrain.config import Config
 from llmtrain.data.base import DataModule
 from llmtrain.data.streaming import check_stream_resume
@@ -33,7 +32,7 @@ from llmtrain.checkpoint.resume import (check_deepspeed_resume, check_resume_lor
                                         check_resume_optimizer)
 from llmtrain.checkpoint.size import check_disk_space, final_is_separate
 from llmtrain.checkpoint.state import load_training_state
-from llmtrain.distributed.launch import is_first_process, launch, plan_launch, resolve_devices
+from llmtrain.distributed.launch import invocation, is_first_process, launch, plan_launch, resolve_devices
 from llmtrain.distributed.parallel_plan import DEEPSPEED_STRATEGIES, ParallelPlan, resolve_device_type
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.distributed.pipeline import build_pipeline
@@ -89,7 +88,7 @@ class RunSpec:
     dist_timeout: float = 600.0
     """--dist_timeout: seconds a collective may wait (the default process group's timeout)."""
     command: list[str] = field(default_factory=list)
-    """The command line that started the run (:func:`llmtrain.cli.invocation`), for the advice of a diverged run."""
+    """The command line that started the run (llmtrain.distributed.launch.invocation), for a diverged run's advice."""
 
 
 def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: Optional[Path],
