@@ -23,6 +23,7 @@ import faults
 from conftest import ListLoader, write_tiny_model
 from llmtrain.args import EvalArgs, TrainArgs, batch_plan
 from llmtrain.checkpoint import files, layout
+from llmtrain.checkpoint.checkpointer import NonFiniteWeightsError
 from llmtrain.checkpoint.resume import resolve_resume
 from llmtrain.config import Config
 from llmtrain.distributed.runtime import Runtime
@@ -36,8 +37,10 @@ CONFIG = dict(name="diverge-test", vocab_size=64, padding_multiple=64, block_siz
               n_query_groups=1, intermediate_size=32)
 
 
-def fit_with_nan(nan_steps: list[int], max_steps: int, *more: callbacks.Callback, max_nonfinite: int = 5):
-    """fit() a tiny model saving every step, with NaN losses at ``nan_steps``; returns (the job, what it saved)."""
+def fit_with_nan(nan_steps: list[int], max_steps: int, *more: callbacks.Callback, max_nonfinite: int = 5,
+                 refuse_step: int = 0):
+    """fit() a tiny model saving every step, with NaN losses at ``nan_steps``; returns (the job, what it saved).
+    The save of ``refuse_step`` raises as the checkpointer does for weights with NaN or inf."""
     torch.manual_seed(0)
     model = GPT(Config(**CONFIG))
     model.init_weights()
@@ -47,6 +50,8 @@ def fit_with_nan(nan_steps: list[int], max_steps: int, *more: callbacks.Callback
     saved = []
 
     def save(state):
+        if state.step == refuse_step:
+            raise NonFiniteWeightsError(f"refusing to write out/step-{state.step}: 1 weight tensor(s) hold NaN or inf")
         saved.append(state.step)
         return Path(f"out/step-{state.step}")
 
@@ -74,6 +79,16 @@ def test_a_run_that_ends_in_a_streak_writes_neither_a_checkpoint_nor_final():
     job, saved = fit_with_nan([3], max_steps=3)
     with pytest.raises(NonFiniteError, match=r"reached its end \(reached --train.max_steps 3\) in a streak of 1 "
                                              r"steps.*neither a checkpoint nor final/"):
+        fit(job)
+    assert saved == [1, 2]
+
+
+def test_weights_gone_nan_or_inf_stop_the_run_in_one_line_naming_the_last_good_checkpoint():
+    """Weights that an update with a finite gradient norm made non-finite: the save is refused (no checkpoint holds
+    them), and the run stops as for a streak, with the command that resumes the checkpoint before."""
+    job, saved = fit_with_nan([], 6, refuse_step=3)
+    with pytest.raises(NonFiniteError, match=r"refusing to write out/step-3: .*The last good checkpoint is "
+                                             r"out/step-2; .*--resume out/step-2 --optimizer.lr 0.01$"):
         fit(job)
     assert saved == [1, 2]
 

@@ -59,6 +59,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from llmtrain.args import BatchPlan, EvalArgs, TrainArgs
+from llmtrain.checkpoint.checkpointer import NonFiniteWeightsError
 from llmtrain.data.base import real_tokens
 from llmtrain.distributed.grad_norm import clip_grad_norm_
 from llmtrain.distributed.runtime import Runtime
@@ -866,7 +867,10 @@ class StopPolicy:
                               f"norm was NaN or inf (the last good checkpoint: {job.rewind.checkpoint or 'none'})")
             return False
         if self.last_saved_step != state.step:
-            job.rewind.saved(state.step, job.save_checkpoint(state))
+            try:
+                job.rewind.saved(state.step, job.save_checkpoint(state))
+            except NonFiniteWeightsError as error:  # every rank raises it: its check all-reduces
+                raise NonFiniteError(f"{error}. {resume_advice(job)}") from None
             self.last_saved_step = state.step
         return True
 
