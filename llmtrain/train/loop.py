@@ -287,8 +287,9 @@ def fit(job: Fit) -> TrainState:
     """Train until the first stop condition, validating, logging and checkpointing on the way.
 
     Raises :class:`~llmtrain.train.signals.Preempted` (exit code 75) after writing a checkpoint when
-    SIGTERM or SIGUSR1 reached any rank, and :class:`NonFiniteError` after
-    ``--train.max_nonfinite_steps`` skipped steps in a row.
+    SIGTERM or SIGUSR1 reached any rank (none while non-finite steps run on: :class:`Rewind`), and
+    :class:`NonFiniteError` after ``--train.max_nonfinite_steps`` skipped steps in a row, at the end of a run
+    whose last steps were skipped, or when the weights hold NaN or inf.
     """
     with catch_stop_signals() as stop_request:
         hooks = callbacks.Callbacks([])
