@@ -221,8 +221,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
+    from llmtrain.distributed.launch import record_invocation
     from llmtrain.train.loop import NonFiniteError
 
+    record_invocation(args)
     try:
         run_cli(args)
     except KeyboardInterrupt:  # Ctrl-C: a choice, not a failure; the exit code says it (llmtrain.train.signals)

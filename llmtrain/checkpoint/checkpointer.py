@@ -59,6 +59,7 @@ class _PendingSave:
     tmp: Path
     target: Path
     marker: dict
+    good: Optional[Path]
 
 
 class Checkpointer:
@@ -97,9 +98,12 @@ class Checkpointer:
         self._stager: Any = None  # keeps its host copies between async saves: no fresh allocation per save
 
     # ------------------------------------------------------------------------------------- saving
-    def save(self, state: Any) -> Path:
+    def save(self, state: Any, good: Optional[Path] = None) -> Path:
         """Write ``out_dir/step-NNNNNNNN/`` atomically: every rank's part goes into one temporary directory,
-        which rank 0 marks complete and renames (at once, or in :meth:`wait` after an async write)."""
+        which rank 0 marks complete and renames (at once, or in :meth:`wait` after an async write).
+
+        ``good``: the run's last good checkpoint, which --train.keep_last then spares (llmtrain.train.loop.Rewind).
+        """
         target = self.out_dir / layout.step_dir_name(state.step)
         # NOTE: before the check, which may refuse this save: the previous one, written in the background, is the
         # checkpoint that the refusal tells the user to resume from.
@@ -125,7 +129,7 @@ class Checkpointer:
                                        tokenizer=self.tokenizer, write_extras=self.write_extras)
         marker = {"kind": "training", "format": self.format, "step": state.step, "tokens": state.tokens,
                   "world_size": self.runtime.world_size}
-        self._pending = _PendingSave(future, tmp, target, marker)
+        self._pending = _PendingSave(future, tmp, target, marker, good)
         if future is None:
             self.wait()
         return target
@@ -190,7 +194,13 @@ class Checkpointer:
         self.runtime.barrier()
         self.last_saved = pending.target
         if self.runtime.is_main:
-            files.prune_checkpoints(self.out_dir, self.keep_last, keep=pending.target)
+            files.prune_checkpoints(self.out_dir, self.keep_last, keep=pending.target, good=pending.good)
+
+    def prune(self, good: Path) -> None:
+        """Delete the checkpoints --train.keep_last no longer keeps, now that ``good``, the newest, is known to be
+        good (llmtrain.train.loop.Rewind); rank 0 deletes."""
+        if self.runtime.is_main:
+            files.prune_checkpoints(self.out_dir, self.keep_last, keep=good)
 
     def save_final(self, state: Any) -> Path:
         """``out_dir/final/``: a full model directory of the model at ``state``, whatever the step format."""

@@ -435,6 +435,20 @@ def torchrun_command(devices: int, num_nodes: int) -> str:
             f"--master_addr <host of node 0> --master_port 29500 {_this_command()}")
 
 
+_INVOCATION: list[str] = []
+
+
+def record_invocation(args: list[str]) -> None:
+    """Remember the arguments that ``llmtrain`` runs with (llmtrain.cli.main), for :func:`invocation`."""
+    _INVOCATION[:] = ["llmtrain", *args]
+
+
+def invocation() -> list[str]:
+    """The command being run, as ``llmtrain`` and its arguments, for messages that print a command to run next (a
+    diverged run's resume); empty outside llmtrain.cli.main."""
+    return list(_INVOCATION)
+
+
 def _this_command() -> str:
     main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if main_spec is not None and main_spec.name:
