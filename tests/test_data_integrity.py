@@ -185,9 +185,11 @@ def test_the_rank_whose_share_holds_a_damaged_shard_names_it(folder: Path, token
          "--train.max_seq_length", "16", "--data", "Prepared", "--data.path", str(folder)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
         env=dict(env, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", LLMTRAIN_CACHE_DIR=str(tmp_path / "cache")))
-    assert done.returncode != 0
-    assert f"rank 1 of 2 failed (exit code 1): ValueError: --data.path {folder}: {folder / shard.name} does not " \
-           "match its sampled checksum" in done.stderr, done.stderr[-3000:]
+    # An input error found by one rank is told as in a single process: one line, exit 2 (llmtrain.errors).
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"error: rank 1 of 2: --data.path {folder}: {folder / shard.name} does not match its sampled " \
+           "checksum" in done.stderr, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and done.stderr.count("error:") == 1, done.stderr[-3000:]
 
 
 @pytest.mark.multiproc

@@ -586,6 +586,9 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had a NaN or inf gradient norm."""
 
+    exit_status = 1
+    """Told in one line (llmtrain.errors): the run stopped itself with a reason; its checkpoints are sound."""
+
 
 class NonFiniteSteps:
     """What a step whose global gradient norm is NaN or inf does: nothing to the weights or the optimizer
