@@ -52,11 +52,11 @@ class TrainArgs:
     lr_decay: str = "cosine"
     """Schedule after warmup: cosine | linear | constant."""
     keep_last: Optional[int] = None
-    """Keep only the newest this many step checkpoints; an older one is deleted once a newer one is complete.
-    None: keep all."""
+    """Keep only the newest this many step checkpoints; an older one is deleted once a newer one is complete, and the
+    last good one (a later step had a finite gradient norm) only once a newer one is good too. None: keep all."""
     max_nonfinite_steps: int = 5
     """A step whose gradient norm is NaN or inf is skipped (no update); stop the run (non-zero exit) after
-    this many such steps in a row."""
+    this many such steps in a row. No checkpoint is written while such steps run on."""
 
     def __post_init__(self) -> None:
         for name in ("log_interval", "max_nonfinite_steps"):

@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Callable, Optional, Sequence
 
+from llmtrain.errors import DEBUG_ENV, USER_ERRORS
+
 # Subcommands whose first positional argument is sugar for a flag: `pretrain NAME` = `pretrain --model_name NAME`.
 POSITIONAL = {"pretrain": "--model_name"}
 
@@ -210,8 +212,6 @@ def _parser_class():
 QUIET_RANK_EXIT_DELAY_S = 10.0
 """How long a rank other than 0 waits before it exits on an input error that rank 0 reports (see main())."""
 
-# Errors that mean "this input is wrong": shown as one message, without a traceback, unless --debug.
-USER_ERRORS = (ValueError, OSError)  # OSError covers missing files, permissions and disk space
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -221,8 +221,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
+    if debug:
+        os.environ[DEBUG_ENV] = "1"  # the workers of a launched run print tracebacks too
+    from llmtrain.distributed.launch import record_invocation
     from llmtrain.train.loop import NonFiniteError
 
+    record_invocation(args)
     try:
         run_cli(args)
     except KeyboardInterrupt:  # Ctrl-C: a choice, not a failure; the exit code says it (llmtrain.train.signals)
@@ -289,9 +293,9 @@ def run_cli(args: list[str]) -> None:
     try:
         CLI(commands(), args=args, description="Pretrain and fine-tune GPT-style language models.",
             parser_class=_parser_class())
-    except WorkerFailedError as error:  # the workers' tracebacks were printed already
+    except WorkerFailedError as error:  # an unexpected error's traceback was printed already
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(error.exit_status)
 
 
 if __name__ == "__main__":

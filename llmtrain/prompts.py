@@ -737,14 +737,14 @@ def has_prompt_style(checkpoint_dir: Union[Path, str]) -> bool:
 def read_chat_template(checkpoint_dir: Union[Path, str]) -> Optional[ChatTemplate]:
     """The directory's own chat template as a style, or None: chat_template.jinja, else tokenizer_config.json's
     chat_template (its "default" one where it holds several), as transformers reads them."""
-    from llmtrain.tokenizer import read_special_tokens
+    from llmtrain.tokenizer import read_settings, read_special_tokens
 
     checkpoint_dir = Path(checkpoint_dir)
     template = None
     if (checkpoint_dir / CHAT_TEMPLATE_FILE).is_file():
         template = (checkpoint_dir / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
     elif (checkpoint_dir / TOKENIZER_CONFIG_FILE).is_file():
-        template = json.loads((checkpoint_dir / TOKENIZER_CONFIG_FILE).read_text(encoding="utf-8")).get("chat_template")
+        template = read_settings(checkpoint_dir / TOKENIZER_CONFIG_FILE).get("chat_template")
         if isinstance(template, list):  # named ones: [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
             template = next((named.get("template") for named in template
                              if isinstance(named, dict) and named.get("name") == "default"), None)

@@ -5,6 +5,7 @@ order transformers itself trusts them: tokenizer_config.json, special_tokens_map
 generation_config.json.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -48,7 +49,7 @@ class Tokenizer:
             )
         # Read the file once: the fingerprint must describe exactly what was loaded.
         tokenizer_json = tokenizer_path.read_bytes()
-        self.processor = HFTokenizer.from_str(tokenizer_json.decode("utf-8"))
+        self.processor = _parse_tokenizer(tokenizer_path, tokenizer_json)
         settings = _read_special_token_settings(self.checkpoint_dir)
         self.bos_id: Optional[int] = self._resolve_id(settings.get("bos_token"), settings.get("bos_token_id"))
         if self.bos_id is None:
@@ -69,6 +70,13 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.processor.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's text, in characters (bytes, for byte-level tokens): no token covers more of a text,
+        so n tokens never span more than n × this many characters (before the normalizer, which the common ones
+        do not shorten)."""
+        return max(map(len, self.processor.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, bos: Optional[bool] = None, eos: bool = False) -> list[int]:
         """Token ids of `text`. `bos=None` follows the tokenizer's own default."""
@@ -220,7 +228,7 @@ def read_special_tokens(directory: Union[Path, str]) -> dict[str, str]:
     transformers hands them to a chat template; the first file that says wins."""
     tokens: dict[str, str] = {}
     for name in (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE):
-        data = _read_json(Path(directory) / name)
+        data = read_settings(Path(directory) / name)
         for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
             token = _token_content(data.get(key))
             if token is not None:
@@ -233,10 +241,10 @@ def _read_special_token_settings(directory: Path) -> dict:
     settings: dict = {key: token for key, token in read_special_tokens(directory).items()
                       if key in ("bos_token", "eos_token")}
     for name in (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_FILE):
-        data = _read_json(directory / name)
+        data = read_settings(directory / name)
         if data.get("add_bos_token") is not None:
             settings.setdefault("add_bos_token", data["add_bos_token"])
-    generation = _read_json(directory / GENERATION_CONFIG_FILE)
+    generation = read_settings(directory / GENERATION_CONFIG_FILE)
     for key in ("bos_token_id", "eos_token_id"):
         value = generation.get(key)
         values = value if isinstance(value, list) else [value]
@@ -255,11 +263,27 @@ def _token_content(token: Union[str, dict, None]) -> Optional[str]:
     return token
 
 
-def _read_json(path: Path) -> dict:
+def _parse_tokenizer(path: Path, content: bytes) -> HFTokenizer:
+    """The tokenizer in ``content`` (``path``'s bytes); a ValueError naming the file if the library cannot read it."""
+    try:
+        return HFTokenizer.from_str(content.decode("utf-8"))
+    except Exception as error:  # noqa: BLE001  (the library raises a bare Exception, from its Rust parser)
+        raise ValueError(f"{path} is not a tokenizer file the tokenizers library can read ({error}): it is cut short "
+                         "or damaged; copy it again from the model it belongs to, or pass another "
+                         "--tokenizer_dir") from None
+
+
+def read_settings(path: Path) -> dict:
+    """A settings file's object ({} when absent); a ValueError naming the file when it is no JSON (a file cut short,
+    or nested deeper than Python's reader goes)."""
     if not path.is_file():
         return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        problem = "it is nested too deeply" if isinstance(error, RecursionError) else error
+        raise ValueError(f"{path} is not a JSON file llmtrain can read ({problem}): fix it, or copy it again from "
+                         "the model it belongs to") from None
     return data if isinstance(data, dict) else {}
 
 

@@ -170,7 +170,7 @@ CASES = [
                                              '"weight": 0, "name": "again"}]'),
          ["--data.sources[1]", "weight 0", "positive, finite number"]),
     Case("prepared folder missing a shard", _pretrain_on("--data", "Prepared", "--data.path", "{in}/prepared-broken"),
-         ["unit-00000-0001.bin", "is missing", "prepare the folder again"]),
+         ["unit-00000-0001.bin", "is missing", "run the prepare_data command that made the folder again"]),
     Case("prepared with another tokenizer", _pretrain_on("--data", "Prepared", "--data.path", "{in}/prepared",
                                                          "--tokenizer_dir", "{in}/tok2"),
          ["was prepared with the tokenizer in", "--tokenizer_dir"]),

@@ -292,15 +292,22 @@ def test_a_failed_task_ends_the_wait_of_the_others(tmp_path, dist_env, free_port
             os.killpg(task.pid, signal.SIGKILL)
         pytest.fail(f"a task still waits a minute after rank 1 failed: {[task.communicate() for task in tasks]}")
     assert [task.returncode for task in tasks] == [1, 1], outcomes
-    assert ("rank 0: stopped waiting for the other ranks: rank 1 failed: ValueError: selftest failure raised on "
+    assert ("rank 0: stopped waiting for the other ranks: rank 1 failed: RuntimeError: selftest failure raised on "
             "purpose by rank 1") in outcomes[0][1]
 
 
 def test_worker_error_reaches_the_parent(tmp_path, dist_env):
     code, _, err = run([*SELFTEST, "--devices", "2", "--behaviour", "raise", "--out", str(tmp_path)], dist_env)
     assert code != 0
-    assert "rank 1 of 2 failed (exit code 1): ValueError: selftest failure raised on purpose by rank 1" in err
-    assert 'in check_rank\n    raise ValueError(f"selftest failure' in err  # the worker's own traceback
+    assert "rank 1 of 2 failed (exit code 1): RuntimeError: selftest failure raised on purpose by rank 1" in err
+    assert 'in check_rank\n    raise RuntimeError(f"selftest failure' in err  # the worker's own traceback
+
+
+def test_an_input_error_a_worker_finds_is_one_line_and_exit_2(tmp_path, dist_env):
+    # As a single process tells it (llmtrain.errors): a shard that one rank finds damaged is the user's to fix.
+    code, _, err = run([*SELFTEST, "--devices", "2", "--behaviour", "refuse", "--out", str(tmp_path)], dist_env)
+    assert code == 2, err
+    assert err.strip().splitlines() == ["error: rank 1 of 2: --behaviour refuse: rank 1 refuses its input on purpose"]
 
 
 def start_sleeping_workers(out_dir: Path, env: dict[str, str]) -> tuple[subprocess.Popen, list[int]]:

@@ -17,6 +17,7 @@ from conftest import LAUNCHER_PREFIXES, LAUNCHER_VARS
 from test_prepared_loader import global_samples, loaders, same_rows
 
 from llmtrain.data import BuiltinStories, HFDataset, Prepared, PythonStdlib, TextFiles
+from llmtrain.checkpoint.layout import LOCK_FILE
 from llmtrain.data import manifest as layout
 from llmtrain.data.prepare import KILL_AFTER_UNITS_ENV
 from llmtrain.data.tokens import open_tokens
@@ -69,9 +70,9 @@ def text_flags(corpus: Path, tokenizer, out_dir: Path, *extra: str) -> list[str]
 
 
 def contents(root: Path) -> dict[str, bytes]:
-    """Every file of a prepared folder but the progress records, by relative path."""
+    """Every file of a prepared folder but the progress records and the lock file (it names its holder), by path."""
     return {str(path.relative_to(root)): path.read_bytes() for path in sorted(root.rglob("*"))
-            if path.is_file() and layout.PROGRESS_DIR not in path.parts}
+            if path.is_file() and layout.PROGRESS_DIR not in path.parts and path.name != LOCK_FILE}
 
 
 def prepared_tokens(root: Path, split: str = "train") -> list[int]:
@@ -92,7 +93,7 @@ def reference(corpus: Path, tokenizer, tmp_path_factory: pytest.TempPathFactory)
 
 def test_the_prepared_folder_holds_the_token_cache_stream(reference: Path, corpus: Path, tokenizer) -> None:
     manifest = layout.read_manifest(reference)
-    layout.check_shards(reference, manifest, checksums=True)  # the manifest's sizes and checksums are the files'
+    layout.check_shards(reference, manifest, check="sha256")  # the manifest's sizes and checksums are the files'
     assert manifest.tokenizer == tokenizer.fingerprint and manifest.dtype == "uint16"
     assert list(manifest.splits) == ["train"]  # the held-out fraction is the reader's business
     shards = manifest.splits["train"].shards

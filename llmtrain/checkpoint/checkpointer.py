@@ -60,6 +60,7 @@ class _PendingSave:
     tmp: Path
     target: Path
     marker: dict
+    good: Optional[Path]
     checksums: dict[str, str]
     """Of the files this rank hashed as it wrote them."""
 
@@ -100,9 +101,12 @@ class Checkpointer:
         self._stager: Any = None  # keeps its host copies between async saves: no fresh allocation per save
 
     # ------------------------------------------------------------------------------------- saving
-    def save(self, state: Any) -> Path:
+    def save(self, state: Any, good: Optional[Path] = None) -> Path:
         """Write ``out_dir/step-NNNNNNNN/`` atomically: every rank's part goes into one temporary directory,
-        which rank 0 marks complete and renames (at once, or in :meth:`wait` after an async write)."""
+        which rank 0 marks complete and renames (at once, or in :meth:`wait` after an async write).
+
+        ``good``: the run's last good checkpoint, which --train.keep_last then spares (llmtrain.train.loop.Rewind).
+        """
         target = self.out_dir / layout.step_dir_name(state.step)
         # NOTE: before the check, which may refuse this save: the previous one, written in the background, is the
         # checkpoint that the refusal tells the user to resume from.
@@ -129,7 +133,7 @@ class Checkpointer:
                                        tokenizer=self.tokenizer, write_extras=self.write_extras)
         marker = {"kind": "training", "format": self.format, "step": state.step, "tokens": state.tokens,
                   "world_size": self.runtime.world_size}
-        self._pending = _PendingSave(future, tmp, target, marker, checksums)
+        self._pending = _PendingSave(future, tmp, target, marker, good, checksums)
         if future is None:
             self.wait()
         return target
@@ -197,7 +201,13 @@ class Checkpointer:
         self.runtime.barrier()
         self.last_saved = pending.target
         if self.runtime.is_main:
-            files.prune_checkpoints(self.out_dir, self.keep_last, keep=pending.target)
+            files.prune_checkpoints(self.out_dir, self.keep_last, keep=pending.target, good=pending.good)
+
+    def prune(self, good: Path) -> None:
+        """Delete the checkpoints --train.keep_last no longer keeps, now that ``good``, the newest, is known to be
+        good (llmtrain.train.loop.Rewind); rank 0 deletes."""
+        if self.runtime.is_main:
+            files.prune_checkpoints(self.out_dir, self.keep_last, keep=good)
 
     def _checksums_of_shares(self, directory: Path, known: dict[str, str]) -> dict[str, str]:
         """The checksum of every file in ``directory`` (every rank's writes done), each computed by the rank that

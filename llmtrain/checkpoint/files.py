@@ -40,16 +40,19 @@ def remove_leftovers(out_dir: Path) -> list[Path]:
     return removed
 
 
-def prune_checkpoints(out_dir: Path, keep_last: Optional[int], keep: Optional[Path] = None) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete step checkpoints (never ``keep``, the one just written).
+def prune_checkpoints(out_dir: Path, keep_last: Optional[int], keep: Optional[Path] = None,
+                      good: Optional[Path] = None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete step checkpoints; never ``keep`` (the one just written) nor
+    ``good`` (the run's last good one, while a newer one is not known to be: llmtrain.train.loop.Rewind).
 
     Each goes in two moves: a rename to a leftover name (atomic), then the deletion, so a crash in
     between never leaves a half-deleted directory that still looks complete.
     """
     if keep_last is None:
         return []
+    spared = {Path(path).resolve() for path in (keep, good) if path is not None}
     checkpoints = [path for _, path in layout.list_checkpoints(out_dir)]
-    doomed = [path for path in checkpoints[:-keep_last] if keep is None or path.resolve() != Path(keep).resolve()]
+    doomed = [path for path in checkpoints[:-keep_last] if path.resolve() not in spared]
     for path in doomed:
         trash = layout.trash_dir(path, os.getpid())
         os.replace(path, trash)
@@ -57,17 +60,21 @@ def prune_checkpoints(out_dir: Path, keep_last: Optional[int], keep: Optional[Pa
     return doomed
 
 
-def set_aside_newer(out_dir: Path, resumed: Path) -> list[Path]:
-    """Move the checkpoints in ``out_dir`` newer than ``resumed`` (a run resumed from an older one: a rewind)
-    into ``out_dir/rewound/``, where ``--resume auto`` does not look; returns where they went.
+def set_aside_newer(out_dir: Path, resumed: Optional[Path]) -> list[Path]:
+    """Move the checkpoints in ``out_dir`` newer than ``resumed`` (a run resumed from an older one: a rewind; a
+    diverged run going back to its last good one, None: all of them) into ``out_dir/rewound/``, where
+    ``--resume auto`` does not look; returns where they went.
 
     NOTE: left in place, the abandoned branch's newest checkpoint would be what ``--resume auto`` picks after a
     crash, before this run had saved past it. Nothing is deleted: each move is one rename.
     """
-    out_dir, resumed = Path(out_dir), Path(resumed)
-    if resumed.resolve().parent != out_dir.resolve() or not layout.STEP_DIR.match(resumed.name):
-        return []
-    resumed_step = int(layout.STEP_DIR.match(resumed.name).group(1))
+    out_dir = Path(out_dir)
+    resumed_step = 0
+    if resumed is not None:
+        resumed = Path(resumed)
+        if resumed.resolve().parent != out_dir.resolve() or not layout.STEP_DIR.match(resumed.name):
+            return []
+        resumed_step = int(layout.STEP_DIR.match(resumed.name).group(1))
     moved = []
     for step, path in layout.list_checkpoints(out_dir):
         if step > resumed_step:

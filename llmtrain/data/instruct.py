@@ -17,6 +17,7 @@ These datasets are small: they are tokenized once, in memory, by `prepare_data()
 
 import json
 import math
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,11 @@ Conversation = list[Message]
 
 COMPILE_PAD_MULTIPLE = 64
 """Under --compile, batches are padded to a multiple of this many tokens (at most --train.max_seq_length)."""
+
+
+CHARS_KEPT = 2
+"""A record is cut to this many times the characters its kept tokens can span before it is tokenized (see
+:func:`cut_segments`): a 50 MB record costs what a short one does, and a sample equals the whole record's."""
 
 
 def pad_multiple(compile: bool, sequence_shards: int = 1) -> int:
@@ -221,6 +227,8 @@ def read_json_records(path: Path) -> list[tuple[Any, str]]:
     if path.suffix == ".json":
         try:
             records = json.loads(text)
+        except RecursionError:
+            raise ValueError(too_deep(path)) from None
         except json.JSONDecodeError as error:
             if error.msg != "Extra data":
                 raise ValueError(f"{path} is not valid JSON: {error.msg} at line {error.lineno}, "
@@ -241,10 +249,19 @@ def _read_json_lines(path: Path, text: str) -> list[tuple[Any, str]]:
             continue
         try:
             record = json.loads(line)
+        except RecursionError:
+            raise ValueError(too_deep(f"{path} line {number}")) from None
         except json.JSONDecodeError as error:
             raise ValueError(f"{path} line {number} is not valid JSON: {error.msg} (column {error.colno})") from error
         records.append((record, f"{path} line {number} (record {len(records)})"))
     return records
+
+
+def too_deep(where: Any) -> str:
+    """Why a JSON document nested deeper than Python's recursion limit cannot be read (a RecursionError, which no
+    record needs)."""
+    return (f"{where} nests its JSON deeper than Python's reader goes ({sys.getrecursionlimit()} levels): no record "
+            "needs that; fix or drop it")
 
 
 def record_to_conversation(record: Any, where: str) -> Conversation:
@@ -298,7 +315,8 @@ def tokenize_conversations(
 
     Their batches are padded to a multiple of `pad_multiple` tokens, at most `max_seq_length`.
     """
-    rendered = [style.render(conversation) for conversation in conversations]
+    budget = CHARS_KEPT * (max_seq_length + 1) * tokenizer.max_token_chars
+    rendered = [cut_segments(style.render(conversation), budget) for conversation in conversations]
     # NOTE: the tokens are those of the whole text, as generation will see it; encoding each segment
     # alone would differ where a tokenizer prepends a space to every call (sentencepiece-style ones).
     # A segment ends where the tokens of the text up to its end stop agreeing with the whole text's.
@@ -335,6 +353,22 @@ def tokenize_conversations(
     pad_id = pad_id if pad_id is not None else (tokenizer.eos_id if tokenizer.eos_id is not None else 0)
     samples = PaddedSamples(inputs, labels, pad_id, pad_multiple=pad_multiple, max_width=max_seq_length)
     return samples, truncated, emptied
+
+
+def cut_segments(segments: list[Segment], budget: int) -> list[Segment]:
+    """The segments' first ``budget`` characters: a record of any length costs the tokenizer at most that.
+
+    With ``budget`` = CHARS_KEPT × tokens kept × the longest token's characters, the text cut off lies past
+    twice the characters the kept tokens can span, so they are those of the whole text (only the word cut in
+    two tokenizes differently, and it begins after them in any text of ordinary words).
+    """
+    kept, used = [], 0
+    for segment in segments:
+        if used >= budget:
+            break
+        kept.append(segment._replace(text=segment.text[: budget - used]))
+        used += len(kept[-1].text)
+    return kept
 
 
 def _running_texts(segments: list[Segment]) -> list[str]:

@@ -20,7 +20,7 @@ import numpy as np
 from llmtrain.data import manifest as layout
 from llmtrain.data.base import DataModule, PermutationOrder, SampleOrder, TrainLoader, ValLoader
 from llmtrain.data.prepared import (MIXTURE_PERMUTATION, PreparedSplits, ShardOrder, SpanWindows, check_windows,
-                                    read_prepared, split_spans)
+                                    read_prepared, shard_check, split_spans)
 from llmtrain.tokenizer import Tokenizer
 
 BLOCK = 10_000
@@ -141,6 +141,8 @@ class Mixture(DataModule):
     0: those sources do not validate."""
     shuffle_group: int = 8
     """Shards of a source whose windows are shuffled together each epoch (see --data Prepared)."""
+    verify: bool = False
+    """Check every byte of every source's shards against its manifest before training (see --data Prepared)."""
 
     # Runtime state: class attributes without annotations, so they are no flags.
     _manifests = None  # one layout.Manifest per source, read once
@@ -193,6 +195,9 @@ class Mixture(DataModule):
                                     f"--data.sources[{index}].path")
                         for index, (source, manifest) in enumerate(zip(self.sources, self._read()))]
         self._dp_rank, self._dp_size = dp_rank, dp_size
+        for index, (source, manifest) in enumerate(zip(self.sources, self._read())):
+            layout.check_shards(Path(source.path).expanduser(), manifest, flag=f"--data.sources[{index}].path",
+                                check=shard_check(self.verify), rank=dp_rank, world=dp_size)
         for source, split in zip(self.sources, self._splits):
             # Each source repeats on its own once used up, so one window each is enough to train.
             check_windows(self._windows(split.train), f"--data.sources path {source.path}", 1,
@@ -240,7 +245,7 @@ class Mixture(DataModule):
         return self._manifests
 
     def _windows(self, spans: list) -> SpanWindows:
-        return SpanWindows(spans, self._read()[0].dtype, self.max_seq_length)
+        return SpanWindows(spans, self._read()[0].dtype, self.max_seq_length, self._read()[0].vocab_size)
 
     def _setup(self) -> list[PreparedSplits]:
         if self._splits is None:

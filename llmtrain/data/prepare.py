@@ -115,6 +115,14 @@ def _difference(found: Any, wanted: Preparation) -> str:
     return f"with --shard_tokens {found.shard_tokens}, not {wanted.shard_tokens}"
 
 
+def forget_damaged(root: Path, damaged: list[Shard]) -> None:
+    """Delete the damaged shards and the manifest: the preparation that follows (:func:`prepare_rank`) finds their
+    units' records without their shards, and prepares those units again and nothing else."""
+    for shard in damaged:
+        (Path(root) / shard.name).unlink(missing_ok=True)
+    (Path(root) / layout.MANIFEST).unlink(missing_ok=True)
+
+
 def check_writable(root: Path) -> None:
     """Create ``root`` if needed and write a file there, before any work; a ValueError says why not."""
     probe = Path(root) / layout.PROGRESS_DIR / f".writable{layout.TEMP_MARK}{os.getpid()}"
@@ -197,7 +205,9 @@ def write_unit(task: Task, tokenizer: Tokenizer) -> Done:
         name = layout.shard_name(task.split, task.index, len(shards))
         data = tokens.tobytes()
         layout.write_atomic(Path(task.root) / name, data)
-        shards.append(Shard(name, len(tokens), hashlib.sha256(data).hexdigest()))
+        sha256 = hashlib.sha256(data).hexdigest()
+        sample = layout.sample_digest(lambda offset, length: data[offset:offset + length], len(data), sha256)
+        shards.append(Shard(name, len(tokens), sha256, sample))
 
     for chunk in chunk_pieces(task.unit.pieces()):
         ids, ended = encode_pieces(tokenizer, chunk)

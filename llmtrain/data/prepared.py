@@ -19,6 +19,7 @@ import torch
 
 from llmtrain.data import manifest as layout
 from llmtrain.data.base import Batch, DataModule, TrainLoader, ValLoader
+from llmtrain.distributed.launch import is_first_process
 from llmtrain.tokenizer import Tokenizer
 
 SHARD_PERMUTATION, WINDOW_PERMUTATION, MIXTURE_PERMUTATION = 1, 2, 3
@@ -40,8 +41,8 @@ class Span:
 class SpanWindows:
     """Sample i is a window of L + 1 tokens (L = max_seq_length) in one span: spans in order, windows in order."""
 
-    def __init__(self, spans: list[Span], dtype: str, max_seq_length: int) -> None:
-        self.spans, self.dtype, self.max_seq_length = spans, dtype, max_seq_length
+    def __init__(self, spans: list[Span], dtype: str, max_seq_length: int, vocab_size: int) -> None:
+        self.spans, self.dtype, self.max_seq_length, self.vocab_size = spans, dtype, max_seq_length, vocab_size
         self.counts = np.array([max(0, (span.tokens - 1) // max_seq_length) for span in spans], dtype=np.int64)
         self.first = np.concatenate([[0], np.cumsum(self.counts)])  # the first sample of each span, then the total
         self._open: OrderedDict[tuple[Path, str], np.ndarray] = OrderedDict()
@@ -57,8 +58,21 @@ class SpanWindows:
             span = self.spans[span_id]
             start = span.start + (index - int(self.first[span_id])) * length
             rows.append(self._tokens(span)[start : start + length + 1])
-        tokens = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, L + 1)
+        stacked = np.stack(rows)
+        if stacked.max(initial=0) >= self.vocab_size:
+            self._refuse_ids(stacked, span_ids)
+        tokens = torch.from_numpy(stacked.astype(np.int64))  # (B, L + 1)
         return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+
+    def _refuse_ids(self, rows: np.ndarray, span_ids: np.ndarray) -> None:
+        """Stop on a row with a token id the vocabulary lacks, naming its shard (a byte flipped on disk, which a
+        sampled check can miss, would otherwise fail in the embedding as an IndexError mid-run)."""
+        row = int(np.argmax(rows.max(axis=1) >= self.vocab_size))
+        span = self.spans[int(span_ids[row])]
+        raise ValueError(f"{span.root / span.shard.name} holds token id {int(rows[row].max())}, outside the "
+                         f"vocabulary of {self.vocab_size} it was prepared with: the shard is damaged. Repair: run "
+                         f"the prepare_data command that made {span.root} again with --verify true: it checks every "
+                         "byte and prepares the damaged shards' units again, keeping the rest")
 
     def _tokens(self, span: Span) -> np.ndarray:
         key = (span.root, span.shard.name)
@@ -190,6 +204,10 @@ class Prepared(DataModule):
     shuffle_group: int = 8
     """Shards whose windows are shuffled together each epoch: more mixes more documents into a batch, and costs
     memory for the permutation of their windows."""
+    verify: bool = False
+    """Check every byte of the shards against the manifest's sha256 before training (each data-parallel rank
+    hashes its share: the folder's size over the ranks, at the disk's or a core's speed). Off: sizes and two
+    sampled 64 KiB blocks a shard, and every batch's token ids against the vocabulary."""
 
     # Runtime state: class attributes without annotations, so they are no flags.
     _manifest = None  # the folder's layout.Manifest, read once
@@ -216,6 +234,8 @@ class Prepared(DataModule):
         self._require_connected()
         self._splits = split_spans(Path(self.path).expanduser(), self._read(), self.val_split_fraction, "--data.path")
         self._dp_rank, self._dp_size = dp_rank, dp_size
+        layout.check_shards(Path(self.path).expanduser(), self._read(), check=shard_check(self.verify),
+                            rank=dp_rank, world=dp_size)
         needed = dp_size * self.micro_batch_size
         check_windows(self._windows(self._splits.train), f"--data.path {self.path}", needed,
                       f"one micro-step takes {needed} (data-parallel size {dp_size} × micro batch "
@@ -244,7 +264,7 @@ class Prepared(DataModule):
         return self._manifest
 
     def _windows(self, spans: list[Span]) -> SpanWindows:
-        return SpanWindows(spans, self._read().dtype, self.max_seq_length)
+        return SpanWindows(spans, self._read().dtype, self.max_seq_length, self._read().vocab_size)
 
     def _setup(self) -> PreparedSplits:
         if self._splits is None:
@@ -252,10 +272,21 @@ class Prepared(DataModule):
         return self._splits
 
 
+def shard_check(verify: bool) -> str:
+    """What setup() compares each shard of its share with (the ``check`` of llmtrain.data.manifest.damaged_shards)."""
+    return "sha256" if verify else "sample"
+
+
 def read_prepared(path: Path, flag: str) -> layout.Manifest:
-    """A prepared folder's manifest, once every shard it lists is there with its full size."""
+    """A prepared folder's manifest, with training shards.
+
+    The first process (the one that launches, or rank 0 of a launcher's) stats every shard before launch, so a
+    missing or truncated one is named in one line, not in a worker's traceback; the ranks check their shares'
+    sampled checksums (or sha256) in setup(), where each reads only its share.
+    """
     manifest = layout.read_manifest(Path(path).expanduser(), flag)
     if "train" not in manifest.splits or not manifest.splits["train"].shards:
         raise ValueError(f"{flag} {path} has no training shards: prepare it from data that is not empty")
-    layout.check_shards(Path(path).expanduser(), manifest)
+    if is_first_process():
+        layout.check_shards(Path(path).expanduser(), manifest, flag=flag, check="size")
     return manifest

@@ -5,7 +5,8 @@
     srun --nodes 2 --ntasks-per-node 1 python -m llmtrain.distributed._selftest --devices 4 --num_nodes 2 --out DIR
 
 Each rank writes ``rank-<r>.json`` to ``--out`` (on several nodes, a folder they all see); rank 0
-prints one line. ``--behaviour raise`` makes the last rank fail and ``sleep`` keeps every rank
+prints one line. ``--behaviour raise`` makes the last rank fail (``refuse``: with an input error, told in one
+line by llmtrain.errors) and ``sleep`` keeps every rank
 waiting until it gets USR1, to check failure reports, interruption and signal forwarding.
 """
 
@@ -16,11 +17,12 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Literal, Optional, Sequence
 
-Behaviour = Literal["ok", "raise", "sleep"]
+Behaviour = Literal["ok", "raise", "refuse", "sleep"]
 
 
 def check_rank(out_dir: str, behaviour: Behaviour = "ok", accelerator: str = "auto") -> None:
@@ -43,7 +45,9 @@ def check_rank(out_dir: str, behaviour: Behaviour = "ok", accelerator: str = "au
     path.with_suffix(".tmp").rename(path)
     print(f"selftest: rank {runtime.rank} of {runtime.world_size} ok, sum of ranks {rank_sum:g}", flush=True)
     if behaviour == "raise" and runtime.rank == runtime.world_size - 1:
-        raise ValueError(f"selftest failure raised on purpose by rank {runtime.rank}")
+        raise RuntimeError(f"selftest failure raised on purpose by rank {runtime.rank}")
+    if behaviour == "refuse" and runtime.rank == runtime.world_size - 1:
+        raise ValueError(f"--behaviour refuse: rank {runtime.rank} refuses its input on purpose")
     if behaviour == "sleep":  # as a long run would; on USR1 leave a marker and return, as fit() stops on it
         deadline = time.monotonic() + 300
         while not usr1 and time.monotonic() < deadline:
@@ -53,19 +57,23 @@ def check_rank(out_dir: str, behaviour: Behaviour = "ok", accelerator: str = "au
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from llmtrain.distributed.launch import launch
+    from llmtrain.distributed.launch import WorkerFailedError, launch
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=1, help="processes per node")
     parser.add_argument("--num_nodes", type=int, default=1, help="nodes")
     parser.add_argument("--out", required=True, help="folder for the per-rank records")
-    parser.add_argument("--behaviour", choices=["ok", "raise", "sleep"], default="ok")
+    parser.add_argument("--behaviour", choices=["ok", "raise", "refuse", "sleep"], default="ok")
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--rdzv_timeout", type=float, default=None,
                         help="seconds the processes wait to meet (default: launch's, $LLMTRAIN_RDZV_TIMEOUT or 900)")
     args = parser.parse_args(argv)
-    launch(check_rank, (args.out, args.behaviour, args.accelerator), devices=args.devices,
-           num_nodes=args.num_nodes, rdzv_timeout_s=args.rdzv_timeout)
+    try:
+        launch(check_rank, (args.out, args.behaviour, args.accelerator), devices=args.devices,
+               num_nodes=args.num_nodes, rdzv_timeout_s=args.rdzv_timeout)
+    except WorkerFailedError as error:  # as llmtrain's command line ends: an unexpected error's traceback is out
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(error.exit_status)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterator, Literal, Mapping, NoReturn, Optional
 
 from llmtrain.distributed.runtime import (RDZV_TIMEOUT_ENV, host_barrier, leave_in_order, rendezvous_timeout_s,
                                          report_failure)
+from llmtrain.errors import debugging, told_status
 from llmtrain.train.signals import PREEMPTED_EXIT_CODE
 
 LaunchMode = Literal["single", "env", "slurm_task_per_device", "slurm_task_per_node", "local_spawn"]
@@ -56,6 +57,7 @@ ALL_RANKS_PRINT_ENV = "LLMTRAIN_ALL_RANKS_PRINT"
 """Set to 1 to let every rank write to stdout; by default only rank 0 does (stderr stays open on all)."""
 
 _SPAWNED_ENV = "LLMTRAIN_SPAWNED"  # marks workers started by this module: their launcher reports their errors
+_TOLD_KEY = "llmtrain_told"  # in a worker's error file: the exit status of an error told in one line, or null
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # The deepspeed launcher sets torchrun's three, but names the processes of a node and the node's rank its own way.
 _DEEPSPEED_NAMES = {"LOCAL_WORLD_SIZE": "LOCAL_SIZE", "GROUP_RANK": "CROSS_RANK"}
@@ -76,6 +78,11 @@ _ELASTIC_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 
 class WorkerFailedError(RuntimeError):
     """A spawned worker failed; the message names the first rank that failed and its error."""
+
+    def __init__(self, message: str, exit_status: int = 1) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
+        """That rank's exit status: 2 for an input error it found (llmtrain.errors), else 1."""
 
 
 @dataclass(frozen=True)
@@ -435,6 +442,20 @@ def torchrun_command(devices: int, num_nodes: int) -> str:
             f"--master_addr <host of node 0> --master_port 29500 {_this_command()}")
 
 
+_INVOCATION: list[str] = []
+
+
+def record_invocation(args: list[str]) -> None:
+    """Remember the arguments that ``llmtrain`` runs with (llmtrain.cli.main), for :func:`invocation`."""
+    _INVOCATION[:] = ["llmtrain", *args]
+
+
+def invocation() -> list[str]:
+    """The command being run, as ``llmtrain`` and its arguments, for messages that print a command to run next (a
+    diverged run's resume); empty outside llmtrain.cli.main."""
+    return list(_INVOCATION)
+
+
 def _this_command() -> str:
     main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if main_spec is not None and main_spec.name:
@@ -497,7 +518,7 @@ def spawn_workers(plan: LaunchPlan, entrypoint: Callable[..., None], args: tuple
                 print("llmtrain: the workers stopped on a signal after writing a checkpoint; resume with "
                       "--resume auto", file=sys.stderr, flush=True)
                 raise SystemExit(PREEMPTED_EXIT_CODE) from None
-            raise WorkerFailedError(_report_failures(err, plan.world_size)) from None
+            raise _report_failures(err, plan.world_size) from None
         except SignalException as err:
             print(f"llmtrain: got {err.sigval.name}; stopped the workers", file=sys.stderr, flush=True)
             raise SystemExit(128 + int(err.sigval)) from None
@@ -614,18 +635,22 @@ def _quiet_elastic_logs() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _report_failures(err: Any, world_size: int) -> str:
-    """Print the first failure with its traceback and one line per other failure; return a summary."""
+def _report_failures(err: Any, world_size: int) -> WorkerFailedError:
+    """The error that tells the first failure; print its traceback and one line per other failure first, unless
+    it is told in one line (an input error a rank found, llmtrain.errors): then the returned error says it all."""
     failures = sorted(err.failures.items(), key=lambda item: _failure_order(item[1]))
     (rank, first), others = failures[0], failures[1:]
     message, callstack = _failure_text(first)
+    told = first.error_file_data.get(_TOLD_KEY) if isinstance(first.error_file_data, dict) else None
+    if isinstance(told, int) and not debugging():
+        return WorkerFailedError(f"rank {rank} of {world_size}: {message}", exit_status=told)
     lines = [f"llmtrain: rank {rank} of {world_size} failed (exit code {first.exitcode}): {message}"]
     if callstack:
         lines.append(callstack.rstrip())
     for other, failure in others:
         lines.append(f"llmtrain: rank {other} also stopped: {_shorten(_failure_text(failure)[0])}")
     print("\n".join(lines), file=sys.stderr, flush=True)
-    return f"rank {rank} of {world_size} failed: {message}"
+    return WorkerFailedError(f"rank {rank} of {world_size} failed: {message}")
 
 
 def _shorten(text: str, limit: int = 200) -> str:
@@ -689,7 +714,7 @@ def run_as_worker(entrypoint: Callable[..., None], args: tuple = (), kwargs: Opt
             _ignore_late_stop_signals()
     except BaseException as exc:  # noqa: BLE001  (every failure must reach the launcher)
         _record_failure(exc, rank)
-        status = 1
+        status = told_status(exc) or 1
     _flush_std()
     os._exit(status)
 
@@ -733,11 +758,16 @@ def _exit_status(exc: SystemExit) -> int:
 
 
 def _record_failure(exc: BaseException, rank: str) -> None:
-    """Write the error where the elastic launcher looks for it; print it unless our launcher will."""
+    """Write the error where the elastic launcher looks for it; print it unless our launcher will (in one line if
+    it is an error told so, llmtrain.errors)."""
     callstack = traceback.format_exc()
     recorded = _write_error_file(exc, callstack)
     report_failure(f"rank {rank} failed: {type(exc).__name__}: {exc}")  # after the record: the others fail later
-    if not (recorded and os.environ.get(_SPAWNED_ENV) == "1"):
+    if recorded and os.environ.get(_SPAWNED_ENV) == "1":
+        return
+    if told_status(exc) is not None and not debugging():
+        sys.stderr.write(f"[rank {rank}] error: {exc}\n")
+    else:
         sys.stderr.write(f"[rank {rank}] {callstack}")
 
 
@@ -747,9 +777,10 @@ def _write_error_file(exc: BaseException, callstack: str) -> bool:
     if not error_file:
         return False
     now = time.time()
-    report = {"message": {"message": f"{type(exc).__name__}: {exc}",
+    told = told_status(exc)
+    report = {"message": {"message": str(exc) if told is not None else f"{type(exc).__name__}: {exc}",
                           "extraInfo": {"py_callstack": callstack, "timestamp": str(int(now))}},
-              "llmtrain_time": now}
+              "llmtrain_time": now, _TOLD_KEY: told}
     try:
         with open(error_file, "w") as f:
             json.dump(report, f)

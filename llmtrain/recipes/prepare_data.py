@@ -10,8 +10,8 @@ from typing import Literal, Optional, Union
 
 from llmtrain.checkpoint import lock as out_dir_lock
 from llmtrain.data.base import DataModule, PretrainDataModule
-from llmtrain.data.manifest import check_shards
-from llmtrain.data.prepare import Preparation, check_writable, finished, plan, prepare_rank
+from llmtrain.data.manifest import damaged_shards, describe_damage
+from llmtrain.data.prepare import Preparation, check_writable, finished, forget_damaged, plan, prepare_rank
 from llmtrain.data.tokens import available_cpu_count
 from llmtrain.data.units import UNIT_BYTES, WorkUnit
 from llmtrain.distributed.launch import is_first_process, launch, plan_launch, resolve_devices
@@ -57,7 +57,9 @@ def setup(
         devices: Processes (ranks) per node: a number, or auto (one; under torchrun or srun, the processes it
             starts per node).
         num_nodes: Number of nodes.
-        verify: For a folder that is prepared already, check every shard's sha256 against the manifest.
+        verify: For a folder that is prepared already, check every byte of every shard against the manifest's
+            sha256 (hashing runs at the disk's or one core's speed), not only sizes and sampled blocks. Damaged
+            shards are prepared again either way.
     """
     if data is None or out_dir is None:
         raise ValueError("prepare_data needs --data (e.g. `--data TextFiles --data.train_data_path DIR`) and "
@@ -79,18 +81,25 @@ def setup(
     tokenizer = resolve_tokenizer(tokenizer_dir, data)
     preparation, units = plan(data, tokenizer, shard_tokens, unit_bytes)
     manifest = finished(out_dir, preparation)
-    if manifest is not None:
-        check_shards(out_dir, manifest, checksums=verify)  # sizes always (cheap), the sha256 when asked
+    # NOTE: sizes and sampled blocks (a stat and 128 KiB a shard), or with --verify every byte, in each launching
+    # process: the ranks must agree on whether to launch before they can talk.
+    damaged = [] if manifest is None else damaged_shards(out_dir, manifest, check="sha256" if verify else "sample")
+    if manifest is not None and not damaged:
         if is_first_process():
             shards = sum(len(split.shards) for split in manifest.splits.values())
             print(f"prepare_data: {out_dir} is prepared already ({manifest.splits['train'].tokens:,} training tokens "
-                  f"in {shards} shards{', checksums verified' if verify else ''}); nothing to do")
+                  f"in {shards} shards, {'every byte' if verify else 'sizes and sampled blocks'} checked); nothing "
+                  "to do")
         return
     check_writable(out_dir)
     devices, _ = resolve_devices(devices, num_nodes, "cpu")
     plan_launch(devices, num_nodes)  # the launcher's environment agrees with the flags
     workers = num_workers or max(1, available_cpu_count() // devices)
     with out_dir_lock.hold(out_dir) if is_first_process() else contextlib.nullcontext():  # one writer (run.prepare)
+        if damaged and is_first_process():
+            print(f"prepare_data: {out_dir} has {len(damaged)} damaged shard(s) ({describe_damage(damaged)}): "
+                  "preparing their units again")
+            forget_damaged(out_dir, [shard for shard, _ in damaged])
         launch(run, args=(PrepareJob(preparation, units, Path(out_dir), workers),), devices=devices,
                num_nodes=num_nodes)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -32,7 +32,7 @@ from llmtrain.checkpoint.resume import (check_deepspeed_resume, check_resume_lor
                                         check_resume_optimizer, resume_fallbacks)
 from llmtrain.checkpoint.size import check_disk_space, final_is_separate
 from llmtrain.checkpoint.state import load_training_state
-from llmtrain.distributed.launch import is_first_process, launch, plan_launch, resolve_devices
+from llmtrain.distributed.launch import invocation, is_first_process, launch, plan_launch, resolve_devices
 from llmtrain.distributed.parallel_plan import DEEPSPEED_STRATEGIES, ParallelPlan, resolve_device_type
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.distributed.pipeline import build_pipeline
@@ -46,7 +46,7 @@ from llmtrain.recipes.compiling import CompileSetting
 from llmtrain.recipes.flags import LoggerName
 from llmtrain.tokenizer import Tokenizer
 from llmtrain.train.loggers import build_loggers
-from llmtrain.train.loop import Fit, TrainState, data_metrics, fit, plan_horizon, step_limits
+from llmtrain.train.loop import Fit, NonFiniteError, Rewind, TrainState, data_metrics, fit, plan_horizon, step_limits
 from llmtrain.train.profile import build_profiler
 from llmtrain.train.schedule import check_min_lr
 from llmtrain.train.signals import catch_stop_signals
@@ -89,6 +89,8 @@ class RunSpec:
     """The DeepSpeed config under a ``deepspeed`` strategy (llmtrain_deepspeed.config.build_config), else None."""
     dist_timeout: float = 600.0
     """--dist_timeout: seconds a collective may wait (the default process group's timeout)."""
+    command: list[str] = field(default_factory=list)
+    """The command line that started the run (llmtrain.distributed.launch.invocation), for a diverged run's advice."""
 
 
 def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: Optional[Path],
@@ -165,7 +167,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
                    resume_fallbacks=resume_fallbacks(flags["resume"], resume_from),
                    initial_checkpoint_dir=initial_checkpoint_dir, tokenizer_dir=tokenizer_dir, lora=lora,
                    quantize=quantize, prompt_style=prompt_style, profile=profile, dist_timeout=flags["dist_timeout"],
-                   deepspeed_config=deepspeed_config)
+                   deepspeed_config=deepspeed_config, command=invocation())
     if spec.lora is not None and spec.fsdp.async_save:
         raise ValueError("--fsdp.async_save is for sharded checkpoints; LoRA checkpoints hold only the "
                          "adapters and are written by rank 0: drop --fsdp.async_save")
@@ -353,9 +355,11 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
                                   last_step=horizon.total_steps, say=say)
 
     pipeline = build_pipeline(model, plan, runtime) if plan.pp > 1 else None
+    rewind = Rewind(checkpoint=spec.resume_from, command=spec.command, on_good=checkpointer.prune)
     job = Fit(runtime=runtime, model=model, optimizer=optimizer, train_loader=train_loader, val_loader=val_loader,
               train=spec.train, eval=spec.eval, plan=plan.batch, horizon=horizon, precision=plan.precision,
-              save_checkpoint=checkpointer.save, save_final=checkpointer.save_final,
+              save_checkpoint=lambda state: checkpointer.save(state, good=rewind.checkpoint),
+              save_final=checkpointer.save_final,
               wait_for_checkpoint=checkpointer.wait,
               loggers=build_loggers(spec.logger_name, spec.out_dir, state.step if spec.resume_from else None,
                                     spec.hyperparameters, data_columns=list(data_metrics(train_loader)))
@@ -367,9 +371,14 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
               grad_sync_only_last=plan.grad_sync_only_last,
               after_validation=_example_generator(spec, model, tokenizer, prompt_style, val_loader),
               callbacks=[profiler] if profiler is not None else [],
-              pipeline=pipeline, pp_mesh=pipeline.pp_mesh if pipeline is not None else None, strategy=strategy)
+              pipeline=pipeline, pp_mesh=pipeline.pp_mesh if pipeline is not None else None, strategy=strategy,
+              rewind=rewind)
     try:
         fit(job)
+    except NonFiniteError:
+        if runtime.is_main:
+            _set_aside_diverged(spec.out_dir, rewind, say)
+        raise
     finally:  # a streaming loader's reading thread stops here, not mid-chunk as the interpreter exits
         for loader in (train_loader, val_loader):
             close = getattr(loader, "close", None)
@@ -377,6 +386,16 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
                 close()
     say(f"done: {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.0f}s; "
         f"final model in {spec.out_dir / layout.FINAL_DIR}")
+
+
+def _set_aside_diverged(out_dir: Path, rewind: Rewind, say: Callable[[str], None]) -> None:
+    """After a stop for divergence, move the checkpoints newer than the last good one (written before the streak,
+    from weights that then gave a NaN or inf gradient) where --resume auto does not look, so that it picks the good
+    one (llmtrain.train.loop.Rewind)."""
+    moved = files.set_aside_newer(out_dir, rewind.checkpoint)
+    if moved:
+        say(f"moved {', '.join(path.name for path in moved)} into {moved[0].parent}: the weights it holds gave NaN or "
+            "inf gradients after it was written")
 
 
 def _connect_data(spec: RunSpec, tokenizer: Any, micro_batch_size: int) -> Any:

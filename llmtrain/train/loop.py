@@ -29,9 +29,10 @@ the optimizer skips a non-finite step on the device (its step counter too), the 
 out, and the norms of the steps since the last read are read together at the next log or checkpoint
 step, where skipped steps are logged with their step numbers and ``--train.max_nonfinite_steps`` is
 enforced (before any save, so the limit still holds at every checkpoint; a skipped step leaves the
-weights finite anyway). Any other optimizer must be told on the host whether to step, so once per
-step, after clipping, the host reads whether the norm is finite: the step's only synchronisation.
-Either way the step's target-token count travels to the device asynchronously from pinned memory.
+weights finite anyway; no checkpoint is written while such skips run on, see :class:`Rewind`). Any
+other optimizer must be told on the host whether to step, so once per step, after clipping, the host
+reads whether the norm is finite: the step's only synchronisation. Either way the step's target-token
+count travels to the device asynchronously from pinned memory.
 The host numbers' sums come back the same way (:class:`HostSums`), and the host reads them after the
 step, once the device has run that opening all-reduce: this waits for the step before to finish on the
 device, never for this one, so the host stays at most one step ahead of the device, which is all the
@@ -48,14 +49,17 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import shlex
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from llmtrain.args import BatchPlan, EvalArgs, TrainArgs
+from llmtrain.checkpoint.checkpointer import NonFiniteWeightsError
 from llmtrain.data.base import real_tokens
 from llmtrain.distributed.grad_norm import clip_grad_norm_
 from llmtrain.distributed.runtime import Runtime
@@ -161,6 +165,78 @@ def gradient_sync(model: torch.nn.Module, enabled: bool):
 
 
 @dataclass
+class Rewind:
+    """Where a diverging run goes back to: its last good checkpoint, and the command that resumes it with a lower
+    learning rate.
+
+    No checkpoint is written while a streak of non-finite steps is open (:attr:`NonFiniteSteps.streak_open`). A
+    checkpoint is good once a step after it had a finite gradient norm: its weights gave one. NOTE: that its own
+    step was finite is not enough. Weights can grow huge over finite steps until the next gradient is inf; a
+    resume recomputes that gradient from the same weights and data, at any learning rate, and fails again.
+    --train.keep_last spares the last good checkpoint, and a run that stops diverging sets the newer ones aside
+    (llmtrain.recipes.run), so --resume auto picks it.
+    """
+
+    checkpoint: Optional[Path] = None
+    """The last good checkpoint; at the start, the one the run resumed (None for a fresh run)."""
+    command: list[str] = field(default_factory=list)
+    """The run's command line (``llmtrain`` and its arguments, as typed); empty where unknown."""
+    on_good: Optional[Callable[[Any], Any]] = None
+    """Called on every rank with a checkpoint once it is known to be good (the checkpointer prunes what
+    --train.keep_last no longer keeps)."""
+    newest: Optional[tuple[int, Any]] = None
+    """(step, directory) of the newest checkpoint while it is not known to be good."""
+
+    def saved(self, step: int, checkpoint: Any) -> None:
+        self.newest = (step, checkpoint)
+
+    def finite(self, step: int) -> None:
+        """Step ``step`` had a finite gradient norm: the newest checkpoint, if written before it, is good."""
+        if self.newest is not None and step > self.newest[0]:
+            self._good()
+
+    def ended(self) -> None:
+        """The run ended with no streak open: its newest checkpoint, the model it hands over, counts as good."""
+        if self.newest is not None:
+            self._good()
+
+    def _good(self) -> None:
+        self.checkpoint, self.newest = self.newest[1], None
+        if self.on_good is not None:
+            self.on_good(self.checkpoint)
+
+    REPLACED_FLAGS = ("--resume", "--optimizer.lr", "--optimizer.init_args.lr", "--train.min_lr",
+                      "--initial_checkpoint_dir")
+    """What the advised command sets itself (a resume cannot also start from --initial_checkpoint_dir)."""
+
+    def advice(self, lr: float, min_lr: float) -> str:
+        """The last good checkpoint, and the exact command that resumes it at a tenth of the peak rate ``lr``."""
+        lower = lr / 10
+        flags = [*(["--resume", str(self.checkpoint)] if self.checkpoint is not None else []),
+                 "--optimizer.lr", f"{lower:g}", *(["--train.min_lr", f"{lower:g}"] if min_lr > lower else [])]
+        if self.command:
+            command = shlex.join([*_without_flags(self.command, self.REPLACED_FLAGS), *flags])
+        else:
+            command = f"the run's command with {shlex.join(flags)} in place of its own of these flags"
+        if self.checkpoint is None:
+            return f"No good checkpoint was written before it; start again with a lower learning rate: {command}"
+        return f"The last good checkpoint is {self.checkpoint}; resume from it with a lower learning rate: {command}"
+
+
+def _without_flags(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """``argv`` less the flags ``names`` and their values (``--flag value`` and ``--flag=value``)."""
+    out, index = [], 0
+    while index < len(argv):
+        name = argv[index].split("=", 1)[0]
+        if name in names:
+            index += 1 if "=" in argv[index] else 2
+        else:
+            out.append(argv[index])
+            index += 1
+    return out
+
+
+@dataclass
 class Fit:
     """Everything ``fit`` needs, built by a recipe."""
 
@@ -175,7 +251,8 @@ class Fit:
     horizon: Horizon
     precision: Precision
     save_checkpoint: Callable[["TrainState"], Any]
-    """Writes a training checkpoint for the given state (all ranks call it)."""
+    """Writes a training checkpoint for the given state (all ranks call it), sparing ``rewind.checkpoint`` from
+    --train.keep_last; returns its directory."""
     save_final: Callable[["TrainState"], Any]
     """Writes the final model directory (all ranks call it)."""
     wait_for_checkpoint: Optional[Callable[[], Any]] = None
@@ -202,14 +279,17 @@ class Fit:
     (forward, backward and validation losses in place of ``model(...)``); None otherwise."""
     strategy: Optional[Callable[["Fit"], "Strategy"]] = None
     """Builds the run's :class:`Strategy` from this job; None: :class:`TorchStrategy` (one process, DDP, FSDP)."""
+    rewind: Rewind = field(default_factory=Rewind)
+    """The last good checkpoint and the run's command line, for the messages of a diverging run."""
 
 
 def fit(job: Fit) -> TrainState:
     """Train until the first stop condition, validating, logging and checkpointing on the way.
 
     Raises :class:`~llmtrain.train.signals.Preempted` (exit code 75) after writing a checkpoint when
-    SIGTERM or SIGUSR1 reached any rank, and :class:`NonFiniteError` after
-    ``--train.max_nonfinite_steps`` skipped steps in a row.
+    SIGTERM or SIGUSR1 reached any rank (none while non-finite steps run on: :class:`Rewind`), and
+    :class:`NonFiniteError` after ``--train.max_nonfinite_steps`` skipped steps in a row, at the end of a run
+    whose last steps were skipped, or when the weights hold NaN or inf.
     """
     with catch_stop_signals() as stop_request:
         hooks = callbacks.Callbacks([])
@@ -283,7 +363,7 @@ class Trainer:
             with self.interval.paused():  # validation is no part of the training throughput
                 _validate_and_log(job)
         if save_now:
-            self.stops.save()
+            self.stops.save(self.skips)
 
     def _finish(self, reason: str) -> TrainState:
         """On a stop signal, a checkpoint and Preempted; otherwise the final validation, checkpoint and model."""
@@ -292,14 +372,22 @@ class Trainer:
         state.stop_reason = reason
         job.console.print(f"stopping after step {state.step}: {reason}")
         if reason == self.stops.signal:
-            self.stops.save()
-            job.console.print(f"checkpoint of step {state.step} written; exit code {PREEMPTED_EXIT_CODE}: run the "
-                              "same command with --resume auto to continue")
+            if self.stops.save(self.skips):
+                job.console.print(f"checkpoint of step {state.step} written; exit code {PREEMPTED_EXIT_CODE}: run "
+                                  "the same command with --resume auto to continue")
+            else:
+                job.console.print(f"exit code {PREEMPTED_EXIT_CODE}: --resume auto continues from the newest "
+                                  "checkpoint written")
             raise Preempted(state.step, self.stops.request.name)
+        if self.skips.streak_open:
+            raise NonFiniteError(f"the run reached its end ({reason}) in a streak of {self.skips.in_a_row} steps whose "
+                                 "gradient norm was NaN or inf, so it wrote neither a checkpoint nor final/: the model "
+                                 f"may be diverging. {resume_advice(job)}")
         if job.eval.final_validation and job.val_loader is not None and state.step % job.eval.interval != 0:
             _validate_and_log(job)
-        self.stops.save()
+        self.stops.save(self.skips)
         job.save_final(state)
+        job.rewind.ended()
         return state
 
 
@@ -498,6 +586,9 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had a NaN or inf gradient norm."""
 
+    exit_status = 1
+    """Told in one line (llmtrain.errors): the run stopped itself with a reason; its checkpoints are sound."""
+
 
 class NonFiniteSteps:
     """What a step whose global gradient norm is NaN or inf does: nothing to the weights or the optimizer
@@ -513,6 +604,17 @@ class NonFiniteSteps:
         self.job = job
         self.in_a_row = 0
         """Skipped steps in a row that count toward the limit."""
+
+    @property
+    def streak_open(self) -> bool:
+        """Whether the steps settled last were skipped, counting toward the limit, with no finite step since: no
+        checkpoint is written then (:meth:`StopPolicy.save`). fp16 overflows, the loss scale's search, open none."""
+        return self.in_a_row > 0
+
+    def _finite(self, step: int) -> None:
+        """Step ``step``'s gradient norm was finite: the streak, if any, is closed."""
+        self.in_a_row = 0
+        self.job.rewind.finite(step)
 
     @staticmethod
     def for_job(job: Fit) -> "NonFiniteSteps":
@@ -540,9 +642,14 @@ class NonFiniteSteps:
         if self.in_a_row >= limit:
             raise NonFiniteError(
                 f"the gradient norm was NaN or inf in {limit} optimizer steps in a row (steps "
-                f"{step - limit + 1}-{step}; --train.max_nonfinite_steps {limit}), so training stopped. "
-                "Those steps changed no weights and every checkpoint holds finite ones. Lower the learning rate "
-                "or lengthen the warmup, look at the data of these steps, then continue with --resume auto")
+                f"{step - limit + 1}-{step}; --train.max_nonfinite_steps {limit}), so training stopped; no checkpoint "
+                f"was written during them. {resume_advice(self.job)} (or lengthen the warmup, or look at the data of "
+                "these steps)")
+
+
+def resume_advice(job: Fit) -> str:
+    """:meth:`Rewind.advice` at this run's peak learning rate (the schedule's base) and --train.min_lr."""
+    return job.rewind.advice(job.optimizer.param_groups[0]["initial_lr"], job.train.min_lr)
 
 
 def _skips_on_device(optimizer: torch.optim.Optimizer, scaler: Optional[torch.amp.GradScaler]) -> bool:
@@ -576,7 +683,7 @@ class SkipOnDevice(NonFiniteSteps):
         records, self.unread = self.unread, []
         for (step, tokens, epoch, _), norm in zip(records, norms):
             if math.isfinite(norm):
-                self.in_a_row = 0
+                self._finite(step)
             else:
                 self._report(step, tokens, epoch, norm, counts=True)
 
@@ -609,7 +716,7 @@ class SkipOnHost(NonFiniteSteps):
 
     def record(self, step: int, tokens: int, epoch: float, grad_norm: torch.Tensor) -> None:
         if self.finite:
-            self.in_a_row = 0
+            self._finite(step)
         else:
             self._report(step, tokens, epoch, float(grad_norm), counts=self.counts)
 
@@ -753,12 +860,23 @@ class StopPolicy:
         interval = self.job.train.save_interval
         return bool(interval and self.job.state.step % interval == 0)
 
-    def save(self) -> None:
-        """Write a training checkpoint of this step (all ranks call it), unless one is written already."""
-        state = self.job.state
+    def save(self, skips: "NonFiniteSteps") -> bool:
+        """Write a training checkpoint of this step (all ranks call it), unless one is written already; returns
+        whether this step has one. None is written while a non-finite streak is open (the model may be diverging,
+        and a good checkpoint must not be pruned for it): every rank knows the streak alike, from all-reduced norms.
+        """
+        job, state = self.job, self.job.state
+        if skips.streak_open:
+            job.console.print(f"step {state.step} | no checkpoint: the last {skips.in_a_row} steps' gradient "
+                              f"norm was NaN or inf (the last good checkpoint: {job.rewind.checkpoint or 'none'})")
+            return False
         if self.last_saved_step != state.step:
-            self.job.save_checkpoint(state)
+            try:
+                job.rewind.saved(state.step, job.save_checkpoint(state))
+            except NonFiniteWeightsError as error:  # every rank raises it: its check all-reduces
+                raise NonFiniteError(f"{error}. {resume_advice(job)}") from None
             self.last_saved_step = state.step
+        return True
 
 
 # --------------------------------------------------------------------------------- validation

@@ -126,6 +126,6 @@ class EngineSkips(NonFiniteSteps):
     def record(self, step: int, tokens: int, epoch: float, grad_norm: torch.Tensor) -> None:
         norm = float(grad_norm)
         if math.isfinite(norm):
-            self.in_a_row = 0
+            self._finite(step)
         else:
             self._report(step, tokens, epoch, norm, counts=self.last_counts)

@@ -1,0 +1,32 @@
+"""Which errors are told in one line and with what exit status: one rule for ``llmtrain.cli.main`` and for the
+workers of a launched run (``llmtrain.distributed.launch``), so that an input error found by a rank reads as it
+would in a single process.
+
+A told error's message says what is wrong and what to do; its traceback would only hide that. ``--debug``
+(``DEBUG_ENV`` in the workers) shows the traceback anyway.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+USER_ERRORS = (ValueError, OSError)
+"""Errors that mean "this input is wrong" (OSError covers missing files, permissions and disk space): exit 2."""
+
+DEBUG_ENV = "LLMTRAIN_DEBUG"
+"""Set to 1 by ``llmtrain --debug``; the workers it launches inherit it and print tracebacks."""
+
+
+def told_status(error: BaseException) -> Optional[int]:
+    """The exit status of an error told in one line (2 for an input error, or the ``exit_status`` its class
+    declares, as a run that stopped itself with a reason does), or None for an error that deserves its traceback."""
+    status = getattr(error, "exit_status", None)
+    if isinstance(status, int):
+        return status
+    return 2 if isinstance(error, USER_ERRORS) else None
+
+
+def debugging() -> bool:
+    """Whether ``--debug`` asked for tracebacks."""
+    return os.environ.get(DEBUG_ENV) == "1"
