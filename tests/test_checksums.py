@@ -98,6 +98,25 @@ def test_flipped_bytes_fall_back_to_the_previous_checkpoint_with_identical_losse
     assert_same_weights(out_dir, reference)
 
 
+def test_a_named_damaged_checkpoint_or_none_intact_left_is_an_error_naming_the_file(trained, tiny_model_file, tmp_path):
+    """--resume PATH never falls back; --resume auto with every checkpoint damaged starts no fresh run either."""
+    from llmtrain.cli import main
+
+    out_dir = copy_run(trained, tmp_path / "run")
+    damaged = [out_dir / layout.step_dir_name(step) / layout.MODEL_FILE for step in (INTERVAL, STEPS)]
+    for path in damaged:
+        flip(path, tensor_data_offset(path))
+    shutil.rmtree(out_dir / layout.FINAL_DIR)
+    run = tiny_args(tiny_model_file, out_dir, "--train.max_steps", str(STEPS), "--train.save_interval", str(INTERVAL))
+    with pytest.raises(DamagedCheckpointError, match=f"--resume {damaged[1].parent}: {damaged[1]} does not match"):
+        main([*run, "--resume", str(damaged[1].parent)])
+    with pytest.warns(UserWarning) as warned:
+        with pytest.raises(DamagedCheckpointError, match="no intact checkpoint"):
+            main([*run, "--resume", "auto"])
+    assert [str(path) in str(w.message) for w in warned for path in damaged].count(True) == 2
+    assert not (out_dir / layout.FINAL_DIR).exists()
+
+
 def test_a_marker_without_checksums_is_checked_by_sizes_only(trained, tmp_path):
     """Checkpoints written before checksums (marker format 2) still resume; a recorded checksum is checked."""
     checkpoint = copy_run(trained, tmp_path / "run") / layout.step_dir_name(STEPS)
