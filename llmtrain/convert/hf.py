@@ -151,12 +151,29 @@ def _iter_hf_tensors(hf_dir: Path) -> Iterator[tuple[Path, str, "torch.Tensor"]]
                 for name in handle.keys():
                     yield file, name, handle.get_tensor(name)
             continue
-        try:  # memory-mapped, so the whole file is never in memory next to the converted copy
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # the legacy (pre-zip) torch.save format cannot be mapped
-            state = torch.load(file, map_location="cpu", weights_only=True)
+        state = _load_bin(file)
         for name in list(state):
             yield file, name, state.pop(name)
+
+
+def _load_bin(file: Path) -> dict:
+    """A ``pytorch_model.bin`` file's tensors, with ``torch.load(weights_only=True)``: one that pickles anything
+    else (which could run code) is refused, naming the file."""
+    import pickle
+
+    import torch
+
+    from llmtrain.checkpoint.state import DamagedCheckpointError, refused_global
+
+    try:
+        try:  # memory-mapped, so the whole file is never in memory next to the converted copy
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (pre-zip) torch.save format cannot be mapped
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise DamagedCheckpointError(
+            f"{file} holds a pickled {refused_global(error) or 'object'} besides tensors, so llmtrain will not load "
+            "it: it could run code. Use the model's safetensors weights (model.safetensors) instead") from None
 
 
 # ------------------------------------------------------------------------------------ llmtrain -> transformers
