@@ -71,11 +71,10 @@ class DeepSpeedCheckpointer(Checkpointer):
                                bf16=self.model.bfloat16_enabled())
         training_state = load_training_state(checkpoint_dir, mmap=True)
         settings = optimizer_settings(self.optimizer)  # from this run's flags, before the load overwrites them
-        with weights_only_loads(checkpoint_dir):  # DeepSpeed's files run no pickle
-            # written by another number of processes: the universal checkpoint (config.resume_config)
-            if self.model.load_universal_checkpoint():
-                self._load_universal(checkpoint_dir)
-            else:
+        if self.model.load_universal_checkpoint():  # written by another number of processes (config.resume_config)
+            self._load_universal(checkpoint_dir)
+        else:
+            with weights_only_loads(checkpoint_dir):  # DeepSpeed's files run no pickle
                 self.model.load_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name,
                                            load_optimizer_states=True, load_lr_scheduler_states=False)
         restore_training_state(training_state, state=state, train_loader=self.train_loader, scaler=None,
@@ -96,11 +95,12 @@ class DeepSpeedCheckpointer(Checkpointer):
         that the next save removes as a leftover (layout.LEFTOVER_DIR).
         """
         root = self.out_dir / f".{checkpoint_dir.name}.tmp-universal"  # a leftover's name (layout.LEFTOVER_DIR)
-        if self.runtime.is_main:
-            _convert_to_universal(checkpoint_dir, root / checkpoint_dir.name)
-        self.runtime.barrier()
-        self.model.load_checkpoint(str(root), tag=checkpoint_dir.name, load_optimizer_states=True,
-                                   load_lr_scheduler_states=False)
+        with weights_only_loads(checkpoint_dir):  # the conversion and the load run no pickle
+            if self.runtime.is_main:
+                _convert_to_universal(checkpoint_dir, root / checkpoint_dir.name)
+            self.runtime.barrier()
+            self.model.load_checkpoint(str(root), tag=checkpoint_dir.name, load_optimizer_states=True,
+                                       load_lr_scheduler_states=False)
         self.runtime.barrier()
         if self.runtime.is_main:
             shutil.rmtree(root, ignore_errors=True)
