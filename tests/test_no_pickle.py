@@ -216,3 +216,27 @@ def test_a_dcp_load_reads_no_pickled_item(tmp_path):
         with pytest.raises(DamagedCheckpointError, match=r"__0_0\.distcp: its entry 'lr' holds a pickled"):
             dcp_reader.load({"weight": torch.empty(2), "lr": 0.0}, tmp_path / "dcp", no_dist=True)
     assert not (tmp_path / "ran").exists()
+
+
+def _call_by_name(module: str, name: str, argument: str) -> bytes:
+    """A protocol-4 pickle that looks ``name`` up in ``module`` and calls it with ``argument``, written opcode by
+    opcode (pickle.dumps would look the function up by its own module)."""
+    def text(value: str) -> bytes:  # BINUNICODE
+        encoded = value.encode()
+        return b"X" + len(encoded).to_bytes(4, "little") + encoded
+
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(argument) + b"\x85R."
+
+
+def test_a_dcp_index_reaches_no_function_through_a_dotted_name(tmp_path):
+    """DCP's metadata module, whose classes an index may name, imports os: "os.mkdir" looked up in it (a dotted name
+    is followed attribute by attribute) used to pass the allow-list, and ran."""
+    from llmtrain.checkpoint.resume import check_dcp_metadata
+
+    sentinel, dcp_dir = tmp_path / "ran", tmp_path / "dcp"
+    dcp_dir.mkdir()
+    (dcp_dir / layout.DCP_METADATA_FILE).write_bytes(
+        _call_by_name("torch.distributed.checkpoint.metadata", "os.mkdir", str(sentinel)))
+    with pytest.raises(DamagedCheckpointError, match=r"\.metadata names torch\.distributed\.checkpoint\.metadata\.os"):
+        check_dcp_metadata(dcp_dir)
+    assert not sentinel.exists()

@@ -35,17 +35,29 @@ _METADATA_GLOBALS = {
     ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
 }
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"  # and the classes it defines
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        allowed = (module, name) in _METADATA_GLOBALS or module in _METADATA_MODULES or (
+        # NOTE: a dotted name is looked up attribute by attribute ("os.system" in the metadata module, which imports
+        # os): only plain names are allowed, and of the metadata module only the classes it defines.
+        allowed = "." not in name and ((module, name) in _METADATA_GLOBALS or _defined_class(module, name) or (
             module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                            torch.memory_format)))
+                                                                            torch.memory_format))))
         if not allowed:
             raise pickle.UnpicklingError(f"{module}.{name}")
         return super().find_class(module, name)
+
+
+def _defined_class(module: str, name: str) -> bool:
+    """``name`` is a class that the DCP metadata module defines (Metadata, TensorProperties, ...)."""
+    if module != _METADATA_MODULE:
+        return False
+    import torch.distributed.checkpoint.metadata as metadata_module
+
+    found = getattr(metadata_module, name, None)
+    return isinstance(found, type) and found.__module__ == _METADATA_MODULE
 
 
 def read_metadata(path: Path) -> Metadata:
