@@ -38,6 +38,10 @@ _METADATA_GLOBALS = {
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"  # and the classes it defines
 
 
+class _Refused(pickle.UnpicklingError):
+    """The index names something it never holds (the message is the name)."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         # NOTE: a dotted name is looked up attribute by attribute ("os.system" in the metadata module, which imports
@@ -46,7 +50,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
                                                                             torch.memory_format))))
         if not allowed:
-            raise pickle.UnpicklingError(f"{module}.{name}")
+            raise _Refused(f"{module}.{name}")
         return super().find_class(module, name)
 
 
@@ -65,10 +69,13 @@ def read_metadata(path: Path) -> Metadata:
     data = Path(path).read_bytes()
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as error:  # any failure means we will not hand the file to pickle.load
+    except _Refused as error:
         raise DamagedCheckpointError(
             f"{path} names {error}, which a distributed checkpoint never holds; llmtrain will not unpickle it, as "
             "it could run code. Use a checkpoint written by llmtrain or torch.distributed.checkpoint") from None
+    except Exception as error:  # a pickle cut short or garbled: the index is damaged
+        raise DamagedCheckpointError(f"{path} cannot be read ({type(error).__name__}: {error}): the index of the "
+                                     "distributed checkpoint is damaged or truncated") from None
     if not isinstance(metadata, Metadata):
         raise DamagedCheckpointError(f"{path} is not the index of a distributed checkpoint (it holds a "
                                      f"{type(metadata).__name__}); use a checkpoint written by llmtrain")
