@@ -10,10 +10,12 @@ never pulls in torch. Import what you need from its module:
                   it records every file's size), ``read_marker``, ``remove_leftovers``, ``prune_checkpoints``
 ``state``         the training-state schema: ``build_training_state``, ``restore_training_state``,
                   ``load_training_state`` (weights_only; damage raises ``DamagedCheckpointError``), RNG capture
-``resume``        ``verify_checkpoint`` (sizes, safetensors headers, DCP index, training state),
+``resume``        ``verify_checkpoint`` (sizes, safetensors headers, DCP index and items, training state),
                   ``resolve_resume`` (newest intact checkpoint), ``checkpoint_format``
 ``checkpointer``  ``Checkpointer`` (full, sharded/DCP, LoRA formats; ``save``, ``wait``, ``save_final``, ``load``),
                   ``build_checkpointer``, ``NonFiniteWeightsError``
+``dcp_reader``    ``load`` (every DCP load: no pickle in .metadata or non-tensor items runs), ``read_metadata``,
+                  ``check_dcp_files``
 ``weights``       ``load_weights`` (a model directory into a plain, LoRA, DDP or FSDP model),
                   ``gather_full_model_state``, ``load_full_model_state``
 ``model_dir``     ``check_model_dir``, ``load_model_dir`` (model, config, tokenizer, prompt style),
