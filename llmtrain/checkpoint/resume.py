@@ -217,9 +217,9 @@ def check_resume_lora(checkpoint_dir: Path, lora: Any, quantize: Optional[str] =
         raise ValueError(f"--resume {checkpoint_dir} holds a whole model's training state, not LoRA adapters (it has "
                          f"no {layout.LORA_SETTINGS_FILE}): resume it with the recipe that wrote it, or fine-tune its "
                          f"run's {layout.FINAL_DIR}/ with finetune_lora and another --out_dir")
-    from llmtrain.checkpoint.lora import read_lora_settings
+    from llmtrain.checkpoint.lora import lora_settings
 
-    saved, _, saved_quantize = read_lora_settings(checkpoint_dir)
+    saved, _, saved_quantize = lora_settings(path)
     differences = [f"--{name} {_flag(getattr(saved, name))} vs {_flag(getattr(lora, name))}"
                    for name in LORA_SHAPE_FIELDS if getattr(saved, name) != getattr(lora, name)]
     if saved_quantize != quantize:
