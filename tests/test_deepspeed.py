@@ -312,6 +312,13 @@ def test_fine_tuning_under_deepspeed_writes_a_final_model_that_loads(reference, 
         return
     adapters = load_file(str(out_dir / "final" / "lora.safetensors"))
     assert adapters and all(name.endswith(("lora_A", "lora_B")) for name in adapters)
+    if strategy == "deepspeed_stage_2":  # its step checkpoint, DeepSpeed's files and lora.yaml, resumes
+        extra[extra.index("--train.max_steps") + 1] = "3"
+        resumed = subprocess.run([sys.executable, "-m", "llmtrain", *finetune_args(recipe, base, out_dir, *extra),
+                                  "--resume", "auto"], env={**dist_env, **DS_ENV}, capture_output=True, text=True,
+                                 timeout=500, cwd=TESTS.parent)
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        assert f"resumed from {out_dir / layout.step_dir_name(2)}" in resumed.stdout and 3 in losses(out_dir)
     assert any(tensor.abs().sum() > 0 for name, tensor in adapters.items() if name.endswith("lora_B"))  # it trained
     for name, tensor in weights.items():
         prefix = name.rsplit(".", 1)[0]

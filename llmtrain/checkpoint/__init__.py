@@ -11,11 +11,14 @@ never pulls in torch. Import what you need from its module:
                   ``prune_checkpoints``
 ``state``         the training-state schema: ``build_training_state``, ``restore_training_state``,
                   ``load_training_state`` (weights_only; damage raises ``DamagedCheckpointError``), RNG capture
-``resume``        ``verify_checkpoint`` (sizes, safetensors headers, DCP index, training state), ``verify_checksums``,
+``resume``        ``verify_checkpoint`` (sizes, safetensors headers, DCP index and items, training state),
+                  ``verify_checksums``,
                   ``resolve_resume`` (newest intact checkpoint), ``checkpoint_format``
 ``checkpointer``  ``Checkpointer`` (full, sharded/DCP, LoRA formats; ``save``, ``wait``, ``save_final``, ``resume``,
                   ``load``),
                   ``build_checkpointer``, ``NonFiniteWeightsError``
+``dcp_reader``    ``load`` (every DCP load: no pickle in .metadata or non-tensor items runs), ``read_metadata``,
+                  ``check_dcp_files``
 ``weights``       ``load_weights`` (a model directory into a plain, LoRA, DDP or FSDP model),
                   ``gather_full_model_state``, ``load_full_model_state``
 ``model_dir``     ``check_model_dir``, ``load_model_dir`` (model, config, tokenizer, prompt style),

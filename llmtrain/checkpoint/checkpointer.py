@@ -357,8 +357,9 @@ class Checkpointer:
         set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
 
     def _load_shards(self, dcp_dir: Path) -> None:
-        import torch.distributed.checkpoint as dcp  # NOTE: slow, as in _write_tensors
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # NOTE: slow, as above
+
+        from llmtrain.checkpoint import dcp_reader  # the shards' pickles are read without running code
 
         # The current (possibly differently sharded) state dicts are the templates DCP reads into;
         # it reshards the saved shards to whatever this world's layout is.
@@ -368,7 +369,7 @@ class Checkpointer:
         # rank's reads from a shared filesystem, host work that the collective timeout (NCCL's watchdog) must not bound.
         group = host_group() if is_distributed() else None
         with _single_process_quietly():
-            dcp.load(states, checkpoint_id=str(dcp_dir), process_group=group, no_dist=not is_distributed())
+            dcp_reader.load(states, dcp_dir, process_group=group, no_dist=not is_distributed())
         set_state_dict(self.model, self.optimizer, model_state_dict=states["model"],
                        optim_state_dict=states["optimizer"])
 

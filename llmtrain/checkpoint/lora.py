@@ -36,13 +36,19 @@ def write_lora_settings(directory: Path, lora: LoRAArgs, base_checkpoint_dir: Pa
 
 
 def read_lora_settings(checkpoint_dir: Path) -> tuple[LoRAArgs, Path, Optional[str]]:
-    """The adapters' settings, their base model directory and its quantization, from ``lora.yaml``."""
+    """The adapters' settings, their base model directory and its quantization, from the ``lora.yaml`` of a
+    checkpoint whose adapters can be merged (it holds them in ``lora.safetensors``)."""
     checkpoint_dir = Path(checkpoint_dir)
     for name in (layout.LORA_FILE, layout.LORA_SETTINGS_FILE, layout.CONFIG_FILE):
         if not (checkpoint_dir / name).is_file():
             raise FileNotFoundError(f"{checkpoint_dir} has no {name}: it is not a finetune_lora checkpoint, so there "
                                     "are no adapters to merge")
-    path = checkpoint_dir / layout.LORA_SETTINGS_FILE
+    return lora_settings(checkpoint_dir / layout.LORA_SETTINGS_FILE)
+
+
+def lora_settings(path: Path) -> tuple[LoRAArgs, Path, Optional[str]]:
+    """The settings, base model directory and quantization in the ``lora.yaml`` at ``path``, whatever holds the
+    adapters beside it (``lora.safetensors``, or DeepSpeed's files in a step checkpoint of a DeepSpeed run)."""
     settings = read_yaml(path)
     if not isinstance(settings, dict) or "base_checkpoint_dir" not in settings:
         raise ValueError(f"{path} must name the base model (base_checkpoint_dir); it was written by finetune_lora")

@@ -1,8 +1,8 @@
 """Which checkpoint a run continues from, and whether it is intact.
 
 A checkpoint is intact when its marker reads, every file has the size the marker recorded (DCP
-shards included), its safetensors headers describe the bytes that follow them, its DCP index names
-nothing a distributed checkpoint never holds, and ``training_state.pt`` loads with
+shards included), its safetensors headers describe the bytes that follow them, its DCP index and
+non-tensor items hold nothing a distributed checkpoint never holds, and ``training_state.pt`` loads with
 ``torch.load(weights_only=True)``. :func:`resolve_resume` checks this in the launching process
 before any worker starts; the checkpointer checks again when it loads, and then also every file's
 checksum (:func:`verify_checksums`): there the ranks share the reading, and agree on the verdict.
@@ -10,14 +10,10 @@ checksum (:func:`verify_checksums`): there the ranks share the reading, and agre
 
 from __future__ import annotations
 
-import io
 import json
-import pickle
 import warnings
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
-
-import torch
 
 from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint.state import DamagedCheckpointError, load_training_state
@@ -98,39 +94,12 @@ def check_safetensors(path: Path) -> None:
                                      f"has {size} (truncated or changed after the save)")
 
 
-# What a DCP ``.metadata`` pickle may name. torch's FileSystemReader unpickles that file with plain
-# ``pickle.load``, so a sharded checkpoint from elsewhere could run code; we read it first with an unpickler
-# that knows only these names and refuse anything else.
-_DCP_METADATA_GLOBALS = {
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
-}
-_DCP_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
-
-
-class _AllowlistUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = (module, name) in _DCP_METADATA_GLOBALS or module in _DCP_METADATA_MODULES or (
-            module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                            torch.memory_format)))
-        if not allowed:
-            raise pickle.UnpicklingError(f"{module}.{name}")
-        return super().find_class(module, name)
-
-
 def check_dcp_metadata(dcp_dir: Path) -> None:
-    """Refuse a DCP folder whose ``.metadata`` pickle names anything a distributed checkpoint never holds."""
-    path = Path(dcp_dir) / layout.DCP_METADATA_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{dcp_dir} has no {layout.DCP_METADATA_FILE} file, so it is not a complete "
-                                "distributed checkpoint")
-    try:
-        _AllowlistUnpickler(io.BytesIO(path.read_bytes())).load()
-    except Exception as error:  # any failure means we will not hand the file to pickle.load
-        raise DamagedCheckpointError(
-            f"{path} names {error}, which a distributed checkpoint never holds; llmtrain will not unpickle it, as "
-            "it could run code. Use a checkpoint written by llmtrain or torch.distributed.checkpoint") from None
+    """Refuse a DCP folder whose ``.metadata`` or non-tensor items hold anything a distributed checkpoint never
+    holds: torch would unpickle them as it loads (:mod:`llmtrain.checkpoint.dcp_reader`)."""
+    from llmtrain.checkpoint.dcp_reader import check_dcp_files  # NOTE: slow, only for a sharded checkpoint
+
+    check_dcp_files(dcp_dir)
 
 
 # ------------------------------------------------------------------------------------------ resume
@@ -266,9 +235,9 @@ def check_resume_lora(checkpoint_dir: Path, lora: Any, quantize: Optional[str] =
         raise ValueError(f"--resume {checkpoint_dir} holds a whole model's training state, not LoRA adapters (it has "
                          f"no {layout.LORA_SETTINGS_FILE}): resume it with the recipe that wrote it, or fine-tune its "
                          f"run's {layout.FINAL_DIR}/ with finetune_lora and another --out_dir")
-    from llmtrain.checkpoint.lora import read_lora_settings
+    from llmtrain.checkpoint.lora import lora_settings
 
-    saved, _, saved_quantize = read_lora_settings(checkpoint_dir)
+    saved, _, saved_quantize = lora_settings(path)
     differences = [f"--{name} {_flag(getattr(saved, name))} vs {_flag(getattr(lora, name))}"
                    for name in LORA_SHAPE_FIELDS if getattr(saved, name) != getattr(lora, name)]
     if saved_quantize != quantize:

@@ -127,10 +127,10 @@ def load_training_state(checkpoint_dir: Path, mmap: bool = False) -> dict:
     try:
         training_state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
-        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+        refused = refused_global(error)
         if refused:  # a pickled object that could run code when loaded
             raise DamagedCheckpointError(
-                f"{path} holds objects that torch.load(weights_only=True) refuses ({refused.group(1)}), so llmtrain "
+                f"{path} holds objects that torch.load(weights_only=True) refuses ({refused}), so llmtrain "
                 "will not load it: it could run code. Resume from a checkpoint llmtrain wrote (--resume PATH), or "
                 "delete this one") from None
         raise DamagedCheckpointError(f"{path} cannot be read: it is not a file torch.save wrote, or it is damaged. "
@@ -143,6 +143,13 @@ def load_training_state(checkpoint_dir: Path, mmap: bool = False) -> dict:
         raise DamagedCheckpointError(f"{path} is not an llmtrain training state (no train_state entry); resume "
                                         "from a checkpoint llmtrain wrote")
     return training_state
+
+
+def refused_global(error: pickle.UnpicklingError) -> Optional[str]:
+    """The name (``posix.system``) that ``torch.load(weights_only=True)`` refused to look up, or None when the
+    file was refused for another reason (it is no pickle at all)."""
+    refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+    return refused.group(1) if refused else None
 
 
 def _first_line(error: BaseException) -> str:

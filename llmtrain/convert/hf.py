@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Literal, Optional, Union
 
 from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint.lora import merged_lora_weights
-from llmtrain.checkpoint.resume import check_dcp_metadata, checkpoint_format
+from llmtrain.checkpoint.resume import checkpoint_format
 from llmtrain.config import Config
 from llmtrain.convert.adapters import (
     IGNORED_HF_TENSORS,
@@ -151,12 +151,29 @@ def _iter_hf_tensors(hf_dir: Path) -> Iterator[tuple[Path, str, "torch.Tensor"]]
                 for name in handle.keys():
                     yield file, name, handle.get_tensor(name)
             continue
-        try:  # memory-mapped, so the whole file is never in memory next to the converted copy
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # the legacy (pre-zip) torch.save format cannot be mapped
-            state = torch.load(file, map_location="cpu", weights_only=True)
+        state = _load_bin(file)
         for name in list(state):
             yield file, name, state.pop(name)
+
+
+def _load_bin(file: Path) -> dict:
+    """A ``pytorch_model.bin`` file's tensors, with ``torch.load(weights_only=True)``: one that pickles anything
+    else (which could run code) is refused, naming the file."""
+    import pickle
+
+    import torch
+
+    from llmtrain.checkpoint.state import DamagedCheckpointError, refused_global
+
+    try:
+        try:  # memory-mapped, so the whole file is never in memory next to the converted copy
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (pre-zip) torch.save format cannot be mapped
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise DamagedCheckpointError(
+            f"{file} holds a pickled {refused_global(error) or 'object'} besides tensors, so llmtrain will not load "
+            "it: it could run code. Use the model's safetensors weights (model.safetensors) instead") from None
 
 
 # ------------------------------------------------------------------------------------ llmtrain -> transformers
@@ -263,18 +280,18 @@ def _check_checkpoint_weights(weights: _Weights, config: Config, config_path: Pa
 def _read_sharded(dcp_dir: Path) -> dict[str, "torch.Tensor"]:
     """The model's full state dict from the DCP shards of a sharded checkpoint, in this one process."""
     import torch
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    check_dcp_metadata(dcp_dir)
-    reader = dcp.FileSystemReader(str(dcp_dir))
+    from llmtrain.checkpoint import dcp_reader  # NOTE: slow, as torch.distributed.checkpoint
+
     # The saved state is {"model": ..., "optimizer": ...}; allocate and read the model's tensors only.
+    metadata = dcp_reader.read_metadata(dcp_dir / layout.DCP_METADATA_FILE)
     model_state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
-                   for key, meta in reader.read_metadata().state_dict_metadata.items()
+                   for key, meta in metadata.state_dict_metadata.items()
                    if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        dcp.load({"model": model_state}, storage_reader=reader, no_dist=True)
+        dcp_reader.load({"model": model_state}, dcp_dir, no_dist=True)
     return model_state
 
 

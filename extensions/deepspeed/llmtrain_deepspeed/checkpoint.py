@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
@@ -27,7 +29,8 @@ import torch
 from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint.checkpointer import Checkpointer
 from llmtrain.checkpoint.resume import check_deepspeed_resume
-from llmtrain.checkpoint.state import load_training_state, optimizer_settings, restore_training_state
+from llmtrain.checkpoint.state import (DamagedCheckpointError, load_training_state, optimizer_settings,
+                                      refused_global, restore_training_state)
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.lora import LoRALinear, fold_lora
 
@@ -71,8 +74,9 @@ class DeepSpeedCheckpointer(Checkpointer):
         if self.model.load_universal_checkpoint():  # written by another number of processes (config.resume_config)
             self._load_universal(checkpoint_dir)
         else:
-            self.model.load_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name,
-                                       load_optimizer_states=True, load_lr_scheduler_states=False)
+            with weights_only_loads(checkpoint_dir):  # DeepSpeed's files run no pickle
+                self.model.load_checkpoint(str(checkpoint_dir.parent), tag=checkpoint_dir.name,
+                                           load_optimizer_states=True, load_lr_scheduler_states=False)
         restore_training_state(training_state, state=state, train_loader=self.train_loader, scaler=None,
                                rank=self.runtime.rank, optimizer=self.optimizer, device=self.runtime.device,
                                settings=settings)
@@ -91,11 +95,12 @@ class DeepSpeedCheckpointer(Checkpointer):
         that the next save removes as a leftover (layout.LEFTOVER_DIR).
         """
         root = self.out_dir / f".{checkpoint_dir.name}.tmp-universal"  # a leftover's name (layout.LEFTOVER_DIR)
-        if self.runtime.is_main:
-            _convert_to_universal(checkpoint_dir, root / checkpoint_dir.name)
-        self.runtime.barrier()
-        self.model.load_checkpoint(str(root), tag=checkpoint_dir.name, load_optimizer_states=True,
-                                   load_lr_scheduler_states=False)
+        with weights_only_loads(checkpoint_dir):  # the conversion and the load run no pickle
+            if self.runtime.is_main:
+                _convert_to_universal(checkpoint_dir, root / checkpoint_dir.name)
+            self.runtime.barrier()
+            self.model.load_checkpoint(str(root), tag=checkpoint_dir.name, load_optimizer_states=True,
+                                       load_lr_scheduler_states=False)
         self.runtime.barrier()
         if self.runtime.is_main:
             shutil.rmtree(root, ignore_errors=True)
@@ -185,6 +190,51 @@ class DeepSpeedCheckpointer(Checkpointer):
             files.save_weights(self._adapters, directory / layout.LORA_FILE)
         if self.write_extras is not None:
             self.write_extras(directory)
+
+
+_FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+"""torch's switch that makes every ``torch.load`` call ``weights_only=True``, whatever the call says."""
+_FORCE_NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"  # torch refuses both switches set at once
+
+
+def deepspeed_globals() -> list[type]:
+    """What DeepSpeed's checkpoint files hold besides tensors, containers and numbers: the loss scaler, the ZeRO
+    stage and the fragment mappings of the optimizer state (read from the files of stages 1 to 3, in fp32 and bf16,
+    and from their universal conversion)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextlib.contextmanager
+def weights_only_loads(checkpoint_dir: Path) -> Iterator[None]:
+    """Every ``torch.load`` in the block is ``weights_only=True`` and knows :func:`deepspeed_globals` besides torch's
+    own; a file that names anything else (a pickle that could run code) raises a DamagedCheckpointError naming
+    ``checkpoint_dir`` and the name.
+
+    NOTE: DeepSpeed reads its files with ``torch.load(weights_only=False)``: in its checkpoint engine
+    (``TorchCheckpointEngine.load``, through which ``engine.load_checkpoint`` reads), and directly in
+    ``ds_to_universal`` and the universal load (``load_hp_checkpoint_state``). A checkpoint engine of our own
+    (``engine.checkpoint_engine``, DeepSpeed's extension point for its reads) would cover the first alone; torch's
+    ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, read at each call, covers them all.
+    """
+    saved = {name: os.environ.pop(name, None) for name in (_FORCE_WEIGHTS_ONLY, _FORCE_NO_WEIGHTS_ONLY)}
+    os.environ[_FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals(deepspeed_globals()):
+            yield
+    except pickle.UnpicklingError as error:
+        raise DamagedCheckpointError(
+            f"{checkpoint_dir}: a DeepSpeed file in it holds a pickled {refused_global(error) or 'object'} besides "
+            "the training state, so llmtrain will not load it: it could run code. Resume from a checkpoint llmtrain "
+            "wrote (--resume PATH), or delete this one") from None
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
 
 
 def _plain_name(name: str) -> str:
