@@ -214,7 +214,7 @@ class Checkpointer:
         wrote it while its pages are likely still cached (:func:`files.checksum_share`), unless it is ``known``
         already; gathered on every rank."""
         self.runtime.barrier()  # every rank's files are in place
-        share = files.checksum_share(files.file_sizes(directory), self.runtime.rank, self.runtime.world_size)
+        share = files.checksum_share(files.relative_files(directory), self.runtime.rank, self.runtime.world_size)
         mine = {**files.file_checksums(directory, [relative for relative in share if relative not in known]), **known}
         return {relative: digest for gathered in _host_all_gather(self.runtime, mine)
                 for relative, digest in gathered.items()}
@@ -288,7 +288,7 @@ class Checkpointer:
         for its share of the files), the same on every rank; None when it is intact. Every rank calls it: one
         gather of a short message agrees, so all ranks load or fall back together."""
         try:
-            verify_checkpoint(checkpoint_dir, load_state=False)
+            verify_checkpoint(checkpoint_dir, False, self.runtime.rank, self.runtime.world_size)
             verify_checksums(checkpoint_dir, self.runtime.rank, self.runtime.world_size)
             problem = None
         except (ValueError, OSError) as error:

@@ -135,8 +135,18 @@ def install_dir(tmp: Path, target: Path) -> None:
 def file_sizes(directory: Path) -> dict[str, int]:
     """Every file under ``directory`` (DCP shards included) as relative path -> bytes; the marker excluded."""
     directory = Path(directory)
-    return {file.relative_to(directory).as_posix(): file.stat().st_size for file in sorted(directory.rglob("*"))
-            if file.is_file() and file.name != layout.MARKER_FILE}
+    return {relative: (directory / relative).stat().st_size for relative in relative_files(directory)}
+
+
+def relative_files(directory: Path) -> list[str]:
+    """The relative paths of the files under ``directory``, the marker excluded, sorted, from directory listings
+    alone: a thousand ranks that each look for their own files must not stat every rank's (a shared filesystem's
+    metadata servers would serve a million stats)."""
+    found = []
+    for root, _, names in os.walk(directory):
+        prefix = Path(root).relative_to(directory)
+        found += [(prefix / name).as_posix() for name in names if name != layout.MARKER_FILE]
+    return sorted(found)
 
 
 CHECKSUM_ALGORITHM = "xxh3_128"

@@ -34,17 +34,20 @@ def checkpoint_format(checkpoint_dir: Path) -> CheckpointFormat:
     return fmt
 
 
-def verify_checkpoint(checkpoint_dir: Path, load_state: bool = True) -> None:
+def verify_checkpoint(checkpoint_dir: Path, load_state: bool = True, rank: int = 0, world_size: int = 1) -> None:
     """Raise :class:`DamagedCheckpointError`, naming the file, unless ``checkpoint_dir`` is intact (module doc).
 
-    ``load_state=False`` leaves ``training_state.pt`` to the caller, who is about to load it anyway.
+    ``load_state=False`` leaves ``training_state.pt`` to the caller, who is about to load it anyway. ``rank`` of
+    ``world_size`` checks the sizes of its share of the files only (:func:`files.checksum_share`): at a thousand
+    ranks, a thousand stats of every shard would load a shared filesystem's metadata servers for nothing.
     """
     checkpoint_dir = Path(checkpoint_dir)
     marker = files.read_marker(checkpoint_dir)
     if (checkpoint_dir / layout.DCP_DIR).is_dir():
         check_dcp_metadata(checkpoint_dir / layout.DCP_DIR)
-    for relative, recorded in marker.get("sizes", {}).items():
-        path = checkpoint_dir / relative
+    sizes = marker.get("sizes", {})
+    for relative in files.checksum_share(sizes, rank, world_size):
+        path, recorded = checkpoint_dir / relative, sizes[relative]
         if not path.is_file():
             raise DamagedCheckpointError(f"{path} is missing, though {layout.MARKER_FILE} lists it: the checkpoint "
                                          f"{checkpoint_dir} is damaged")
