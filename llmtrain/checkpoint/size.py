@@ -52,3 +52,17 @@ def check_disk_space(out_dir: Path, config: Config, precision: Any, trainable_pa
         raise OSError(f"--out_dir {out_dir}: {free / 2**30:.1f} GiB free on its disk, but one checkpoint of "
                       f"{config.name or 'this model'} ({num_parameters(config) / 1e6:.0f}M parameters) needs about "
                       f"{needed / 2**30:.1f} GiB; free space or choose an --out_dir on a larger disk")
+
+
+def check_weights_hold(config: Config, config_file: Path, weight_files: list[Path]) -> None:
+    """Refuse a config that describes more parameters than its weight files could hold at one byte each, before
+    anything is listed or allocated per layer (``n_layer: 1000000000`` would be, until the process is killed).
+
+    What conversion checks: it streams the weights a tensor at a time, so no device need hold the model.
+    """
+    stored = sum(path.stat().st_size for path in weight_files)
+    parameters = num_parameters(config)
+    if parameters > stored:
+        raise ValueError(f"{config_file} describes a model of {parameters:,} parameters, but its weight files "
+                         f"({stored / 2**30:,.2f} GiB) could not hold that many even at one byte each: it is not "
+                         "these weights' config; check n_layer, n_embd, intermediate_size and vocab_size in it")

@@ -1,0 +1,129 @@
+"""Issue 42, deliverables 6 and 7: what the machine cannot give is said in one line.
+
+- A model config larger than the device it would be built on is refused by its size, naming its file, before
+  anything is allocated: in generate, chat, merge_lora, convert (both ways) and the training recipes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from llmtrain.checkpoint import files, layout
+from llmtrain.checkpoint.lora import write_lora_settings
+from llmtrain.config import Config
+from llmtrain.convert.hf import to_hf
+from llmtrain.lora import LoRAArgs
+from llmtrain.model import GPT
+from llmtrain.tokenizer import train_bpe_tokenizer
+
+from conftest import TINY_MODEL
+from forked_cli import run_forked
+
+HUGE = {"n_layer": 10**9}
+LONG = {"block_size": 10**12}
+MEMORY_LIMIT = 6 * 2**30
+"""Address space each command may take: were the size check missing, a command fails here, not the machine."""
+
+
+def _with_config(source: Path, target: Path, config_name: str, **fields) -> Path:
+    """A copy of the folder ``source`` whose ``config_name`` has ``fields`` changed."""
+    shutil.copytree(source, target)
+    path = target / config_name
+    values = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+    values.update(fields)
+    path.write_text(json.dumps(values) if path.suffix == ".json" else yaml.safe_dump(values))
+    return target
+
+
+def _make_inputs(root: Path) -> None:
+    """A tiny model directory, its transformers copy, a LoRA checkpoint on it, and too-large copies of each."""
+    tokenizer = train_bpe_tokenizer(iter([f"w{i} " for i in range(300)] * 2), vocab_size=300, out_dir=root / "tok")
+    config = Config(**TINY_MODEL)
+    model = GPT(config)
+    model.init_weights()
+    files.write_model_dir(root / "model", state_dict=model.state_dict(), model_config=config, hyperparameters=None,
+                          tokenizer=tokenizer)
+    to_hf(root / "model", root / "hf")
+    lora = root / "lora"
+    lora.mkdir()
+    write_lora_settings(lora, LoRAArgs(), root / "model", None)
+    config.save(lora / layout.CONFIG_FILE)
+    files.save_safetensors({"blocks.0.attn.qkv.lora_A": torch.zeros(8, 64)}, lora / layout.LORA_FILE)
+    for name, fields in (("huge", HUGE), ("long", LONG)):
+        _with_config(root / "model", root / f"{name}-model", layout.CONFIG_FILE, **fields)
+        (root / f"{name}.yaml").write_text(yaml.safe_dump({**TINY_MODEL, **fields}))
+    _with_config(root / "hf", root / "huge-hf", "config.json", num_hidden_layers=HUGE["n_layer"])
+    _with_config(lora, root / "huge-lora", layout.CONFIG_FILE, **HUGE)
+
+
+def _pretrain(model_config: str) -> list[str]:
+    return ["pretrain", "--model_config", model_config, "--out_dir", "{out}", "--data", "BuiltinStories",
+            "--train.max_steps", "1"]
+
+
+# (name, command line, what its one line names); {in} is the inputs folder, {out} a fresh one.
+HUGE_MODEL = ("huge-model/model_config.yaml", "parameters")
+CASES = [
+    ("generate", ["generate", "{in}/huge-model", "--prompt", "hi", "--raw", "true"], HUGE_MODEL),
+    ("generate_block_size", ["generate", "{in}/long-model", "--prompt", "hi", "--raw", "true"],
+     ("long-model/model_config.yaml", "block_size 1000000000000")),
+    ("chat", ["chat", "{in}/huge-model"], HUGE_MODEL),
+    ("merge_lora", ["merge_lora", "{in}/huge-lora", "--out_dir", "{out}"], ("huge-lora/model_config.yaml", "parameters")),
+    ("convert_to_hf", ["convert", "to_hf", "{in}/huge-model", "{out}"], HUGE_MODEL),
+    ("convert_from_hf", ["convert", "from_hf", "{in}/huge-hf", "{out}"], ("huge-hf/config.json", "parameters")),
+    ("pretrain", _pretrain("{in}/huge.yaml"), ("--model_config", "parameters")),
+    ("pretrain_block_size", _pretrain("{in}/long.yaml"), ("--model_config", "block_size 1000000000000")),
+    ("finetune_lora", ["finetune_lora", "{in}/huge-model", "--out_dir", "{out}"], HUGE_MODEL),
+    ("finetune_full", ["finetune_full", "{in}/huge-model", "--out_dir", "{out}"], HUGE_MODEL),
+]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sizes")
+    inputs = root / "in"
+    inputs.mkdir()
+    _make_inputs(inputs)
+    argvs = [[arg.replace("{in}", str(inputs)).replace("{out}", str(root / "out" / name)) for arg in argv]
+             for name, argv, _ in CASES]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "LLMTRAIN_CACHE_DIR": str(root / "cache")}
+    done = run_forked(argvs, root / "logs", env, timeout_s=300, memory_limit=MEMORY_LIMIT)  # a hang guard
+    return {name: (result, root / "out" / name) for (name, _, _), result in zip(CASES, done)}
+
+
+@pytest.mark.parametrize("name, names", [(name, names) for name, _, names in CASES], ids=[case[0] for case in CASES])
+def test_a_model_too_large_for_the_machine_is_refused_by_its_size(name, names, refused):
+    done, out = refused[name]
+    message = done.stderr.strip()
+    assert done.returncode == 2, message
+    assert "Traceback" not in message and message.startswith("error: "), message
+    assert len(message.splitlines()) == 2, message  # the line and the --debug hint
+    assert all(part in message for part in (*names, "GiB")) and "disk" not in message, message
+    assert not out.exists(), f"{name} wrote {out}"
+
+
+@pytest.mark.parametrize("devices, fits", [(1, False), (64, True)])
+def test_training_counts_the_state_one_device_holds_after_sharding(devices, fits):
+    """Llama 2 70B's weights, gradients and AdamW state, 1.1 TB, fit an 80 GB GPU only sharded over 64 of them:
+    the check refuses one device, not the many that a cluster run spreads the model over."""
+    from llmtrain.args import FSDPArgs, TrainArgs
+    from llmtrain.distributed.parallel_plan import ParallelPlan
+    from llmtrain.memory import ModelTooLargeError
+    from llmtrain.plan import DryRunArgs, check_state_fits
+
+    plan = ParallelPlan.resolve(devices=devices, num_nodes=1, precision="bf16-mixed", device_type="cuda",
+                                train=TrainArgs(global_batch_size=devices, micro_batch_size=1),
+                                fsdp=FSDPArgs(sharding_strategy="FULL_SHARD" if devices > 1 else None))
+    config = Config.from_name("Llama-2-70b-hf")
+    if fits:
+        check_state_fits(config, plan, DryRunArgs(gpu="H100"), source="model Llama-2-70b-hf")
+        return
+    with pytest.raises(ModelTooLargeError, match=r"model Llama-2-70b-hf: .*one H100.*68,976,648,192 parameters"):
+        check_state_fits(config, plan, DryRunArgs(gpu="H100"), source="model Llama-2-70b-hf")
