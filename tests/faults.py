@@ -11,6 +11,7 @@ NanLoss and CrashBeforeStep act on the last rank only, so the other ranks must f
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import sys
@@ -71,6 +72,20 @@ class SlowSave(callbacks.Callback):
         time.sleep(self.seconds)
 
 
+class DiskFull(callbacks.Callback):
+    """The disk fills during every save's weights: a safetensors file gets its first bytes, then its write fails with
+    ENOSPC, as on a full disk. Through the real save path, on every rank (only those that write weights fail)."""
+
+    def on_fit_start(self, job) -> None:
+        from llmtrain.checkpoint import files
+
+        def fill_the_disk(tensors: dict, path: Path) -> None:
+            Path(path).write_bytes(bytes(4096))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+        files.save_safetensors = fill_the_disk
+
+
 def from_env() -> callbacks.Callbacks:
     """The faults that ``$TEST_FAULTS`` describes (see :func:`environment`); what LLMTRAIN_CALLBACKS names."""
     spec = json.loads(os.environ.get(FAULTS_ENV, "{}"))
@@ -81,13 +96,16 @@ def from_env() -> callbacks.Callbacks:
         faults.append(CrashBeforeStep(spec["crash_before_step"]))
     if spec.get("slow_save_s") is not None:
         faults.append(SlowSave(spec["slow_save_s"]))
+    if spec.get("disk_full"):
+        faults.append(DiskFull())
     return callbacks.Callbacks(faults)
 
 
 def environment(nan_steps: Iterable[int] = (), crash_before_step: Optional[int] = None,
-                slow_save_s: Optional[float] = None) -> dict[str, str]:
+                slow_save_s: Optional[float] = None, disk_full: bool = False) -> dict[str, str]:
     """Environment variables that install these faults in every training process of a run started with them."""
-    spec = {"nan_steps": sorted(nan_steps), "crash_before_step": crash_before_step, "slow_save_s": slow_save_s}
+    spec = {"nan_steps": sorted(nan_steps), "crash_before_step": crash_before_step, "slow_save_s": slow_save_s,
+            "disk_full": disk_full}
     return {callbacks.CALLBACKS_ENV: "faults:from_env", FAULTS_ENV: json.dumps(spec),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
 

@@ -2,6 +2,8 @@
 
 - A model config larger than the device it would be built on is refused by its size, naming its file, before
   anything is allocated: in generate, chat, merge_lora, convert (both ways) and the training recipes.
+- A disk that fills during a save ends the run (every rank) with exit 1 and one line naming the disk and its free
+  space; the unfinished temporary directory is removed.
 """
 
 from __future__ import annotations
@@ -9,6 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
+from collections import namedtuple
 from pathlib import Path
 
 import pytest
@@ -23,7 +28,8 @@ from llmtrain.lora import LoRAArgs
 from llmtrain.model import GPT
 from llmtrain.tokenizer import train_bpe_tokenizer
 
-from conftest import TINY_MODEL
+import faults
+from conftest import TINY_MODEL, write_tiny_model
 from forked_cli import run_forked
 
 HUGE = {"n_layer": 10**9}
@@ -127,3 +133,46 @@ def test_training_counts_the_state_one_device_holds_after_sharding(devices, fits
         return
     with pytest.raises(ModelTooLargeError, match=r"model Llama-2-70b-hf: .*one H100.*68,976,648,192 parameters"):
         check_state_fits(config, plan, DryRunArgs(gpu="H100"), source="model Llama-2-70b-hf")
+
+
+@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.multiproc)])
+def test_a_disk_that_fills_during_a_save_is_named_in_one_line(devices, tmp_path, dist_env):
+    """The first save's weights fail with ENOSPC half-written (tests/faults.DiskFull): the run ends, on every rank,
+    with exit 1 and one line naming out_dir's disk and its free space, and no .step-N.tmp is left to fill it."""
+    out_dir = tmp_path / "out"
+    command = [sys.executable, "-m", "llmtrain", "pretrain", "--model_config", str(write_tiny_model(tmp_path / "m.yaml")),
+               "--out_dir", str(out_dir), "--data", "BuiltinStories", "--data.num_documents", "100",
+               "--data.num_val_documents", "10", "--train.global_batch_size", "4", "--train.micro_batch_size", "2",
+               "--train.max_seq_length", "32", "--train.max_steps", "2", "--train.save_interval", "1",
+               "--eval.max_iters", "1", "--devices", str(devices), "--accelerator", "cpu"]
+    env = {**dist_env, "LLMTRAIN_CACHE_DIR": str(tmp_path / "cache"), **faults.environment(disk_full=True)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)  # a hang guard
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert done.returncode == 1, done.stderr
+    assert len(errors) == 1 and errors[0].startswith("error: "), done.stderr
+    assert f"no space left on the disk of {out_dir}" in errors[0] and "GiB free" in errors[0], errors[0]
+    assert [path.name for path in out_dir.iterdir() if path.name.startswith(".step-")] == []
+
+
+Usage = namedtuple("Usage", "total used free")
+
+
+def test_a_write_whose_error_hides_the_errno_counts_as_disk_full_when_the_disk_is(tmp_path, monkeypatch):
+    """torch.save and safetensors wrap ENOSPC in errors of their own (RuntimeError: [enforce fail at
+    inline_container.cc] unexpected pos, SafetensorError): a failed write on a nearly full disk is a full disk, one
+    on a disk with room is left as it was."""
+    from llmtrain.checkpoint import size
+
+    def wrapped(tensors: dict, path: Path) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(files, "save_safetensors", wrapped)
+    config = Config(**TINY_MODEL)
+    write = lambda target: files.write_model_dir(target, state_dict={"wte.weight": torch.zeros(2)},  # noqa: E731
+                                                 model_config=config, hyperparameters=None, tokenizer=None)
+    with pytest.raises(RuntimeError, match="unexpected pos"):  # plenty of room: not a full disk
+        write(tmp_path / "roomy")
+    monkeypatch.setattr(size.shutil, "disk_usage", lambda path: Usage(2**40, 2**40 - 2**20, 2**20))
+    with pytest.raises(size.DiskFullError, match=rf"no space left on the disk of {tmp_path} .*0.00 GiB free"):
+        write(tmp_path / "full")
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
