@@ -4,6 +4,7 @@
   anything is allocated: in generate, chat, merge_lora, convert (both ways) and the training recipes.
 - A disk that fills during a save ends the run (every rank) with exit 1 and one line naming the disk and its free
   space; the unfinished temporary directory is removed.
+- A collective that times out because a rank hangs names that rank.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import sys
 from collections import namedtuple
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -135,23 +137,39 @@ def test_training_counts_the_state_one_device_holds_after_sharding(devices, fits
         check_state_fits(config, plan, DryRunArgs(gpu="H100"), source="model Llama-2-70b-hf")
 
 
-@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.multiproc)])
-def test_a_disk_that_fills_during_a_save_is_named_in_one_line(devices, tmp_path, dist_env):
-    """The first save's weights fail with ENOSPC half-written (tests/faults.DiskFull): the run ends, on every rank,
-    with exit 1 and one line naming out_dir's disk and its free space, and no .step-N.tmp is left to fill it."""
+def _tiny_run(tmp_path: Path, dist_env: dict, devices: int, *extra: str, **fault: Any) -> tuple[Path, str]:
+    """A tiny pretraining run on ``devices`` CPU ranks with ``fault`` (tests/faults.environment) that must fail:
+    its out_dir and its one error line."""
     out_dir = tmp_path / "out"
     command = [sys.executable, "-m", "llmtrain", "pretrain", "--model_config", str(write_tiny_model(tmp_path / "m.yaml")),
                "--out_dir", str(out_dir), "--data", "BuiltinStories", "--data.num_documents", "100",
                "--data.num_val_documents", "10", "--train.global_batch_size", "4", "--train.micro_batch_size", "2",
-               "--train.max_seq_length", "32", "--train.max_steps", "2", "--train.save_interval", "1",
-               "--eval.max_iters", "1", "--devices", str(devices), "--accelerator", "cpu"]
-    env = {**dist_env, "LLMTRAIN_CACHE_DIR": str(tmp_path / "cache"), **faults.environment(disk_full=True)}
+               "--train.max_seq_length", "32", "--train.max_steps", "3", "--eval.max_iters", "1", "--devices",
+               str(devices), "--accelerator", "cpu", *extra]
+    env = {**dist_env, "LLMTRAIN_CACHE_DIR": str(tmp_path / "cache"), **faults.environment(**fault)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)  # a hang guard
     errors = [line for line in done.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
     assert done.returncode == 1, done.stderr
     assert len(errors) == 1 and errors[0].startswith("error: "), done.stderr
-    assert f"no space left on the disk of {out_dir}" in errors[0] and "GiB free" in errors[0], errors[0]
+    return out_dir, errors[0]
+
+
+@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.multiproc)])
+def test_a_disk_that_fills_during_a_save_is_named_in_one_line(devices, tmp_path, dist_env):
+    """The first save's weights fail with ENOSPC half-written (tests/faults.DiskFull): the run ends, on every rank,
+    with exit 1 and one line naming out_dir's disk and its free space, and no .step-N.tmp is left to fill it."""
+    out_dir, error = _tiny_run(tmp_path, dist_env, devices, "--train.save_interval", "1", disk_full=True)
+    assert f"no space left on the disk of {out_dir}" in error and "GiB free" in error, error
     assert [path.name for path in out_dir.iterdir() if path.name.startswith(".step-")] == []
+
+
+@pytest.mark.multiproc
+def test_the_rank_that_hangs_is_named_when_a_collective_times_out(tmp_path, dist_env):
+    """Rank 1 of 2 freezes before step 2 (tests/faults.FreezeBeforeStep); rank 0's next collective times out after
+    --dist_timeout 5, and the one line names rank 1, not only gloo's "Timed out waiting 5000ms for recv"."""
+    _, error = _tiny_run(tmp_path, dist_env, 2, "--dist_timeout", "5", freeze_before_step=2)
+    assert error.startswith("error: rank 0 of 2: rank 1 never reached the collective"), error
+    assert "Timed out" in error, error
 
 
 Usage = namedtuple("Usage", "total used free")
