@@ -61,9 +61,14 @@ def device_available_bytes(device: Any) -> tuple[int, str]:
     return host_available_bytes(), "this machine's memory"
 
 
-def check_fits(config: Config, *, needed: int, available: int, where: str, source: Union[str, Path]) -> None:
-    """Refuse, in one line naming ``source`` (the config's file or flag) and the sizes, when ``needed`` bytes
-    exceed ``available`` on ``where`` (e.g. "this machine's memory", "cuda:0")."""
+CONFIG_FIX = ("check n_layer, n_embd, intermediate_size, vocab_size and block_size in it, or run on a device with more "
+              "memory")
+
+
+def check_fits(config: Config, *, needed: int, available: int, where: str, source: Union[str, Path],
+               fix: str = CONFIG_FIX) -> None:
+    """Refuse, in one line naming ``source`` (the config's file or flag), the sizes and ``fix``, when ``needed``
+    bytes exceed ``available`` on ``where`` (e.g. "this machine's memory", "GPU cuda:0")."""
     if needed <= available:
         return
     rope = rope_cache_bytes(config)
@@ -71,8 +76,7 @@ def check_fits(config: Config, *, needed: int, available: int, where: str, sourc
                if rope > available else f"{num_parameters(config):,} parameters")
     raise ModelTooLargeError(
         f"{source}: the model is too large for {where}: it needs at least {needed / GiB:,.1f} GiB ({because}), and "
-        f"{available / GiB:,.1f} GiB are available; check n_layer, n_embd, intermediate_size, vocab_size and "
-        "block_size in it, or run on a device with more memory")
+        f"{available / GiB:,.1f} GiB are available; {fix}")
 
 
 def check_model_fits(config: Config, *, weight_bytes: float, device: Any, source: Union[str, Path]) -> None:

@@ -608,7 +608,7 @@ def check_state_fits(config: Config, plan: ParallelPlan, dry: DryRunArgs, *, sou
     host's available memory is shared by the plan's processes on this node. Activations are left out: the check
     refuses what cannot fit at all; the dry run says what fits comfortably.
     """
-    from llmtrain.memory import check_fits, host_available_bytes, rope_cache_bytes
+    from llmtrain.memory import CONFIG_FIX, check_fits, host_available_bytes, rope_cache_bytes
 
     state = max(sum(state_bytes(config, plan, rank, trainable_parameters=trainable_parameters, quantize=quantize))
                 for rank in range(plan.pp))
@@ -617,7 +617,9 @@ def check_state_fits(config: Config, plan: ParallelPlan, dry: DryRunArgs, *, sou
     if capacity is None:
         capacity = host_available_bytes() // plan.devices
         where = "this machine's memory" + (f", shared by {plan.devices} ranks" if plan.devices > 1 else "")
-    check_fits(config, needed=state + rope_cache_bytes(config), available=capacity, where=where, source=source)
+    check_fits(config, needed=state + rope_cache_bytes(config), available=capacity, where=where, source=source,
+               fix=f"{CONFIG_FIX}, or shard it over more devices (--devices, --num_nodes, --strategy fsdp; --dry_run "
+                   "says what fits)")
 
 
 def fits(memory: MemoryEstimate, capacity: int) -> bool:

@@ -83,7 +83,8 @@ CASES = [
     ("generate_block_size", ["generate", "{in}/long-model", "--prompt", "hi", "--raw", "true"],
      ("long-model/model_config.yaml", "block_size 1000000000000")),
     ("chat", ["chat", "{in}/huge-model"], HUGE_MODEL),
-    ("merge_lora", ["merge_lora", "{in}/huge-lora", "--out_dir", "{out}"], ("huge-lora/model_config.yaml", "parameters")),
+    ("merge_lora", ["merge_lora", "{in}/huge-lora", "--out_dir", "{out}"],
+     ("huge-lora/model_config.yaml", "parameters")),
     ("convert_to_hf", ["convert", "to_hf", "{in}/huge-model", "{out}"], HUGE_MODEL),
     ("convert_from_hf", ["convert", "from_hf", "{in}/huge-hf", "{out}"], ("huge-hf/config.json", "parameters")),
     ("pretrain", _pretrain("{in}/huge.yaml"), ("--model_config", "parameters")),
@@ -141,11 +142,12 @@ def _tiny_run(tmp_path: Path, dist_env: dict, devices: int, *extra: str, **fault
     """A tiny pretraining run on ``devices`` CPU ranks with ``fault`` (tests/faults.environment) that must fail:
     its out_dir and its one error line."""
     out_dir = tmp_path / "out"
-    command = [sys.executable, "-m", "llmtrain", "pretrain", "--model_config", str(write_tiny_model(tmp_path / "m.yaml")),
-               "--out_dir", str(out_dir), "--data", "BuiltinStories", "--data.num_documents", "100",
-               "--data.num_val_documents", "10", "--train.global_batch_size", "4", "--train.micro_batch_size", "2",
-               "--train.max_seq_length", "32", "--train.max_steps", "3", "--eval.max_iters", "1", "--devices",
-               str(devices), "--accelerator", "cpu", *extra]
+    model_config = write_tiny_model(tmp_path / "m.yaml")
+    command = [sys.executable, "-m", "llmtrain", "pretrain", "--model_config", str(model_config), "--out_dir",
+               str(out_dir), "--data", "BuiltinStories", "--data.num_documents", "100", "--data.num_val_documents",
+               "10", "--train.global_batch_size", "4", "--train.micro_batch_size", "2", "--train.max_seq_length", "32",
+               "--train.max_steps", "3", "--eval.max_iters", "1", "--devices", str(devices), "--accelerator", "cpu",
+               *extra]
     env = {**dist_env, "LLMTRAIN_CACHE_DIR": str(tmp_path / "cache"), **faults.environment(**fault)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)  # a hang guard
     errors = [line for line in done.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]

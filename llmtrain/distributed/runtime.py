@@ -392,7 +392,8 @@ def report_failure(message: str) -> None:
 
 
 HUNG_RANKS_WAIT_S = 10.0
-"""How long a rank whose collective timed out waits for the others' to time out too, before naming those that did not."""
+"""How long a rank whose collective timed out waits for the others' to time out too, before naming the ranks that
+did not."""
 _TIMED_OUT_KEY = "llmtrain/timed_out"
 
 
