@@ -30,6 +30,7 @@ from llmtrain.lora import LoRAArgs
 from llmtrain.model import GPT
 from llmtrain.tokenizer import train_bpe_tokenizer
 
+import dist_worker
 import faults
 from conftest import TINY_MODEL, write_tiny_model
 from forked_cli import run_forked
@@ -196,3 +197,29 @@ def test_a_write_whose_error_hides_the_errno_counts_as_disk_full_when_the_disk_i
     with pytest.raises(size.DiskFullError, match=rf"no space left on the disk of {tmp_path} .*0.00 GiB free"):
         write(tmp_path / "full")
     assert sorted(path.name for path in tmp_path.iterdir()) == []
+
+
+def suite_hung_ranks(runtime, workdir: Path) -> dict:
+    """Four ranks met as a run's do; ranks 0 to 2 find a collective timed out, rank 2 two seconds after the others,
+    and rank 3 never does (it hangs): what each rank is told (None: it was not asked)."""
+    import time
+
+    from llmtrain.distributed.runtime import ranks_that_never_arrived
+
+    told = None
+    if runtime.rank in (0, 1, 2):
+        time.sleep(2.0 if runtime.rank == 2 else 0.2 * runtime.rank)
+        told = ranks_that_never_arrived()
+    return {"told": runtime.all_gather_object(told)}
+
+
+@pytest.mark.multiproc
+def test_every_rank_that_timed_out_is_told_the_same_ranks_that_never_arrived(tmp_path):
+    """Over a real gloo group of 4: the first rank to time out waits for the others (up to HUNG_RANKS_WAIT_S), lists
+    the one that never came, and the others read that list instead of checking every rank themselves."""
+    result = dist_worker.launch(4, "hung_ranks", tmp_path, timeout_s=300, script=Path(__file__))
+    assert result["told"] == [[3], [3], [3], None]
+
+
+if __name__ == "__main__":  # a rank of dist_worker.launch(..., script=this file)
+    dist_worker.worker_main(sys.argv[1], Path(sys.argv[2]), suites={"hung_ranks": suite_hung_ranks})
