@@ -108,6 +108,7 @@ def refused(tmp_path_factory):
     return {name: (result, root / "out" / name) for (name, _, _), result in zip(CASES, done)}
 
 
+@pytest.mark.slow  # ten command lines, forked two at a time: about 20 s
 @pytest.mark.parametrize("name, names", [(name, names) for name, _, names in CASES], ids=[case[0] for case in CASES])
 def test_a_model_too_large_for_the_machine_is_refused_by_its_size(name, names, refused):
     done, out = refused[name]
@@ -157,7 +158,8 @@ def _tiny_run(tmp_path: Path, dist_env: dict, devices: int, *extra: str, **fault
     return out_dir, errors[0]
 
 
-@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.multiproc)])
+@pytest.mark.parametrize("devices", [pytest.param(1, marks=pytest.mark.slow),
+                                     pytest.param(2, marks=pytest.mark.multiproc)])
 def test_a_disk_that_fills_during_a_save_is_named_in_one_line(devices, tmp_path, dist_env):
     """The first save's weights fail with ENOSPC half-written (tests/faults.DiskFull): the run ends, on every rank,
     with exit 1 and one line naming out_dir's disk and its free space, and no .step-N.tmp is left to fill it."""
