@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Callable, Optional, Sequence
 
-from llmtrain.errors import DEBUG_ENV, USER_ERRORS
+from llmtrain.errors import DEBUG_ENV, USER_ERRORS, told_status
 
 # Subcommands whose first positional argument is sugar for a flag: `pretrain NAME` = `pretrain --model_name NAME`.
 POSITIONAL = {"pretrain": "--model_name"}
@@ -252,7 +252,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             # NOTE: a launcher stops every process once one has failed. Were another rank to exit first, rank 0
             # could be stopped before it has said why; so the others wait for it (the launcher ends them then).
             time.sleep(QUIET_RANK_EXIT_DELAY_S)
-        sys.exit(2)
+        sys.exit(told_status(error))  # 2, or the status the error's class declares (a full disk: 1)
 
 
 def _check_config_files(argv: list[str]) -> None:

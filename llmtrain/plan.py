@@ -42,6 +42,7 @@ from llmtrain.config import Config
 from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.flops import (flops_per_token, gpu_has_bf16, gpu_memory_bytes, link_bytes_per_s, lookup_peak_flops,
                             num_parameters)
+from llmtrain.quantize import quantized_bytes_per_weight
 from llmtrain.train.loop import plan_horizon
 
 GiB = 2**30
@@ -434,7 +435,7 @@ def state_bytes(config: Config, plan: ParallelPlan, pipeline_rank: int = 0, *,
     frozen = local - trainable
     if quantize is not None:
         linear = _block_parameters(config) * config.n_layer  # the blocks' weights are what bitsandbytes quantizes
-        per_weight = 1.0 if quantize == "bnb.int8" else 0.5 + 4 / 64  # 4-bit codes plus one fp32 absmax per 64
+        per_weight = quantized_bytes_per_weight(quantize)
         params = (local - linear) * stored + linear * per_weight + trainable * stored
     else:
         params = (frozen + trainable) * stored
@@ -551,7 +552,13 @@ def estimate_memory(config: Config, plan: ParallelPlan, *, seq_len: int,
 
 
 def lora_trainable_parameters(config: Config, lora: Any) -> int:
-    """Adapter parameters for these LoRA flags, counted on a model built on the meta device (no memory)."""
+    """Adapter parameters for these LoRA flags, counted on one- and two-block copies of the model built on the meta
+    device (no memory): every block has the same adapters, and a model of a billion blocks is never built."""
+    one, two = (_adapter_parameters(replace(config, n_layer=n_layer), lora) for n_layer in (1, 2))
+    return one + (config.n_layer - 1) * (two - one)
+
+
+def _adapter_parameters(config: Config, lora: Any) -> int:
     from llmtrain.lora import apply_lora, mark_only_lora_trainable
     from llmtrain.model import GPT
 
@@ -590,6 +597,29 @@ def device_memory_bytes(dry: DryRunArgs, plan: ParallelPlan) -> Optional[int]:
     if name is None:
         return None
     return gpu_memory_bytes(name) if dry.gpu is not None else torch.cuda.get_device_properties(0).total_memory
+
+
+def check_state_fits(config: Config, plan: ParallelPlan, dry: DryRunArgs, *, source: str,
+                     trainable_parameters: Optional[int] = None, quantize: Optional[str] = None) -> None:
+    """Refuse a model whose weights, gradients and optimizer state on one device (the pipeline rank that holds
+    the most, after this plan's sharding) and RoPE tables exceed that device, before any rank builds it.
+
+    A GPU's whole memory counts (the launcher holds no CUDA context to ask for its free memory); on the CPU, the
+    host's available memory is shared by the plan's processes on this node. Activations are left out: the check
+    refuses what cannot fit at all; the dry run says what fits comfortably.
+    """
+    from llmtrain.memory import CONFIG_FIX, check_fits, host_available_bytes, rope_cache_bytes
+
+    state = max(sum(state_bytes(config, plan, rank, trainable_parameters=trainable_parameters, quantize=quantize))
+                for rank in range(plan.pp))
+    capacity = device_memory_bytes(dry, plan)
+    where = f"one {gpu_name(dry, plan)}"
+    if capacity is None:
+        capacity = host_available_bytes() // plan.devices
+        where = "this machine's memory" + (f", shared by {plan.devices} ranks" if plan.devices > 1 else "")
+    check_fits(config, needed=state + rope_cache_bytes(config), available=capacity, where=where, source=source,
+               fix=f"{CONFIG_FIX}, or shard it over more devices (--devices, --num_nodes, --strategy fsdp; --dry_run "
+                   "says what fits)")
 
 
 def fits(memory: MemoryEstimate, capacity: int) -> bool:

@@ -32,6 +32,11 @@ BLOCKSIZE_4BIT = 64
 INT8_OUTLIER_THRESHOLD = 6.0
 
 
+def quantized_bytes_per_weight(mode: str) -> float:
+    """Bytes one quantized weight takes: an int8 code, or a 4-bit code and its share of the fp32 absmax per block."""
+    return 1.0 if mode.startswith("bnb.int8") else 0.5 + 4 / BLOCKSIZE_4BIT
+
+
 def _drop_int8_cast_notice(record: logging.LogRecord) -> bool:
     # LLM.int8() matmuls log "inputs will be cast ... to float16" on every call whose input is not
     # fp16 (bf16/fp32 compute dtypes): once per layer per step. The cast is documented in

@@ -11,6 +11,7 @@ NanLoss and CrashBeforeStep act on the last rank only, so the other ranks must f
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import sys
@@ -60,6 +61,19 @@ class CrashBeforeStep(LastRankFault):
             os._exit(1)
 
 
+class FreezeBeforeStep(LastRankFault):
+    """The last rank stops before the given step and never goes on (a hung GPU, a stuck filesystem read): the
+    others wait for it in their next collective until --dist_timeout ends it."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_start(self, step: int) -> None:
+        if step == self.step and self.last_rank:
+            print(f"[rank {self.rank}] test fault: freezing before step {step}", file=sys.stderr, flush=True)
+            time.sleep(3600)
+
+
 class SlowSave(callbacks.Callback):
     """Every save sleeps after its files are written and before its marker, so that a test can kill the run
     in the middle of a save."""
@@ -69,6 +83,20 @@ class SlowSave(callbacks.Callback):
 
     def on_checkpoint_written(self, directory: Path) -> None:
         time.sleep(self.seconds)
+
+
+class DiskFull(callbacks.Callback):
+    """The disk fills during every save's weights: a safetensors file gets its first bytes, then its write fails with
+    ENOSPC, as on a full disk. Through the real save path, on every rank (only those that write weights fail)."""
+
+    def on_fit_start(self, job) -> None:
+        from llmtrain.checkpoint import files
+
+        def fill_the_disk(tensors: dict, path: Path) -> None:
+            Path(path).write_bytes(bytes(4096))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+        files.save_safetensors = fill_the_disk
 
 
 def from_env() -> callbacks.Callbacks:
@@ -81,13 +109,19 @@ def from_env() -> callbacks.Callbacks:
         faults.append(CrashBeforeStep(spec["crash_before_step"]))
     if spec.get("slow_save_s") is not None:
         faults.append(SlowSave(spec["slow_save_s"]))
+    if spec.get("freeze_before_step") is not None:
+        faults.append(FreezeBeforeStep(spec["freeze_before_step"]))
+    if spec.get("disk_full"):
+        faults.append(DiskFull())
     return callbacks.Callbacks(faults)
 
 
 def environment(nan_steps: Iterable[int] = (), crash_before_step: Optional[int] = None,
-                slow_save_s: Optional[float] = None) -> dict[str, str]:
+                slow_save_s: Optional[float] = None, disk_full: bool = False,
+                freeze_before_step: Optional[int] = None) -> dict[str, str]:
     """Environment variables that install these faults in every training process of a run started with them."""
-    spec = {"nan_steps": sorted(nan_steps), "crash_before_step": crash_before_step, "slow_save_s": slow_save_s}
+    spec = {"nan_steps": sorted(nan_steps), "crash_before_step": crash_before_step, "slow_save_s": slow_save_s,
+            "disk_full": disk_full, "freeze_before_step": freeze_before_step}
     return {callbacks.CALLBACKS_ENV: "faults:from_env", FAULTS_ENV: json.dumps(spec),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
 

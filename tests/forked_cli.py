@@ -12,18 +12,21 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 # Runs in a fresh interpreter: it imports what `python -m llmtrain` imports before it parses a command line
 # (llmtrain.cli, every subcommand's module, the data modules, jsonargparse), then forks one child per case,
 # two at a time; each child runs llmtrain/__main__.py as `python -m llmtrain ARGS` does, with its stdout and
 # stderr in files, and exits as that interpreter would. Prints the exit codes (negative: a signal), as JSON.
 _FORK_EACH = """
-import atexit, json, os, runpy, sys, traceback
+import atexit, json, os, resource, runpy, sys, traceback
 import jsonargparse, llmtrain.cli, llmtrain.data
 llmtrain.cli.commands()
 commands = json.loads(open(sys.argv[1]).read())
 
 def child(command):
+    if command["memory_limit"]:  # a command that would allocate without end fails instead of eating the machine
+        resource.setrlimit(resource.RLIMIT_AS, (command["memory_limit"], resource.getrlimit(resource.RLIMIT_AS)[1]))
     for fd, path in ((1, command["stdout"]), (2, command["stderr"])):
         handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(handle, fd)
@@ -60,11 +63,15 @@ print(json.dumps([codes[index] for index in range(len(commands))]))
 """
 
 
-def run_forked(argvs: list[list[str]], workdir: Path, env: dict, timeout_s: float = 1200) -> list[subprocess.CompletedProcess]:
-    """Each command line's exit code (negative: a signal), stdout and stderr, in order."""
+def run_forked(argvs: list[list[str]], workdir: Path, env: dict, timeout_s: float = 1200,
+               memory_limit: Optional[int] = None) -> list[subprocess.CompletedProcess]:
+    """Each command line's exit code (negative: a signal), stdout and stderr, in order.
+
+    ``memory_limit``: bytes of address space each command may take (RLIMIT_AS); None: no limit."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    commands = [{"argv": argv, "stdout": str(workdir / f"{index}.out"), "stderr": str(workdir / f"{index}.err")}
+    commands = [{"argv": argv, "stdout": str(workdir / f"{index}.out"), "stderr": str(workdir / f"{index}.err"),
+                 "memory_limit": memory_limit}
                 for index, argv in enumerate(argvs)]
     (workdir / "commands.json").write_text(json.dumps(commands))
     driver = subprocess.run([sys.executable, "-c", _FORK_EACH, str(workdir / "commands.json")], capture_output=True,

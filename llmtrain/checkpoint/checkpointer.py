@@ -31,6 +31,7 @@ import torch
 from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint.lora import iter_merged_weights, merged_state_dict
 from llmtrain.checkpoint.resume import CheckpointFormat, checkpoint_format, verify_checkpoint, verify_checksums
+from llmtrain.checkpoint.size import disk_full_said
 from llmtrain.checkpoint.state import (
     DamagedCheckpointError,
     Stateful,
@@ -121,16 +122,18 @@ class Checkpointer:
         # for its disk within the collective timeout (NCCL's watchdog). The writes change no generator.
         rng_states = self.runtime.all_gather_object(capture_rng_state(self.runtime.device))
         data = data_state(self.train_loader, self.runtime.all_gather_object)
-        future, optimizer_state = self._write_tensors(tmp)
         checksums: dict[str, str] = {}
-        if self.runtime.is_main:
-            training_state = build_training_state(
-                state=state, data=data, scaler=self.scaler, rng_states=rng_states,
-                world_size=self.runtime.world_size, optimizer_state=optimizer_state,
-                include_optimizer=self.format in ("full", "lora"))
-            checksums[layout.STATE_FILE] = files.save_checksummed(training_state, tmp / layout.STATE_FILE)
-            files.write_metadata_files(tmp, model_config=self.model_config, hyperparameters=self.hyperparameters,
-                                       tokenizer=self.tokenizer, write_extras=self.write_extras)
+        with disk_full_said(tmp):
+            future, optimizer_state = self._write_tensors(tmp)
+            if self.runtime.is_main:
+                training_state = build_training_state(
+                    state=state, data=data, scaler=self.scaler, rng_states=rng_states,
+                    world_size=self.runtime.world_size, optimizer_state=optimizer_state,
+                    include_optimizer=self.format in ("full", "lora"))
+                checksums[layout.STATE_FILE] = files.save_checksummed(training_state, tmp / layout.STATE_FILE)
+                files.write_metadata_files(tmp, model_config=self.model_config,
+                                           hyperparameters=self.hyperparameters, tokenizer=self.tokenizer,
+                                           write_extras=self.write_extras)
         marker = {"kind": "training", "format": self.format, "step": state.step, "tokens": state.tokens,
                   "world_size": self.runtime.world_size}
         self._pending = _PendingSave(future, tmp, target, marker, good, checksums)
@@ -190,14 +193,15 @@ class Checkpointer:
             return
         pending, self._pending = self._pending, None
         checksums = pending.checksums
-        if pending.future is not None:
-            pending.future.result()  # this rank's shards are written (rank 0's also wrote .metadata: all ranks are)
-            self.runtime.barrier()
-        if self.format in ("sharded", "deepspeed"):  # every rank wrote files: each hashes its own
-            checksums = self._checksums_of_shares(pending.tmp, checksums)
-        if self.runtime.is_main:
-            files.write_marker(pending.tmp, pending.marker, checksums)
-            files.install_dir(pending.tmp, pending.target)
+        with disk_full_said(pending.tmp):
+            if pending.future is not None:
+                pending.future.result()  # this rank's shards are written (rank 0's wrote .metadata: all ranks are)
+                self.runtime.barrier()
+            if self.format in ("sharded", "deepspeed"):  # every rank wrote files: each hashes its own
+                checksums = self._checksums_of_shares(pending.tmp, checksums)
+            if self.runtime.is_main:
+                files.write_marker(pending.tmp, pending.marker, checksums)
+                files.install_dir(pending.tmp, pending.target)
         self.runtime.barrier()
         self.last_saved = pending.target
         if self.runtime.is_main:

@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from llmtrain.checkpoint import layout
+from llmtrain.checkpoint.size import disk_full_said
 from llmtrain.train import callbacks
 from llmtrain.yaml_file import read_yaml
 
@@ -377,18 +378,19 @@ def write_model_dir(target: Path, *, state_dict: Union[dict[str, torch.Tensor], 
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        if isinstance(state_dict, dict):
-            save_weights(state_dict, tmp / layout.MODEL_FILE)
-        else:
-            shapes = stored_shapes(model_config)
-            tied_head = "lm_head.weight" not in shapes  # stored once, as the embedding
-            stream_weights(((name, tensor) for name, tensor in state_dict
-                            if not (tied_head and name == "lm_head.weight")), tmp / layout.MODEL_FILE, shapes)
+        with disk_full_said(tmp):
+            if isinstance(state_dict, dict):
+                save_weights(state_dict, tmp / layout.MODEL_FILE)
+            else:
+                shapes = stored_shapes(model_config)
+                tied_head = "lm_head.weight" not in shapes  # stored once, as the embedding
+                stream_weights(((name, tensor) for name, tensor in state_dict
+                                if not (tied_head and name == "lm_head.weight")), tmp / layout.MODEL_FILE, shapes)
+            write_metadata_files(tmp, model_config=model_config, hyperparameters=hyperparameters,
+                                 tokenizer=tokenizer, write_extras=write_extras)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    write_metadata_files(tmp, model_config=model_config, hyperparameters=hyperparameters, tokenizer=tokenizer,
-                         write_extras=write_extras)
     write_marker(tmp, marker or {})
     install_dir(tmp, target)
     return target

@@ -149,10 +149,11 @@ def merged_lora_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
         # (absmax, quant_map, ...): the adapters are what merges.
         adapters = {name: tensor for name, tensor in adapters.items() if is_lora_parameter(name)}
     dtype = next(iter(adapters.values())).dtype  # the dtype the run held its weights in (bf16-true: bf16)
+    config_file = checkpoint_dir / layout.CONFIG_FILE
     if quantize:
-        model = build_quantized_model_from_dir(base_dir, config, quantize, compute_dtype=dtype)
+        model = build_quantized_model_from_dir(base_dir, config, quantize, compute_dtype=dtype, config_file=config_file)
     else:
-        model = build_model_from_dir(base_dir, config, dtype=dtype)
+        model = build_model_from_dir(base_dir, config, dtype=dtype, config_file=config_file)
     apply_lora(model, lora)
     try:
         load_lora_state_dict(model, adapters)

@@ -10,9 +10,11 @@ import torch
 from llmtrain.checkpoint import layout
 from llmtrain.checkpoint.weights import check_weights_match, load_weights, tied_twins
 from llmtrain.config import Config
+from llmtrain.flops import num_parameters
+from llmtrain.memory import check_model_fits
 from llmtrain.model import GPT
 from llmtrain.prompts import PromptStyle, checkpoint_prompt_style
-from llmtrain.quantize import QuantizeMode
+from llmtrain.quantize import QuantizeMode, quantized_bytes_per_weight
 from llmtrain.tokenizer import Tokenizer
 
 
@@ -65,8 +67,13 @@ def read_model_dir(checkpoint_dir: Path) -> tuple[Config, Tokenizer, PromptStyle
 
 
 def build_model_from_dir(checkpoint_dir: Path, config: Config, device: torch.device | str = "cpu",
-                         dtype: Optional[torch.dtype] = None) -> GPT:
-    """A plain GPT on ``device`` holding the directory's weights, allocated straight in ``dtype``."""
+                         dtype: Optional[torch.dtype] = None, config_file: Optional[Path] = None) -> GPT:
+    """A plain GPT on ``device`` holding the directory's weights, allocated straight in ``dtype``.
+
+    ``config_file``: where ``config`` was read, for the message when it is too large (default: the directory's).
+    """
+    check_model_fits(config, weight_bytes=num_parameters(config) * (dtype or torch.float32).itemsize, device=device,
+                     source=config_file or Path(checkpoint_dir) / layout.CONFIG_FILE)
     with torch.device("meta"):
         model = GPT(config)
         if dtype is not None:  # a bf16 model never exists in fp32
@@ -78,13 +85,15 @@ def build_model_from_dir(checkpoint_dir: Path, config: Config, device: torch.dev
 
 
 def build_quantized_model_from_dir(checkpoint_dir: Path, config: Config, mode: QuantizeMode,
-                                   compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> GPT:
+                                   compute_dtype: torch.dtype, device: torch.device | str = "cpu",
+                                   config_file: Optional[Path] = None) -> GPT:
     """A GPT holding the directory's weights with the linear layers of its blocks quantized (QLoRA's frozen base).
 
     Streamed: each block's weights are read from the file in ``compute_dtype``, quantized onto ``device`` and
     dropped before the next block is read, and the embedding, final norm and head go straight to ``device``.
     Neither the host nor the device ever holds the model in full precision, nothing is initialised only to be
     overwritten, and the quantization statistics are in ``compute_dtype``, the dtype the layers compute in.
+    ``config_file`` as in :func:`build_model_from_dir`.
     """
     from safetensors import safe_open  # NOTE: lazy, as in every CLI path that may not load weights
 
@@ -94,6 +103,9 @@ def build_quantized_model_from_dir(checkpoint_dir: Path, config: Config, mode: Q
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; a model directory needs {layout.MODEL_FILE}")
     device = torch.device(device)
+    # A lower bound: the embedding, norms and head stay in compute_dtype.
+    check_model_fits(config, weight_bytes=num_parameters(config) * quantized_bytes_per_weight(mode), device=device,
+                     source=config_file or path.with_name(layout.CONFIG_FILE))
     with torch.device("meta"):
         model = GPT(config)
     twins = tied_twins(model)

@@ -1,10 +1,14 @@
-"""How many bytes a run's checkpoints take on disk: the one estimate, for the dry run and the disk check."""
+"""How many bytes a run's checkpoints take on disk: the one estimate, for the dry run and the disk check; and what
+a save that ran out of space says."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from llmtrain.config import Config
 from llmtrain.flops import num_parameters
@@ -52,3 +56,71 @@ def check_disk_space(out_dir: Path, config: Config, precision: Any, trainable_pa
         raise OSError(f"--out_dir {out_dir}: {free / 2**30:.1f} GiB free on its disk, but one checkpoint of "
                       f"{config.name or 'this model'} ({num_parameters(config) / 1e6:.0f}M parameters) needs about "
                       f"{needed / 2**30:.1f} GiB; free space or choose an --out_dir on a larger disk")
+
+
+def check_weights_hold(config: Config, config_file: Path, weight_files: list[Path]) -> None:
+    """Refuse a config that describes more parameters than its weight files could hold at one byte each, before
+    anything is listed or allocated per layer (``n_layer: 1000000000`` would be, until the process is killed).
+
+    What conversion checks: it streams the weights a tensor at a time, so no device need hold the model.
+    """
+    stored = sum(path.stat().st_size for path in weight_files)
+    parameters = num_parameters(config)
+    if parameters > stored:
+        raise ValueError(f"{config_file} describes a model of {parameters:,} parameters, but its weight files "
+                         f"({stored / 2**30:,.2f} GiB) could not hold that many even at one byte each: it is not "
+                         "these weights' config; check n_layer, n_embd, intermediate_size and vocab_size in it")
+
+
+OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
+NEARLY_FULL_BYTES = 64 * 2**20
+"""Free space below which a failed write is taken for a full disk where the writer hid the errno: torch.save's
+``RuntimeError: [enforce fail at inline_container.cc] unexpected pos``, safetensors' ``SafetensorError``."""
+
+
+class DiskFullError(OSError):
+    """A save ran out of space or quota; its temporary directory is gone. The machine's state, not the command line's:
+    exit 1 (llmtrain.errors)."""
+
+    exit_status = 1
+
+
+@contextlib.contextmanager
+def disk_full_said(tmp: Path) -> Iterator[None]:
+    """Writes into the temporary directory ``tmp`` that run out of space end in :class:`DiskFullError`, one line naming
+    the disk and its free space, after ``tmp`` is removed: left behind, it would keep the disk full."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as error:
+        tmp = Path(tmp)
+        if not _out_of_space(error, tmp.parent):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        usage = shutil.disk_usage(tmp.parent)
+        raise DiskFullError(
+            f"no space left on the disk of {tmp.parent} (the filesystem mounted at {_mount_point(tmp.parent)}: "
+            f"{usage.free / 2**30:,.2f} GiB free of {usage.total / 2**30:,.1f} GiB, after removing the unfinished "
+            f"{tmp.name}): free space there, or choose an --out_dir on a larger disk, then resume with --resume auto"
+        ) from error
+
+
+def _out_of_space(error: BaseException, directory: Path) -> bool:
+    """The error, or one it was raised from, says ENOSPC or EDQUOT; else the disk is (nearly) full now."""
+    cause: Optional[BaseException] = error
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in OUT_OF_SPACE:
+            return True
+        cause = cause.__cause__ or cause.__context__
+    try:
+        return shutil.disk_usage(directory).free < NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+def _mount_point(path: Path) -> Path:
+    path = Path(path).resolve()
+    while not os.path.ismount(path):
+        path = path.parent
+    return path

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Literal, Optional, Union
 from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint.lora import merged_lora_weights
 from llmtrain.checkpoint.resume import checkpoint_format
+from llmtrain.checkpoint.size import check_weights_hold
 from llmtrain.config import Config
 from llmtrain.convert.adapters import (
     IGNORED_HF_TENSORS,
@@ -66,6 +67,7 @@ def from_hf(hf_dir: Path, output_dir: Path, model_name: Optional[str] = None,
         config = named_config(config, model_name, hf_dir / HF_CONFIG_FILE)
     else:
         config = zoo_config(config, hints=[config.hf_config.get("name", ""), hf_dir.name])
+    check_weights_hold(config, hf_dir / HF_CONFIG_FILE, hf_weight_files(hf_dir))
     weights = _read_hf_weights(hf_dir, adapter, config, _torch_dtype(dtype))
     tokenizer = _tokenizer_or_none(hf_dir)
 
@@ -250,16 +252,19 @@ class _Weights:
 def _open_checkpoint_weights(checkpoint_dir: Path, config: Config) -> _Weights:
     """The full weights of a model directory, a sharded checkpoint or a LoRA step checkpoint (merged)."""
     dcp_dir, adapters = checkpoint_dir / layout.DCP_DIR, checkpoint_dir / layout.LORA_FILE
+    config_file = checkpoint_dir / layout.CONFIG_FILE
     if (checkpoint_dir / layout.MODEL_FILE).is_file():
+        check_weights_hold(config, config_file, [checkpoint_dir / layout.MODEL_FILE])
         weights = _Weights.from_safetensors(checkpoint_dir / layout.MODEL_FILE)
     elif dcp_dir.is_dir() and checkpoint_format(checkpoint_dir) == "sharded":
+        check_weights_hold(config, config_file, [path for path in dcp_dir.rglob("*") if path.is_file()])
         weights = _Weights.from_state_dict(dcp_dir, _read_sharded(dcp_dir))
     elif adapters.is_file():
         weights = _Weights.from_state_dict(adapters, merged_lora_weights(checkpoint_dir))
     else:
         raise FileNotFoundError(f"{checkpoint_dir} holds no weights: expected {layout.MODEL_FILE}, a sharded "
                                 f"checkpoint's {layout.DCP_DIR}/ folder or LoRA adapters ({layout.LORA_FILE})")
-    _check_checkpoint_weights(weights, config, checkpoint_dir / layout.CONFIG_FILE)
+    _check_checkpoint_weights(weights, config, config_file)
     return weights
 
 

@@ -46,8 +46,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Mapping, NoReturn, Optional
 
-from llmtrain.distributed.runtime import (RDZV_TIMEOUT_ENV, host_barrier, leave_in_order, rendezvous_timeout_s,
-                                         report_failure)
+from llmtrain.distributed.runtime import (RDZV_TIMEOUT_ENV, host_barrier, leave_in_order, ranks_that_never_arrived,
+                                         rendezvous_timeout_s, report_failure)
 from llmtrain.errors import debugging, told_status
 from llmtrain.train.signals import PREEMPTED_EXIT_CODE
 
@@ -713,10 +713,39 @@ def run_as_worker(entrypoint: Callable[..., None], args: tuple = (), kwargs: Opt
         if status == PREEMPTED_EXIT_CODE:
             _ignore_late_stop_signals()
     except BaseException as exc:  # noqa: BLE001  (every failure must reach the launcher)
+        exc = _naming_hung_ranks(exc)
         _record_failure(exc, rank)
         status = told_status(exc) or 1
     _flush_std()
     os._exit(status)
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective waited --dist_timeout for ranks that never came; the message names them. Exit 1, in one line:
+    the cause is on those ranks, and this rank's traceback shows only where it waited."""
+
+    exit_status = 1
+
+
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+"""What gloo's ("Timed out waiting 20000ms for recv operation") and NCCL's ("collective operation timeout") say."""
+
+
+def _naming_hung_ranks(exc: BaseException) -> BaseException:
+    """A collective's timeout, with the ranks that never arrived named (:func:`ranks_that_never_arrived`)."""
+    if not isinstance(exc, RuntimeError) or not _TIMED_OUT.search(str(exc)):
+        return exc
+    hung = ranks_that_never_arrived()
+    if not hung:
+        return exc
+    ranks = f"rank {hung[0]}" if len(hung) == 1 else "ranks " + ", ".join(map(str, hung[:16])) + (
+        f" and {len(hung) - 16} more" if len(hung) > 16 else "")
+    error = CollectiveTimeoutError(
+        f"{ranks} never reached the collective the other ranks waited in for --dist_timeout: "
+        f"{'it is' if len(hung) == 1 else 'they are'} hung or stopped (look at {ranks}'s process and host), or in host "
+        f"work that takes longer than --dist_timeout (then raise it). The timeout: {' '.join(str(exc).split())}")
+    error.__cause__ = exc
+    return error
 
 
 def _ignore_late_stop_signals() -> None:

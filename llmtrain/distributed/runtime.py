@@ -391,6 +391,42 @@ def report_failure(message: str) -> None:
             waits.store.set(f"{_barrier_key(count)}/open", "1")
 
 
+HUNG_RANKS_WAIT_S = 10.0
+"""How long a rank whose collective timed out waits for the others' to time out too, before naming the ranks that
+did not."""
+_TIMED_OUT_KEY = "llmtrain/timed_out"
+
+
+def ranks_that_never_arrived() -> Optional[list[int]]:
+    """After a collective timed out on this rank: the ranks whose own collectives did not time out within
+    HUNG_RANKS_WAIT_S, so never reached the one the others waited in (hung, stopped, or lost in host work).
+    None when that cannot be told (one process, no store, the store gone).
+
+    Each rank that times out counts itself in the store the ranks met at; the first to count waits for the others
+    (every rank but the hung one, in the usual case, at once), checks each rank once and leaves the list there for
+    the others. NOTE: nothing is written before a timeout, so a healthy run pays nothing, at any scale; the store
+    calls wait at most HUNG_RANKS_WAIT_S, also when the store lives in the rank that hangs (srun, a task a device).
+    """
+    waits = _host_waits
+    if waits.store is None or waits.world_size == 1:
+        return None
+    store, listed = waits.store, f"{_TIMED_OUT_KEY}/hung"
+    try:
+        store.set_timeout(datetime.timedelta(seconds=HUNG_RANKS_WAIT_S))
+        store.set(f"{_TIMED_OUT_KEY}/{waits.rank}", "1")
+        if store.add(_TIMED_OUT_KEY, 1) > 1:  # another rank lists them
+            store.wait([listed])
+            return [int(rank) for rank in store.get(listed).decode().split()]
+        deadline = time.monotonic() + HUNG_RANKS_WAIT_S
+        while store.add(_TIMED_OUT_KEY, 0) < waits.world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        hung = [rank for rank in range(waits.world_size) if not store.check([f"{_TIMED_OUT_KEY}/{rank}"])]
+        store.set(listed, " ".join(map(str, hung)))
+        return hung
+    except Exception:  # noqa: BLE001  (the timeout's own message still reaches the user)
+        return None
+
+
 def host_group() -> Any:
     """A gloo group over every rank that waits as long as :func:`host_barrier`, for collectives around host work
     (torch.distributed.checkpoint's writes). Created on the first call, which every rank makes at the same point."""

@@ -27,6 +27,7 @@ from llmtrain.data.tokens import cache_dir
 from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint import lock as out_dir_lock
 from llmtrain.checkpoint.checkpointer import Checkpointer, build_checkpointer
+from llmtrain.checkpoint.layout import CONFIG_FILE
 from llmtrain.checkpoint.lora import write_lora_settings
 from llmtrain.checkpoint.resume import (check_deepspeed_resume, check_resume_lora, check_resume_model,
                                         check_resume_optimizer, resume_fallbacks)
@@ -136,6 +137,10 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
     plan_launch(devices, flags["num_nodes"])  # the launcher's environment agrees with the flags
     plan = ParallelPlan.resolve(**layout, accelerator=flags["accelerator"])
     _check_model_split(plan, config, seq_len, lora=lora, quantize=quantize)
+    source = (str(Path(initial_checkpoint_dir) / CONFIG_FILE) if initial_checkpoint_dir is not None
+              else f"model {config.name}" if config.name in Config.names() else "--model_config")
+    planning.check_state_fits(config, plan, dry, source=source, trainable_parameters=trainable_parameters,
+                              quantize=quantize)
     train = _with_batch(train, plan)
     if profile is not None:
         _check_profile_window(profile, train, seq_len)
