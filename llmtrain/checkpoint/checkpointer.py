@@ -124,7 +124,7 @@ class Checkpointer:
         data = data_state(self.train_loader, self.runtime.all_gather_object)
         checksums: dict[str, str] = {}
         with disk_full_said(tmp):
-            future, optimizer_state = self._write_tensors(tmp)
+            future, optimizer_state = self._write_tensors(tmp, checksums)
             if self.runtime.is_main:
                 training_state = build_training_state(
                     state=state, data=data, scaler=self.scaler, rng_states=rng_states,
@@ -141,8 +141,9 @@ class Checkpointer:
             self.wait()
         return target
 
-    def _write_tensors(self, directory: Path) -> tuple[Any, dict]:
-        """Model and optimizer state into ``directory``: (the async write's future or None, the optimizer state)."""
+    def _write_tensors(self, directory: Path, checksums: Optional[dict[str, str]] = None) -> tuple[Any, dict]:
+        """Model and optimizer state into ``directory``: (the async write's future or None, the optimizer state).
+        The checksums of the files hashed as they were written go into ``checksums``."""
         # NOTE: torch.distributed.checkpoint takes seconds to import; every `llmtrain` command imports this module.
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -153,7 +154,9 @@ class Checkpointer:
         model_state, optimizer_state = full_states(self.model, self.optimizer, lora=self.format == "lora")
         if self.runtime.is_main:
             weights_file = layout.LORA_FILE if self.format == "lora" else layout.MODEL_FILE
-            files.save_weights(model_state, directory / weights_file)
+            digest = files.save_weights_checksummed(model_state, directory / weights_file)
+            if checksums is not None:
+                checksums[weights_file] = digest
         return None, optimizer_state
 
     def _write_shards(self, dcp_dir: Path, states: dict) -> Any:

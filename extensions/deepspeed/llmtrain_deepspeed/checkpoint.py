@@ -50,7 +50,9 @@ class DeepSpeedCheckpointer(Checkpointer):
         self.lora = lora
         self.base_dir = base_dir
 
-    def _write_tensors(self, directory: Path) -> tuple[Any, dict]:
+    def _write_tensors(self, directory: Path, checksums: Optional[dict[str, str]] = None) -> tuple[Any, dict]:
+        """DeepSpeed's own files (each rank's hashed by that rank once written, Checkpointer.wait: ``checksums``
+        gets none here)."""
         directory = Path(directory)
         from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
                                                     UNIVERSAL_CHECKPOINT_VERSION_VALUE)
