@@ -293,14 +293,23 @@ class Checkpointer:
     def damage(self, checkpoint_dir: Path) -> Optional[str]:
         """What is wrong with ``checkpoint_dir`` (:func:`verify_checkpoint`; :func:`verify_checksums`, each rank
         for its share of the files), the same on every rank; None when it is intact. Every rank calls it: one
-        gather of a short message agrees, so all ranks load or fall back together."""
+        all-reduce of a flag agrees, so all ranks load or fall back together; only a damaged checkpoint's messages
+        are gathered, to name the file."""
         try:
             verify_checkpoint(checkpoint_dir, False, self.runtime.rank, self.runtime.world_size)
             verify_checksums(checkpoint_dir, self.runtime.rank, self.runtime.world_size)
             problem = None
         except (ValueError, OSError) as error:
             problem = str(error)
-        return next((found for found in _host_all_gather(self.runtime, problem) if found is not None), None)
+        if not self.runtime.is_distributed:
+            return problem
+        import torch.distributed as dist
+
+        damaged = torch.tensor([int(problem is not None)])
+        dist.all_reduce(damaged, op=dist.ReduceOp.MAX, group=host_group())  # host work came first: no device wait
+        if not damaged.item():
+            return None
+        return next(found for found in _host_all_gather(self.runtime, problem) if found is not None)
 
     def load(self, checkpoint_dir: Path, state: Any, checked: bool = False) -> None:
         """Restore model, optimizer, counters, data position and this rank's RNG from a checkpoint of any format.
