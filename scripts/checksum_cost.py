@@ -4,12 +4,12 @@ and the time resume takes to check them.
     .venv/bin/python scripts/checksum_cost.py [--model tiny-llama-1.1b] [--rounds 3] [--dir /tmp]
 
 The checkpoint is the full format's step checkpoint of a ``--precision bf16-true`` run (as the checkpointer writes
-it): ``model.safetensors`` (the weights, bf16) and ``training_state.pt`` (AdamW's two moments per weight, bf16, and
-the counters; hashed as it is written, ``files.save_checksummed``), then the marker
-(:func:`llmtrain.checkpoint.files.write_marker`: fsync, sizes, the weights' checksum read back) and the rename. The
-weights go through ``files.stream_weights`` one tensor at a time; the optimizer state is held whole, as rank 0 holds
-it. "without" saves the same with ``torch.save`` and the checksum replaced by an empty string, so the difference is
-the hashing (and reading back) alone. Rounds interleave the two; the medians are reported.
+it): ``model.safetensors`` (the weights, bf16; hashed as it is written, ``files.save_weights_checksummed``) and
+``training_state.pt`` (AdamW's two moments per weight, bf16, and the counters; hashed as it is written,
+``files.save_checksummed``), then the marker (:func:`llmtrain.checkpoint.files.write_marker`: fsync, sizes, the small
+files' checksums) and the rename. The weights and the optimizer state are held whole, as rank 0 holds them.
+"without" is the save before checksums: safetensors' own writer, ``torch.save``, and the marker's checksum replaced by
+an empty string, so the difference is the hashing alone. Rounds interleave the two; the medians are reported.
 
 Resume's check (:func:`llmtrain.checkpoint.resume.verify_checksums`, one process hashing every file) is timed with
 the files in the page cache (right after a save) and out of it (evicted with posix_fadvise DONTNEED, which drops
@@ -46,25 +46,25 @@ def optimizer_state(shapes: dict[str, tuple[int, ...]]) -> dict:
     return {"state": state, "param_groups": [{"lr": 3e-4, "params": list(range(len(shapes)))}]}
 
 
-def weights(shapes: dict[str, tuple[int, ...]], source: torch.Tensor):
-    """Each weight in turn, cut from one random buffer (what the bytes say does not change the cost)."""
-    for name, shape in shapes.items():
-        yield name, source[:torch.Size(shape).numel()].view(shape)
+def weights(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """A random weight of each shape (what the bytes say does not change the cost)."""
+    return {name: torch.empty(shape, dtype=DTYPE).uniform_() for name, shape in shapes.items()}
 
 
-def save(directory: Path, shapes: dict, source: torch.Tensor, optimizer: dict, checksums: bool) -> dict[str, float]:
+def save(directory: Path, model: dict, optimizer: dict, checksums: bool) -> dict[str, float]:
     """One step checkpoint into ``directory`` (a step-* name), timed in its parts, as Checkpointer.save writes it:
-    the training state hashed as it is written, the weights read back after the fsync."""
+    both files hashed as they are written."""
     tmp = layout.temporary_dir(directory)
     tmp.mkdir(parents=True)
     state = {"step": 1000, "optimizer": optimizer}
     started = time.perf_counter()
-    files.stream_weights(weights(shapes, source), tmp / layout.MODEL_FILE, shapes)
     if checksums:
-        known = {layout.STATE_FILE: files.save_checksummed(state, tmp / layout.STATE_FILE)}
+        known = {layout.MODEL_FILE: files.save_weights_checksummed(model, tmp / layout.MODEL_FILE),
+                 layout.STATE_FILE: files.save_checksummed(state, tmp / layout.STATE_FILE)}
     else:
+        files.save_weights(model, tmp / layout.MODEL_FILE)
         torch.save(state, tmp / layout.STATE_FILE)
-        known = {layout.STATE_FILE: ""}
+        known = {layout.MODEL_FILE: "", layout.STATE_FILE: ""}
     written = time.perf_counter()
     files.write_marker(tmp, {"kind": "training", "format": "full", "step": 1000}, known)
     files.install_dir(tmp, directory)
@@ -98,7 +98,7 @@ def main() -> None:
     config = Config.from_name(args.model)
     shapes = files.stored_shapes(config)
     numel = sum(torch.Size(shape).numel() for shape in shapes.values())
-    source = torch.empty(max(torch.Size(shape).numel() for shape in shapes.values()), dtype=DTYPE).uniform_()
+    model = weights(shapes)
     optimizer = optimizer_state(shapes)
     real_checksum = files.checksum
     results: dict[str, list[dict]] = {"with": [], "without": []}
@@ -109,7 +109,7 @@ def main() -> None:
             for variant in ("with", "without"):
                 files.checksum = real_checksum if variant == "with" else (lambda path: "")
                 directory = root / layout.step_dir_name(1000)
-                results[variant].append(save(directory, shapes, source, optimizer, variant == "with"))
+                results[variant].append(save(directory, model, optimizer, variant == "with"))
                 if variant == "with":
                     verify["cached"].append(timed(verify_checksums, directory))
                     evict(directory)
