@@ -9,6 +9,7 @@ checkpoints only once a newer one is complete (:func:`prune_checkpoints`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import json
 import os
@@ -171,18 +172,37 @@ def checksum(path: Path) -> str:
 
 
 class _HashingWriter(io.RawIOBase):
-    """Passes what is written on to ``handle`` and into ``digest``, in order."""
+    """Passes what is written on to ``handle`` and into ``digest``, in order; a large piece is hashed on a thread
+    while it is written (xxhash and the write both release the GIL), so hashing adds little to a save.
+
+    NOTE: the hash of a piece ends before its write() returns: torch.save hands buffers that it may reuse after.
+    """
+
+    _OVERLAP_BYTES = 1 << 20
+    """Smaller pieces (torch.save's zip records) are hashed in line: a thread's handoff would cost more."""
 
     def __init__(self, handle: Any, digest: Any) -> None:
         super().__init__()
         self.handle, self.digest = handle, digest
+        self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmtrain-checksum")
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
-        self.digest.update(data)
-        return self.handle.write(data)
+        view = memoryview(data)
+        if view.nbytes < self._OVERLAP_BYTES:
+            self.digest.update(view)
+            return self.handle.write(view)
+        hashed = self._hasher.submit(self.digest.update, view)
+        try:
+            return self.handle.write(view)
+        finally:
+            hashed.result()
+
+    def close(self) -> None:
+        self._hasher.shutdown()
+        super().close()
 
 
 def save_checksummed(obj: Any, path: Path) -> str:
@@ -194,8 +214,8 @@ def save_checksummed(obj: Any, path: Path) -> str:
     import xxhash  # NOTE: lazy, as in checksum
 
     digest = xxhash.xxh3_128()
-    with open(path, "wb") as handle:
-        torch.save(obj, _HashingWriter(handle, digest))
+    with open(path, "wb") as handle, _HashingWriter(handle, digest) as writer:
+        torch.save(obj, writer)
     return digest.hexdigest()
 
 
@@ -289,8 +309,7 @@ def save_weights_checksummed(state_dict: dict[str, torch.Tensor], path: Path) ->
     text = json.dumps(header).encode()
     text = text.ljust(-(-len(text) // 8) * 8, b" ")  # the data starts 8-byte aligned, as safetensors writes it
     digest = xxhash.xxh3_128()
-    with open(path, "wb") as handle:
-        writer = _HashingWriter(handle, digest)
+    with open(path, "wb") as handle, _HashingWriter(handle, digest) as writer:
         writer.write(len(text).to_bytes(8, "little"))
         writer.write(text)
         for tensor in tensors.values():
