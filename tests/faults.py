@@ -96,7 +96,7 @@ class DiskFull(callbacks.Callback):
             Path(path).write_bytes(bytes(4096))
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-        files.save_safetensors = fill_the_disk
+        files.save_safetensors = files.save_weights_checksummed = fill_the_disk  # final/'s writer, a step's
 
 
 def from_env() -> callbacks.Callbacks:
