@@ -9,7 +9,7 @@ per head.
 
 Inputs are float32 or bfloat16. The scores and their softmax compute in float32 either way; the weighted sum and
 the backward's GEMMs run in the inputs' dtype (AMX tiles for bfloat16), and the gradients are summed in float32.
-So a bfloat16 model's attention is as precise as bfloat16 flash attention (tests/test_attention.py holds it to
+So a bfloat16 model's attention is as precise as bfloat16 flash attention (tests/model/test_attention.py holds it to
 that, against float64).
 
 Unlike flash attention, it keeps the probabilities for backward (as torch's math attention does), in the inputs'

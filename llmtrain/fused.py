@@ -20,7 +20,7 @@ BENCHMARKS.md, "The gated MLP's backward in place").
 :func:`fusable` says where the path applies: plain ``nn.Linear`` projections whose weights are plain tensors of
 the input's dtype (not LoRA, quantized, tensor-parallel DTensors or DeepSpeed's partitioned parameters), on the
 CPU, outside autocast and outside ``torch.compile`` (which fuses the modules' path itself), and where no hook
-expects to see the projections run (:func:`runs_hooks`). Both paths compute the same function (tests/test_fused.py).
+expects to see the projections run (:func:`runs_hooks`). Both paths compute the same function (tests/model/test_fused.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The layouts tests/test_simulate.py checks, simulated once more with their numbers printed as Markdown tables.
+"""The layouts tests/plan/test_simulate.py checks, simulated once more with their numbers printed as Markdown tables.
 
 For BENCHMARKS.md and tutorials/parallelism.md: per simulated rank, torch's measured peak beside the dry run's estimate,
 and each mesh dimension's bytes per step, measured beside estimated. No GPU needed:

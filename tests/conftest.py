@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -24,6 +25,10 @@ from llmtrain.tokenizer import Tokenizer, train_bpe_tokenizer
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                  "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "LLMTRAIN_")
+
+# The tests live in folders named after llmtrain's packages; the helpers they share (process-group workers, the
+# forked CLI, faults, the SLURM cluster) live in tests/helpers/ and are imported by module name.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 
 # Under pytest-xdist the workers share the machine's cores: each gets its share of OpenMP threads (and passes the
@@ -44,7 +49,7 @@ def free_port_number() -> int:
 
 # The files that take longest (2-3 minutes each on 2 cores) run first: the README's command spreads files over two
 # pytest-xdist workers in collection order, and a long file started last would leave one worker idle at the end.
-LONGEST_FIRST = ("test_runnable_docs.py", "test_parallel_plan.py", "test_reliability.py", "test_slurm.py",
+LONGEST_FIRST = ("test_runnable_docs.py", "test_layout_refusals.py", "test_reliability.py", "test_slurm.py",
                  "test_deepspeed.py", "test_flag_walk.py", "test_pretrain_distributed.py", "test_tensor_parallel.py")
 
 
