@@ -92,7 +92,7 @@ def vocab_parallel_loss_sum(head: nn.Linear, hidden: torch.Tensor, labels: torch
     rank's own sequence shard: that moves the weight (V × C) forward and its gradient backward every step where
     this moves the hidden states (B × T × C), and it holds the full weight and its fp32 gradient on every rank
     (3 GB for Llama 3 8B's 128k × 4096 head in bf16), where this holds 1 / tp of them. Measured with
-    scripts/tp_loss_ab.py (2 gloo ranks on 2 busy CPU cores, fp32, the loss's forward and backward alone, steps of
+    bench/ab/tp_loss_ab.py (2 gloo ranks on 2 busy CPU cores, fp32, the loss's forward and backward alone, steps of
     both interleaved): vocabulary 32k, width 256, 2 × 512 tokens: vocab-parallel 1.21 s per step and 114.5 MiB
     allocated at the peak per rank, gathered weight 1.67 s and 161.0 MiB (an earlier, quieter run: 0.68 s against
     1.06 s); the same losses and gradients (5e-7 apart). Only where tokens outnumber the vocabulary does the

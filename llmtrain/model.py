@@ -169,7 +169,7 @@ class GPT(nn.Module):
 INIT_SCHEMES = ("gpt2", "neox")
 DEFAULT_INIT = "neox"
 """The scheme :func:`init_gpt_weights` uses when not told. neox ended the debug recipe's 300-step A/B 3.9% lower in
-validation loss than gpt2, on both seeds (scripts/init_ab.py; BENCHMARKS.md, "Initialisation")."""
+validation loss than gpt2, on both seeds (bench/ab/init_ab.py; BENCHMARKS.md, "Initialisation")."""
 
 
 def init_stds(config: Config, scheme: str) -> tuple[float, float]:
@@ -568,7 +568,7 @@ def _rms_norm_on_local_tensors(x: torch.Tensor, weight: torch.Tensor, eps: float
 
 def rms_norm_composite(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
     """RMSNorm in float32 from torch operators, differentiated by autograd: the formula ``RMSNorm`` computes, and the
-    reference its written-out backward is held to (tests, ``scripts/step_ab.py rms_norm``)."""
+    reference its written-out backward is held to (tests, ``bench/ab/step_ab.py rms_norm``)."""
     x_float = x.float()
     normed = x_float * torch.rsqrt(x_float.pow(2).mean(dim=-1, keepdim=True) + eps)
     scale = weight.float() + 1.0 if unit_offset else weight.float()

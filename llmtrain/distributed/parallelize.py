@@ -247,7 +247,7 @@ def reduce_scatter_by_all_reduce(model: nn.Module) -> None:
 
     gloo's reduce-scatter of a large buffer is slower there than its all-reduce of it, although the all-reduce moves
     more (both averaging, as FSDP asks): 41 against 31 ms for a pythia-160m Block's 27 MiB, 237 against 161 ms for
-    its 147 MiB embedding, 12 against 9 ms at 7.6 MiB; the two are even at 3.8 MiB (``scripts/gloo_collectives.py``).
+    its 147 MiB embedding, 12 against 9 ms at 7.6 MiB; the two are even at 3.8 MiB (``bench/ab/gloo_collectives.py``).
     More processes, or a network between them, were not measured: those keep gloo's reduce-scatter. The all-reduce
     runs in place on FSDP's reduce-scatter input, a buffer FSDP frees right after: no memory more.
     """

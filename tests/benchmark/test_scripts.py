@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"scripts_{name}", SCRIPTS / f"{name}.py")
+def load(path: str):
+    """The script at ``path`` (from the repository root) as a module."""
+    spec = importlib.util.spec_from_file_location(f"scripts_{Path(path).stem}", ROOT / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -24,7 +25,7 @@ def span(name, ts, dur, cat="cpu_op", **extra):
 
 
 def test_profile_reader_sums_phases_self_times_and_device_work(tmp_path):
-    profile_step = load("profile_step")
+    profile_step = load("bench/ab/profile_step.py")
     events = []
     for step, start in enumerate((0, 1000)):  # two steps of 1,000 us each
         events += [span(f"ProfilerStep#{step}", start, 1000, cat="user_annotation"),
@@ -55,7 +56,7 @@ def test_profile_reader_sums_phases_self_times_and_device_work(tmp_path):
 
 
 def test_profile_reader_reports_no_device_numbers_for_a_cpu_trace(tmp_path):
-    profile_step = load("profile_step")
+    profile_step = load("bench/ab/profile_step.py")
     trace = tmp_path / "rank0.json"
     trace.write_text(json.dumps({"traceEvents": [span("ProfilerStep#0", 0, 500, cat="user_annotation"),
                                                  span("aten::mm", 10, 400)]}))
@@ -68,7 +69,7 @@ def test_gpu_check_commands_parse_as_llmtrain_commands(tmp_path, cpu, capsys):
     """Every command the GPU check runs is accepted by llmtrain's parser: a typo would cost a lent GPU's time."""
     from llmtrain.cli import main
 
-    gpu_check = load("gpu_check")
+    gpu_check = load("scripts/gpu_check.py")
     commands = gpu_check.checks(tmp_path, cpu=cpu)
     assert len({name for name, _, _ in commands}) == len(commands) == 13
     for name, arguments, _ in commands:
@@ -84,7 +85,7 @@ def test_gpu_check_commands_parse_as_llmtrain_commands(tmp_path, cpu, capsys):
 def test_gemm_floor_counts_each_products_flops():
     import torch
 
-    gemm_floor = load("gemm_floor")
+    gemm_floor = load("bench/ab/gemm_floor.py")
     a, b = torch.empty(2, 3), torch.empty(3, 4)
     assert gemm_floor.product_flops("mm", [a, b]) == 2 * 2 * 3 * 4
     assert gemm_floor.product_flops("addmm", [torch.empty(4), a, b]) == 2 * 2 * 3 * 4  # the bias adds no product
@@ -100,7 +101,7 @@ def test_gemm_floor_records_every_product_of_a_step():
     from conftest import tiny_config
     from llmtrain.model import GPT
 
-    gemm_floor = load("gemm_floor")
+    gemm_floor = load("bench/ab/gemm_floor.py")
     torch.manual_seed(0)
     model = GPT(tiny_config("llama-debug"))
     model.init_weights()

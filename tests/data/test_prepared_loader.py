@@ -325,11 +325,12 @@ def test_pretrain_refuses_the_wrong_tokenizers_before_launch(folders, tokenizers
 
 
 def test_loader_benchmark_script_runs(tmp_path, monkeypatch) -> None:
-    """scripts/loader_throughput.py on a small corpus: it reports positive rates and the 3T order's numbers."""
+    """bench/ab/loader_throughput.py on a small corpus: it reports positive rates and the 3T order's numbers."""
     results = tmp_path / "data.jsonl"
     monkeypatch.setattr("sys.argv", ["loader_throughput.py", "--shards", "3", "--shard_tokens", "5000",
                                      "--batches", "20", "--seq_len", "64", "--results", str(results)])
-    runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "loader_throughput.py"), run_name="__main__")
+    script = Path(__file__).resolve().parents[2] / "bench" / "ab" / "loader_throughput.py"
+    runpy.run_path(str(script), run_name="__main__")
     record = json.loads(results.read_text())
     assert record["prepared_tokens_per_s"] > 0 and record["mixture_tokens_per_s"] > 0
     assert record["corpus_shards"] == 357_627 and record["order_peak_memory_mb"] < 100
