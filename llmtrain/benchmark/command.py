@@ -57,7 +57,6 @@ RECORD_FIELDS = (
 )
 
 
-
 def benchmark(
     model: str = "llama-debug",
     recipe: RecipeName = "pretrain",
