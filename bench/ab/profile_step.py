@@ -159,7 +159,8 @@ def main() -> None:
         parser.error("--lora_dropout sets finetune_lora's adapters: drop it or use --recipe finetune_lora")
 
     from llmtrain.args import FSDPArgs, ProfileArgs
-    from llmtrain.benchmark import _train, _train_args, git_commit
+    from llmtrain.benchmark.machine import git_commit
+    from llmtrain.benchmark.training import _train, _train_args
     from llmtrain.distributed.parallel_plan import ParallelPlan
     from llmtrain.lora import LoRAArgs
 

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmtrain.benchmark import (DEFAULT_BASELINE, RECORD_FIELDS, baseline_key, benchmark, device_name,
-                                machine_baseline_file, measure_matmul_peak)
+from llmtrain.benchmark.baseline import DEFAULT_BASELINE, baseline_key, machine_baseline_file
+from llmtrain.benchmark.command import RECORD_FIELDS, benchmark
+from llmtrain.benchmark.machine import device_name
+from llmtrain.flops import measure_matmul_peak
 
 # NOTE: one thread per process, as the stored CI baseline was measured: on a shared runner two OpenMP
 # threads that wait for each other behind other work make a step several times slower, one thread does not.
@@ -79,7 +81,7 @@ def test_short_benchmark_reports_sane_numbers_and_compares_with_the_baseline(tmp
 @pytest.mark.slow
 def test_the_readmes_regression_check_compares_with_the_stored_baseline(tmp_path):
     """The README's regression check, run as written in a shell without OMP_NUM_THREADS of its own. On a machine that
-    scripts/benchmark_baseline.json has a number for, it compares with that number (a command that instead records
+    llmtrain/benchmark/baseline.json has a number for, it compares with that number (a command that instead records
     a baseline of its own passes whatever the speed, and checks nothing); on any other, it records one and passes."""
     import re
     import shlex
@@ -188,7 +190,7 @@ def test_matmul_peak_is_a_plausible_rate_and_names_its_size():
 
 
 def test_step_timing_counts_only_timed_steps_and_shares_out_a_skipped_step():
-    from llmtrain.benchmark import _step_timing
+    from llmtrain.benchmark.timing import _step_timing
 
     def row(step, elapsed):
         return {"step": step, "elapsed_s": elapsed, "peak_memory_gb": 0.1 * step, "data_wait_fraction": None}
@@ -204,7 +206,7 @@ def test_step_timing_counts_only_timed_steps_and_shares_out_a_skipped_step():
 
 
 def test_steps_after_a_save_give_the_stall_and_stay_out_of_the_step_times():
-    from llmtrain.benchmark import _step_timing
+    from llmtrain.benchmark.timing import _step_timing
 
     # Saves after steps 2, 4 and 6 (interval 2): steps 3, 5 and 7 carry them (3, 4 and 3 s against 1 s).
     elapsed = [5.0, 6.0, 9.0, 10.0, 14.0, 15.0, 18.0]
@@ -237,7 +239,7 @@ def test_async_and_sync_saves_report_their_stall(tmp_path):
 
 
 def test_step_timing_counts_every_micro_batch_of_an_accumulating_step():
-    from llmtrain.benchmark import _step_timing
+    from llmtrain.benchmark.timing import _step_timing
 
     rows = [{"step": step, "elapsed_s": 2.0 * step + 4.0, "peak_memory_gb": 0.1, "data_wait_fraction": None}
             for step in (1, 2, 3)]
@@ -253,7 +255,7 @@ def test_data_wait_with_accumulation_leaves_out_the_warm_up_fetches(tmp_path, mo
     """Two micro-batches per step: the warm-up step's two slow fetches are no part of the timed steps' wait."""
     import time
 
-    from llmtrain.benchmark import TimedLoader
+    from llmtrain.benchmark.data_timing import TimedLoader
 
     slow_fetches = 2
 
@@ -318,7 +320,7 @@ def test_the_baseline_key_tells_apart_a_global_batch_and_a_sharding_strategy():
 def test_mfu_is_taken_against_the_faster_of_the_peaks_before_and_after_the_run(tmp_path, monkeypatch):
     """A neighbour that slows the first measurement only must not inflate MFU: the peak is measured again after
     the run, and the faster of the two counts (whichever came first)."""
-    import llmtrain.benchmark as bench
+    import llmtrain.benchmark.machine as bench
 
     for measured in ([(1e9, 2048), (3e9, 3072)], [(3e9, 3072), (1e9, 2048)]):
         calls = iter(measured)

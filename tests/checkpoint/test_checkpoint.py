@@ -582,7 +582,7 @@ def test_a_rewind_sets_the_abandoned_branch_aside_for_resume_auto(tmp_path):
 def test_weight_files_get_the_mode_the_umask_gives_every_other_file(tmp_path, umask):
     """safetensors writes its files 0600; a checkpoint's and an export's weights must be as readable as the
     JSON beside them, or a colleague can read the folder but not load the model."""
-    from llmtrain.benchmark import write_random_model_dir
+    from llmtrain.benchmark.training import write_random_model_dir
     from llmtrain.convert.hf import to_hf
     from llmtrain.data import BuiltinStories
 
