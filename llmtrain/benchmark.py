@@ -34,7 +34,7 @@ from llmtrain.args import EvalArgs, FSDPArgs, TrainArgs
 from llmtrain.distributed.parallel_plan import ParallelPlan, StrategyName
 from llmtrain.flops import MATMUL_SIZES, measure_matmul_peak
 from llmtrain.lora import LoRAArgs
-from llmtrain.train.precision import PrecisionName
+from llmtrain.precision import PrecisionName
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BASELINE = ROOT / "scripts" / "benchmark_baseline.json"

@@ -22,14 +22,14 @@ import torch
 from llmtrain.checkpoint.model_dir import check_model_dir, load_model_dir, read_model_dir
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.quantize import QuantizeMode
-from llmtrain.train.precision import PrecisionName
+from llmtrain.precision import PrecisionName
 
 if TYPE_CHECKING:
     from llmtrain.config import Config
     from llmtrain.model import GPT
     from llmtrain.prompts import PromptStyle
     from llmtrain.tokenizer import Tokenizer
-    from llmtrain.train.precision import Precision
+    from llmtrain.precision import Precision
 
 
 class PromptTooLongError(ValueError):
@@ -119,7 +119,7 @@ def load_for_generation(checkpoint_dir: Path, *, quantize: Optional[QuantizeMode
     Says on stderr how long loading took. The flags have the meaning of `llmtrain generate`'s.
     """
     from llmtrain.distributed.runtime import pick_device
-    from llmtrain.train.precision import Precision
+    from llmtrain.precision import Precision
 
     device = pick_device(accelerator, local_rank=0)
     # auto (or unset): bf16 weights where the GPU has them; generation keeps no fp32 master copy to mix with

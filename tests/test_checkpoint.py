@@ -545,7 +545,7 @@ def test_the_disk_estimate_holds_a_step_and_final(tmp_path, fmt):
     """What check_disk_space asks for covers the bytes a step checkpoint and final/ take on disk (hard links
     counted once): a sharded run's final/ is a copy of the weights of its own."""
     from llmtrain.checkpoint.size import checkpoint_bytes
-    from llmtrain.train.precision import resolve_precision
+    from llmtrain.precision import resolve_precision
 
     checkpointer = _checkpointer(tmp_path, fmt)
     state = TrainState(step=1)

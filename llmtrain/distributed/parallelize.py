@@ -45,7 +45,7 @@ from llmtrain.distributed.parallel_plan import ParallelPlan, data_parallel_mesh
 from llmtrain.distributed.tensor_parallel import apply_tensor_parallel
 from llmtrain.kernel_device import kernel_device_type
 from llmtrain.model import transformer_blocks
-from llmtrain.train.precision import Precision
+from llmtrain.precision import Precision
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device, compile: bool = False,

@@ -515,7 +515,7 @@ def _local_layout() -> tuple[int, int, bool]:
 def configure_process(runtime: Optional[Runtime] = None, precision: Any = None) -> None:
     """Per-process settings; spawned workers are fresh interpreters, so every entrypoint calls this.
 
-    ``precision``: the run's :class:`~llmtrain.train.precision.Precision`; float32 matmuls use TF32 where
+    ``precision``: the run's :class:`~llmtrain.precision.Precision`; float32 matmuls use TF32 where
     it says so (see ``Precision.uses_tf32``).
     """
     import warnings

@@ -24,7 +24,7 @@ from llmtrain.recipes import checks, hparams
 from llmtrain.recipes.flags import shared_flags, with_defaults
 from llmtrain.recipes.run import prepare
 from llmtrain.distributed.parallel_plan import resolve_device_type
-from llmtrain.train.precision import Precision, resolve_precision
+from llmtrain.precision import Precision, resolve_precision
 
 QuantizeName = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8-training"]
 
