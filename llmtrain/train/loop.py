@@ -60,7 +60,7 @@ import torch
 
 from llmtrain.args import BatchPlan, EvalArgs, TrainArgs
 from llmtrain.checkpoint.checkpointer import NonFiniteWeightsError
-from llmtrain.data.base import real_tokens
+from llmtrain.flops import real_tokens
 from llmtrain.distributed.grad_norm import clip_grad_norm_
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.loss import IGNORE_INDEX
