@@ -4,7 +4,7 @@ The pieces, each usable alone:
 
 - `sample`: one token from the logits (greedy, temperature, top-k, top-p).
 - `generate`: token ids in, token ids out; one prefill of the prompt, then one token per step.
-- `load_model_dir` (from llmtrain.checkpoint.model_dir): model, config, tokenizer and prompt style.
+- `load_model_dir` (from llmtrain.model_dir): model, config, tokenizer and prompt style.
 - `load_for_generation`: the same on the device and in the precision the flags ask for (also `llmtrain chat`'s).
 - `generate_text`: a prompt string in, the completion out (what fine-tuning prints during validation).
 - `setup`: the command line.
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Literal, NamedTuple, Optional, Seque
 
 import torch
 
-from llmtrain.checkpoint.model_dir import check_model_dir, load_model_dir, read_model_dir
+from llmtrain.model_dir import check_model_dir, load_model_dir, read_model_dir
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.quantize import QuantizeMode
 from llmtrain.precision import PrecisionName

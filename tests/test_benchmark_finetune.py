@@ -7,7 +7,7 @@ import pytest
 from safetensors.torch import load_file
 
 from llmtrain.benchmark import RECORD_FIELDS, baseline_key, benchmark, write_random_model_dir
-from llmtrain.checkpoint.model_dir import check_model_dir
+from llmtrain.model_dir import check_model_dir
 from llmtrain.cli import main
 from llmtrain.config import Config
 from llmtrain.data import BuiltinStories
