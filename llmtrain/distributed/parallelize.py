@@ -331,7 +331,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int, *, cpu_offloa
 
 
 def _simulated() -> bool:
-    """Whether tensors are being made fake here (``--dry_run.simulate``, :mod:`llmtrain.simulate`)."""
+    """Whether tensors are being made fake here (``--dry_run.simulate``, :mod:`llmtrain.recipes.simulate`)."""
     from torch._guards import detect_fake_mode
 
     return detect_fake_mode() is not None

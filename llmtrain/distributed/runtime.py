@@ -148,7 +148,7 @@ class Runtime:
     @classmethod
     def simulated(cls, plan: Any, rank: int) -> "Runtime":
         """Rank ``rank`` of ``plan`` as ``--dry_run.simulate`` runs it: in this process, on the CPU, under a fake
-        process group that the caller created (:func:`llmtrain.simulate.fake_world`)."""
+        process group that the caller created (:func:`llmtrain.recipes.simulate.fake_world`)."""
         return cls._at(rank, plan.world_size, plan, torch.device("cpu"), local_rank=rank % plan.devices,
                        local_world_size=plan.devices)
 

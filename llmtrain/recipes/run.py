@@ -130,7 +130,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
                          dry=dry, fsdp=fsdp, out_dir=flags["out_dir"], quantize=quantize,
                          trainable_parameters=trainable_parameters, compile=flags["compile"])
         if dry.simulate:
-            from llmtrain.simulate import run_simulation  # NOTE: imports torch's fake tensors, only when asked
+            from llmtrain.recipes.simulate import run_simulation  # NOTE: imports torch's fake tensors, only when asked
 
             run_simulation(config, plan, seq_len=seq_len, train=_with_batch(train, plan), optimizer=flags["optimizer"],
                            lora=lora, quantize=quantize, seed=flags["seed"])
