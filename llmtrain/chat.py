@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Literal, Optional, Sequence, TextIO
 
 import torch
 
-from llmtrain.checkpoint.model_dir import check_model_dir
 from llmtrain.generate import (PromptTooLongError, check_sampling, decode_completion, generate, strip_stop,
                                load_for_generation)
+from llmtrain.model_dir import check_model_dir
 from llmtrain.quantize import QuantizeMode
-from llmtrain.train.precision import PrecisionName
+from llmtrain.precision import PrecisionName
 
 if TYPE_CHECKING:
     from llmtrain.generate import LoadedModel

@@ -230,7 +230,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     record_invocation(args)
     try:
         run_cli(args)
-    except KeyboardInterrupt:  # Ctrl-C: a choice, not a failure; the exit code says it (llmtrain.train.signals)
+    except KeyboardInterrupt:  # Ctrl-C: a choice, not a failure; the exit code says it (llmtrain.signals)
         if debug or not from_command_line:
             raise
         print("interrupted (Ctrl-C): the run stopped without a checkpoint of its own; --resume auto continues from the "

@@ -15,7 +15,7 @@ def builtin_instruct_accuracy(checkpoint_dir: Path, *, num_items: int = 100, tas
 
     Returns {"accuracy": float, "correct": int, "total": int, "per_task": {task: (correct, total)}}.
     """
-    from llmtrain.checkpoint.model_dir import load_model_dir
+    from llmtrain.model_dir import load_model_dir
     from llmtrain.data.builtin_instruct import TASKS, check, generate_tasks
     from llmtrain.generate import generate_text
 

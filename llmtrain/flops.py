@@ -1,4 +1,4 @@
-"""Analytic parameter and FLOP counts, and known accelerator peaks, for throughput and MFU.
+"""Analytic parameter and FLOP counts, the tokens a batch counts, and known accelerator peaks, for throughput and MFU.
 
 Counts come from the `Config` alone, so they are exact for any size without building a model.
 """
@@ -92,6 +92,13 @@ def _mlp_parameters(config: Config) -> int:
 
 def _norm_parameters(config: Config) -> int:
     return 2 * config.n_embd if config.norm_class_name == "LayerNorm" else config.n_embd
+
+
+def real_tokens(batch: dict[str, "torch.Tensor"]) -> int:
+    """The input tokens of ``batch`` that are not padding (all of them in a batch without ``real_tokens``): the
+    tokens that throughput and MFU count."""
+    count = batch.get("real_tokens")
+    return int(count) if count is not None else batch["input_ids"].numel()
 
 
 # ---- accelerator peaks ---------------------------------------------------------------------------

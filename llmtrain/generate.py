@@ -4,7 +4,7 @@ The pieces, each usable alone:
 
 - `sample`: one token from the logits (greedy, temperature, top-k, top-p).
 - `generate`: token ids in, token ids out; one prefill of the prompt, then one token per step.
-- `load_model_dir` (from llmtrain.checkpoint.model_dir): model, config, tokenizer and prompt style.
+- `load_model_dir` (from llmtrain.model_dir): model, config, tokenizer and prompt style.
 - `load_for_generation`: the same on the device and in the precision the flags ask for (also `llmtrain chat`'s).
 - `generate_text`: a prompt string in, the completion out (what fine-tuning prints during validation).
 - `setup`: the command line.
@@ -19,17 +19,17 @@ from typing import TYPE_CHECKING, Callable, Literal, NamedTuple, Optional, Seque
 
 import torch
 
-from llmtrain.checkpoint.model_dir import check_model_dir, load_model_dir, read_model_dir
+from llmtrain.model_dir import check_model_dir, load_model_dir, read_model_dir
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.quantize import QuantizeMode
-from llmtrain.train.precision import PrecisionName
+from llmtrain.precision import PrecisionName
 
 if TYPE_CHECKING:
     from llmtrain.config import Config
     from llmtrain.model import GPT
     from llmtrain.prompts import PromptStyle
     from llmtrain.tokenizer import Tokenizer
-    from llmtrain.train.precision import Precision
+    from llmtrain.precision import Precision
 
 
 class PromptTooLongError(ValueError):
@@ -119,7 +119,7 @@ def load_for_generation(checkpoint_dir: Path, *, quantize: Optional[QuantizeMode
     Says on stderr how long loading took. The flags have the meaning of `llmtrain generate`'s.
     """
     from llmtrain.distributed.runtime import pick_device
-    from llmtrain.train.precision import Precision
+    from llmtrain.precision import Precision
 
     device = pick_device(accelerator, local_rank=0)
     # auto (or unset): bf16 weights where the GPU has them; generation keeps no fp32 master copy to mix with

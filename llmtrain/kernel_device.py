@@ -1,9 +1,9 @@
 """Which device's kernels the model picks: the tensors' own, or the device a simulated rank stands in for.
 
 The model chooses some kernels by device type (block attention and fused projections on the CPU, SDPA's layouts on
-CUDA), and with them what autograd keeps for the backward. ``--dry_run.simulate`` (:mod:`llmtrain.simulate`) runs a
-GPU plan's ranks on this CPU under fake tensors; inside :func:`simulated_device_type` the model makes the choices of
-the plan's device, so the memory it measures is that of the run it stands for.
+CUDA), and with them what autograd keeps for the backward. ``--dry_run.simulate`` (:mod:`llmtrain.recipes.simulate`)
+runs a GPU plan's ranks on this CPU under fake tensors; inside :func:`simulated_device_type` the model makes the
+choices of the plan's device, so the memory it measures is that of the run it stands for.
 """
 
 from __future__ import annotations

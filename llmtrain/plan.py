@@ -841,7 +841,7 @@ def _describe_compile(setting: Union[bool, str], *, recipe: str, config: Config,
     datasheet rate, this machine's GPU, or a CPU's rate measured here), or why it is decided only at start."""
     import torch
 
-    from llmtrain.recipes.compiling import choose
+    from llmtrain.compiling import choose
 
     if setting != "auto":
         return f"compile      {'each Block' if setting else 'no'} (--compile {str(setting).lower()})"

@@ -13,8 +13,9 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "llmtrain"
 
 
@@ -48,11 +49,11 @@ def _import_nodes(tree: ast.AST):
         stack.extend(children)
 
 
-def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
-    """The llmtrain modules that importing ``name`` (at ``path``) may import directly."""
+def import_edges(name: str, path: Path, known: set[str]) -> Iterator[tuple[str, int]]:
+    """(module, line) for each llmtrain module that importing ``name`` (at ``path``) may import directly, and the
+    line of the statement that does."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
-    found = set()
     for node in _import_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -67,12 +68,16 @@ def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
             parts = target.split(".")
             # Importing a.b.c imports a and a.b first, except the packages that hold this module: they
             # are imported (or being imported) already when its code runs.
-            found.update(prefix for prefix in (".".join(parts[:i]) for i in range(1, len(parts)))
-                         if prefix in known and prefix not in ancestors)
-            if target in known:
-                found.add(target)
-    found.discard(name)
-    return found
+            for prefix in (".".join(parts[:i]) for i in range(1, len(parts))):
+                if prefix in known and prefix not in ancestors and prefix != name:
+                    yield prefix, node.lineno
+            if target in known and target != name:
+                yield target, node.lineno
+
+
+def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
+    """The llmtrain modules that importing ``name`` (at ``path``) may import directly."""
+    return {target for target, _ in import_edges(name, path, known)}
 
 
 def import_graph() -> dict[str, set[str]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 
-from llmtrain import simulate
+from llmtrain.recipes import simulate
 from llmtrain.args import FSDPArgs, TrainArgs
 from llmtrain.config import Config
 from llmtrain.distributed.parallel_plan import ParallelPlan

@@ -36,7 +36,7 @@ from llmtrain.benchmark.training import RecipeName, _train, _train_args
 from llmtrain.distributed.parallel_plan import ParallelPlan, StrategyName
 from llmtrain.flops import MATMUL_SIZES
 from llmtrain.lora import LoRAArgs
-from llmtrain.train.precision import PrecisionName
+from llmtrain.precision import PrecisionName
 
 if TYPE_CHECKING:
     from llmtrain.config import Config

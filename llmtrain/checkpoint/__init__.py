@@ -21,9 +21,9 @@ never pulls in torch. Import what you need from its module:
                   ``check_dcp_files``
 ``weights``       ``load_weights`` (a model directory into a plain, LoRA, DDP or FSDP model),
                   ``gather_full_model_state``, ``load_full_model_state``
-``model_dir``     ``check_model_dir``, ``load_model_dir`` (model, config, tokenizer, prompt style),
-                  ``read_model_dir`` (the same without the model)
-``lora``          ``merged_state_dict`` (the one LoRA merge, layer by layer onto the CPU),
-                  ``merge_lora_checkpoint``, ``merged_lora_weights``, LoRA settings files
+``lora``          ``merged_state_dict`` (the one LoRA merge, layer by layer onto the CPU), LoRA settings files
 ``size``          ``checkpoint_bytes`` (the one size estimate), ``check_disk_space``
+
+Opening a model directory (model, tokenizer, prompt style) and merging a LoRA checkpoint into its base model
+directory is :mod:`llmtrain.model_dir`, above the tokenizer and prompts that read this layout.
 """

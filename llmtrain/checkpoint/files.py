@@ -23,7 +23,7 @@ import yaml
 
 from llmtrain.checkpoint import layout
 from llmtrain.checkpoint.size import disk_full_said
-from llmtrain.train import callbacks
+from llmtrain import callbacks
 from llmtrain.yaml_file import read_yaml
 
 

@@ -1,30 +1,26 @@
-"""LoRA checkpoints: the adapter settings file, and the one merge of adapters into their base model.
+"""LoRA checkpoints: the adapter settings file, and the one merge of adapters into their layers.
 
 A LoRA step checkpoint holds ``lora.safetensors`` (the adapters) and ``lora.yaml`` (the ``--lora_*``
-settings, the base model directory and the quantization they were trained with). Merging builds
-the base on the CPU, adds the adapters and folds them in layer by layer (:func:`merged_state_dict`),
-which is what ``final/`` of a LoRA run, ``llmtrain merge_lora`` and ``convert to_hf`` all use.
+settings, the base model directory and the quantization they were trained with). Merging folds each
+adapter into its layer, layer by layer onto the CPU (:func:`merged_state_dict`), which is what ``final/``
+of a LoRA run, ``llmtrain merge_lora`` and ``convert to_hf`` all use; building the base model from its
+directory first, for the last two, is :func:`llmtrain.model_dir.merged_lora_weights`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
 import yaml
 
-from llmtrain.checkpoint import files, layout
-from llmtrain.checkpoint.model_dir import build_model_from_dir, build_quantized_model_from_dir, check_model_dir
-from llmtrain.config import Config
+from llmtrain.checkpoint import layout
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.yaml_file import read_yaml
-from llmtrain.lora import (LoRAArgs, LoRALinear, apply_lora, fold_lora, is_lora_parameter, load_lora_state_dict,
-                           lora_modules)
+from llmtrain.lora import LoRAArgs, LoRALinear, fold_lora, lora_modules
 from llmtrain.quantize import compute_dtype_of, dequantize_weight, is_quantized_linear
-from llmtrain.tokenizer import Tokenizer
 
 
 # -------------------------------------------------------------------------------------- settings
@@ -129,53 +125,3 @@ def _merged_from_state(model: torch.nn.Module, full_state: dict[str, torch.Tenso
         if f"{name}.base.bias" in out:
             out[f"{name}.bias"] = out.pop(f"{name}.base.bias")
     return out
-
-
-def merged_lora_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
-    """A LoRA checkpoint's adapters merged into the base model that ``lora.yaml`` names, on the CPU.
-
-    Adapters were trained against the base in their own dtype (``--precision bf16-true``: bf16; QLoRA: the quantized
-    base, dequantized to the compute dtype): they are merged into exactly that, as ``final/`` of their run was.
-    """
-    from safetensors.torch import load_file  # NOTE: lazy, as everywhere a CLI path may not need it
-
-    checkpoint_dir = Path(checkpoint_dir)
-    lora, base_dir, quantize = read_lora_settings(checkpoint_dir)
-    base_dir = check_model_dir(base_dir, flag=f"the base model of {checkpoint_dir / layout.LORA_SETTINGS_FILE}")
-    config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
-    adapters = load_file(str(checkpoint_dir / layout.LORA_FILE))
-    if quantize:
-        # NOTE: QLoRA checkpoints written before 2026-11-26's fix also hold bitsandbytes' quantization state
-        # (absmax, quant_map, ...): the adapters are what merges.
-        adapters = {name: tensor for name, tensor in adapters.items() if is_lora_parameter(name)}
-    dtype = next(iter(adapters.values())).dtype  # the dtype the run held its weights in (bf16-true: bf16)
-    config_file = checkpoint_dir / layout.CONFIG_FILE
-    if quantize:
-        model = build_quantized_model_from_dir(base_dir, config, quantize, compute_dtype=dtype, config_file=config_file)
-    else:
-        model = build_model_from_dir(base_dir, config, dtype=dtype, config_file=config_file)
-    apply_lora(model, lora)
-    try:
-        load_lora_state_dict(model, adapters)
-    except (KeyError, ValueError) as error:
-        raise ValueError(f"{checkpoint_dir / layout.LORA_FILE} does not hold the adapters that "
-                         f"{checkpoint_dir / layout.LORA_SETTINGS_FILE} describes: {error}") from error
-    return merged_state_dict(model)
-
-
-def merge_lora_checkpoint(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> Path:
-    """Write the merged model of a LoRA checkpoint as a full model directory (default: ``CHECKPOINT_DIR-merged``)."""
-    checkpoint_dir = Path(checkpoint_dir)
-    out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir.with_name(checkpoint_dir.name + "-merged")
-    files.check_output_dir(out_dir)
-    weights = merged_lora_weights(checkpoint_dir)
-
-    def extras(directory: Path) -> None:
-        if (checkpoint_dir / layout.PROMPT_STYLE_FILE).is_file():
-            shutil.copy2(checkpoint_dir / layout.PROMPT_STYLE_FILE, directory / layout.PROMPT_STYLE_FILE)
-
-    config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
-    return files.write_model_dir(out_dir, state_dict=weights, model_config=config,
-                                 hyperparameters=files.read_hyperparameters(checkpoint_dir) or None,
-                                 tokenizer=Tokenizer(checkpoint_dir), marker={"kind": "model", "lora_merged": True},
-                                 write_extras=extras)

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Literal, Optional, Union
 
 from llmtrain.checkpoint import files, layout
-from llmtrain.checkpoint.lora import merged_lora_weights
 from llmtrain.checkpoint.resume import checkpoint_format
 from llmtrain.checkpoint.size import check_weights_hold
 from llmtrain.config import Config
@@ -36,6 +35,7 @@ from llmtrain.convert.adapters import (
     named_config,
     zoo_config,
 )
+from llmtrain.model_dir import merged_lora_weights
 
 if TYPE_CHECKING:
     import torch

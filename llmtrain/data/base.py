@@ -7,7 +7,8 @@ The training loop calls, in order:
 
 A batch is ``{"input_ids": LongTensor (B, T), "labels": LongTensor (B, T)}``; labels are the
 inputs shifted by one, and -100 marks positions that must not count in the loss. A padded batch also
-has ``"real_tokens"``: a LongTensor () counting its input tokens that are not padding.
+has ``"real_tokens"``: a LongTensor () counting its input tokens that are not padding (what MFU counts:
+:func:`llmtrain.flops.real_tokens`).
 """
 
 from collections import deque
@@ -30,12 +31,6 @@ Batch = dict[str, torch.Tensor]
 
 NOT_SOURCE_FLAGS = ("num_workers", "val_split_fraction")
 """Data module flags that change how the data is tokenized or split at training time, not its documents."""
-
-
-def real_tokens(batch: Batch) -> int:
-    """The input tokens of ``batch`` that are not padding (all of them in a batch without ``real_tokens``)."""
-    count = batch.get("real_tokens")
-    return int(count) if count is not None else batch["input_ids"].numel()
 
 
 class DataModule:

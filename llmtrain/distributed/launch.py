@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterator, Literal, Mapping, NoReturn, Optional
 from llmtrain.distributed.runtime import (RDZV_TIMEOUT_ENV, host_barrier, leave_in_order, ranks_that_never_arrived,
                                          rendezvous_timeout_s, report_failure)
 from llmtrain.errors import debugging, told_status
-from llmtrain.train.signals import PREEMPTED_EXIT_CODE
+from llmtrain.signals import PREEMPTED_EXIT_CODE
 
 LaunchMode = Literal["single", "env", "slurm_task_per_device", "slurm_task_per_node", "local_spawn"]
 
@@ -687,7 +687,7 @@ def run_as_worker(entrypoint: Callable[..., None], args: tuple = (), kwargs: Opt
     ("terminate called without an active exception") while tearing the process group down; an
     orderly teardown followed by ``os._exit`` avoids it. Exit status: 0 on success, 1 on an exception
     (recorded in TORCHELASTIC_ERROR_FILE for the launcher), 130 on Ctrl-C, 75 when training stopped
-    on SIGTERM or SIGUSR1 after writing a checkpoint (llmtrain.train.signals).
+    on SIGTERM or SIGUSR1 after writing a checkpoint (llmtrain.signals).
     """
     global _in_worker
     _in_worker = True

@@ -28,7 +28,7 @@ from typing import Any, Literal, Optional, Union, get_args
 import torch
 
 from llmtrain.args import BatchDefaults, BatchPlan, FSDPArgs, TrainArgs, batch_plan
-from llmtrain.train.precision import Precision, resolve_precision
+from llmtrain.precision import Precision, resolve_precision
 
 Wrapper = Literal["none", "ddp", "fsdp", "deepspeed"]
 DeviceType = Literal["cpu", "cuda"]

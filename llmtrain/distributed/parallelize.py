@@ -45,7 +45,7 @@ from llmtrain.distributed.parallel_plan import ParallelPlan, data_parallel_mesh
 from llmtrain.distributed.tensor_parallel import apply_tensor_parallel
 from llmtrain.kernel_device import kernel_device_type
 from llmtrain.model import transformer_blocks
-from llmtrain.train.precision import Precision
+from llmtrain.precision import Precision
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device, compile: bool = False,
@@ -331,7 +331,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int, *, cpu_offloa
 
 
 def _simulated() -> bool:
-    """Whether tensors are being made fake here (``--dry_run.simulate``, :mod:`llmtrain.simulate`)."""
+    """Whether tensors are being made fake here (``--dry_run.simulate``, :mod:`llmtrain.recipes.simulate`)."""
     from torch._guards import detect_fake_mode
 
     return detect_fake_mode() is not None

@@ -148,7 +148,7 @@ class Runtime:
     @classmethod
     def simulated(cls, plan: Any, rank: int) -> "Runtime":
         """Rank ``rank`` of ``plan`` as ``--dry_run.simulate`` runs it: in this process, on the CPU, under a fake
-        process group that the caller created (:func:`llmtrain.simulate.fake_world`)."""
+        process group that the caller created (:func:`llmtrain.recipes.simulate.fake_world`)."""
         return cls._at(rank, plan.world_size, plan, torch.device("cpu"), local_rank=rank % plan.devices,
                        local_world_size=plan.devices)
 
@@ -515,7 +515,7 @@ def _local_layout() -> tuple[int, int, bool]:
 def configure_process(runtime: Optional[Runtime] = None, precision: Any = None) -> None:
     """Per-process settings; spawned workers are fresh interpreters, so every entrypoint calls this.
 
-    ``precision``: the run's :class:`~llmtrain.train.precision.Precision`; float32 matmuls use TF32 where
+    ``precision``: the run's :class:`~llmtrain.precision.Precision`; float32 matmuls use TF32 where
     it says so (see ``Precision.uses_tf32``).
     """
     import warnings

@@ -15,7 +15,7 @@ from llmtrain.distributed.pipeline import build_pipeline_model
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.lora import LoRAArgs, apply_lora, mark_only_lora_trainable, reset_lora_parameters
 from llmtrain.model import GPT
-from llmtrain.checkpoint.model_dir import build_quantized_model_from_dir
+from llmtrain.model_dir import build_quantized_model_from_dir
 from llmtrain.checkpoint.weights import load_weights
 from llmtrain.tokenizer import Tokenizer, sentencepiece_only_message
 
@@ -100,7 +100,7 @@ def _build_quantized(config: Config, *, plan: ParallelPlan, runtime: Runtime, se
     """QLoRA on one device: real weights first (quantizing needs them), then 4-bit/int8 layers, then adapters.
 
     The weights of a checkpoint are quantized a block at a time as they are read, in the compute dtype
-    (:func:`~llmtrain.checkpoint.model_dir.build_quantized_model_from_dir`); only a model without one is
+    (:func:`~llmtrain.model_dir.build_quantized_model_from_dir`); only a model without one is
     initialised, and then in the compute dtype too.
     """
     from llmtrain.quantize import quantize_model  # NOTE: imports bitsandbytes, which only QLoRA needs

@@ -12,19 +12,18 @@ from typing import Any, Literal, Optional
 
 from llmtrain.args import BatchDefaults, EvalArgs, TrainArgs
 from llmtrain.checkpoint import layout
-from llmtrain.checkpoint.lora import merge_lora_checkpoint
-from llmtrain.checkpoint.model_dir import check_model_dir
 from llmtrain.config import Config
 from llmtrain.convert.hf import ensure_model_dir
 from llmtrain.data import BuiltinInstruct
 from llmtrain.lora import LoRAArgs
+from llmtrain.model_dir import check_model_dir, merge_lora_checkpoint
 from llmtrain.plan import lora_trainable_parameters
 from llmtrain.checkpoint.resume import resolve_resume
 from llmtrain.recipes import checks, hparams
 from llmtrain.recipes.flags import shared_flags, with_defaults
 from llmtrain.recipes.run import prepare
 from llmtrain.distributed.parallel_plan import resolve_device_type
-from llmtrain.train.precision import Precision, resolve_precision
+from llmtrain.precision import Precision, resolve_precision
 
 QuantizeName = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8-training"]
 

@@ -19,8 +19,8 @@ from llmtrain.data.base import DataModule
 from llmtrain.distributed.parallel_plan import StrategyName
 from llmtrain.optim import OptimizerArg
 from llmtrain.plan import DryRunArgs
-from llmtrain.recipes.compiling import CompileSetting
-from llmtrain.train.precision import PrecisionName
+from llmtrain.compiling import CompileSetting
+from llmtrain.precision import PrecisionName
 
 ResumeArg = Union[bool, Literal["auto"], Path]
 Accelerator = Literal["auto", "cpu", "cuda", "gpu"]

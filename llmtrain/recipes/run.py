@@ -42,15 +42,16 @@ from llmtrain.flops import device_peak_flops, flops_per_token
 from llmtrain.lora import LoRAArgs
 from llmtrain.optim import OptimizerArg, build_optimizer
 from llmtrain.prompts import save_prompt_style
-from llmtrain.recipes import build, checks, compiling, hparams
-from llmtrain.recipes.compiling import CompileSetting
+from llmtrain import compiling
+from llmtrain.compiling import CompileSetting
+from llmtrain.recipes import build, checks, hparams
 from llmtrain.recipes.flags import LoggerName
 from llmtrain.tokenizer import Tokenizer
 from llmtrain.train.loggers import build_loggers
 from llmtrain.train.loop import Fit, NonFiniteError, Rewind, TrainState, data_metrics, fit, plan_horizon, step_limits
 from llmtrain.train.profile import build_profiler
 from llmtrain.train.schedule import check_min_lr
-from llmtrain.train.signals import catch_stop_signals
+from llmtrain.signals import catch_stop_signals
 
 
 @dataclass
@@ -129,7 +130,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
                          dry=dry, fsdp=fsdp, out_dir=flags["out_dir"], quantize=quantize,
                          trainable_parameters=trainable_parameters, compile=flags["compile"])
         if dry.simulate:
-            from llmtrain.simulate import run_simulation  # NOTE: imports torch's fake tensors, only when asked
+            from llmtrain.recipes.simulate import run_simulation  # NOTE: imports torch's fake tensors, only when asked
 
             run_simulation(config, plan, seq_len=seq_len, train=_with_batch(train, plan), optimizer=flags["optimizer"],
                            lora=lora, quantize=quantize, seed=flags["seed"])
@@ -261,7 +262,7 @@ def run(spec: RunSpec) -> None:
     """One rank's training run. Every process of the job executes this.
 
     SIGTERM and SIGUSR1 are caught once the ranks have met, so one that arrives while the model is
-    built still stops the run cleanly after its first step (exit code 75, see llmtrain.train.signals);
+    built still stops the run cleanly after its first step (exit code 75, see llmtrain.signals);
     before that, nothing is lost when they end the process.
     """
     runtime = Runtime.for_plan(spec.plan, timeout_s=spec.dist_timeout)

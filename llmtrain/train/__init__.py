@@ -1,1 +1,1 @@
-"""The training loop and what it needs: schedule, precision, loggers, throughput."""
+"""The training loop and what it needs: schedule, loggers, throughput."""

@@ -11,10 +11,10 @@ and the gradient norm, the optimizer step and zero_grad; :class:`TorchStrategy` 
 FSDP, ``llmtrain_deepspeed`` for DeepSpeed), :class:`NonFiniteSteps` (what a NaN or inf gradient norm
 does), :class:`LogInterval` (the numbers of a log line), :class:`StopPolicy` (when to stop and when to
 save); :class:`Trainer` drives them. Code from outside the loop (--profile's profiler, a test's fault
-injector) hooks in through :mod:`llmtrain.train.callbacks`.
+injector) hooks in through :mod:`llmtrain.callbacks`.
 
 Faults. The numbers each rank's host knows as a step starts (its input tokens, a stop vote for SIGTERM
-or SIGUSR1 received, see :mod:`llmtrain.train.signals`, and a ``--train.max_time`` vote) ride in the
+or SIGUSR1 received, see :mod:`llmtrain.signals`, and a ``--train.max_time`` vote) ride in the
 all-reduce of the step's target-token count, the one collective that opens every step, so the ranks
 agree to stop after the same step without a collective of their own; on a signal they checkpoint and
 raise ``Preempted`` (exit 75). A step whose global gradient norm is NaN or inf (a NaN loss makes NaN
@@ -60,15 +60,15 @@ import torch
 
 from llmtrain.args import BatchPlan, EvalArgs, TrainArgs
 from llmtrain.checkpoint.checkpointer import NonFiniteWeightsError
-from llmtrain.data.base import real_tokens
+from llmtrain.flops import real_tokens
 from llmtrain.distributed.grad_norm import clip_grad_norm_
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.loss import IGNORE_INDEX
-from llmtrain.train import callbacks
+from llmtrain import callbacks
 from llmtrain.train.loggers import Console
-from llmtrain.train.precision import Precision
+from llmtrain.precision import Precision
 from llmtrain.train.schedule import WarmupDecaySchedule
-from llmtrain.train.signals import PREEMPTED_EXIT_CODE, Preempted, StopRequest, catch_stop_signals
+from llmtrain.signals import PREEMPTED_EXIT_CODE, Preempted, StopRequest, catch_stop_signals
 
 PHASES = {phase: f"llmtrain.{phase}" for phase in ("data", "forward", "backward", "optimizer")}
 """The profiler's labels of a step's phases (``--profile`` traces show them; scripts/profile_step.py sums them):
@@ -286,7 +286,7 @@ class Fit:
 def fit(job: Fit) -> TrainState:
     """Train until the first stop condition, validating, logging and checkpointing on the way.
 
-    Raises :class:`~llmtrain.train.signals.Preempted` (exit code 75) after writing a checkpoint when
+    Raises :class:`~llmtrain.signals.Preempted` (exit code 75) after writing a checkpoint when
     SIGTERM or SIGUSR1 reached any rank (none while non-finite steps run on: :class:`Rewind`), and
     :class:`NonFiniteError` after ``--train.max_nonfinite_steps`` skipped steps in a row, at the end of a run
     whose last steps were skipped, or when the weights hold NaN or inf.
@@ -805,7 +805,7 @@ class StopPolicy:
     """When the run stops and when it saves: the horizon's limits, --train.max_time, stop signals, the save interval.
 
     As each step starts, every rank votes (:meth:`votes`: a stop signal received, see
-    :mod:`llmtrain.train.signals`, and whether --train.max_time runs out during the step); the votes ride
+    :mod:`llmtrain.signals`, and whether --train.max_time runs out during the step); the votes ride
     in the step's opening all-reduce with the input tokens, so after the step every rank knows the same
     sums (:meth:`after_step`) and every rank stops after the same step.
     """

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from llmtrain.args import ProfileArgs
-from llmtrain.train.callbacks import Callback
+from llmtrain.callbacks import Callback
 
 PROFILE_DIR = "profile"
 TABLE_ROWS = 20

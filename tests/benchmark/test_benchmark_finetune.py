@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from llmtrain.benchmark.baseline import baseline_key
 from llmtrain.benchmark.command import RECORD_FIELDS, benchmark
 from llmtrain.benchmark.training import write_random_model_dir
-from llmtrain.checkpoint.model_dir import check_model_dir
+from llmtrain.model_dir import check_model_dir
 from llmtrain.cli import main
 from llmtrain.config import Config
 from llmtrain.data import BuiltinStories

@@ -20,8 +20,7 @@ import yaml
 
 from llmtrain.checkpoint import files, layout
 from llmtrain.checkpoint.checkpointer import Checkpointer
-from llmtrain.checkpoint.lora import merge_lora_checkpoint, merged_state_dict, write_lora_settings
-from llmtrain.checkpoint.model_dir import load_model_dir
+from llmtrain.checkpoint.lora import merged_state_dict, write_lora_settings
 from llmtrain.checkpoint.resume import resolve_resume, verify_checkpoint
 from llmtrain.checkpoint.state import DamagedCheckpointError, load_training_state
 from llmtrain.config import Config
@@ -29,6 +28,7 @@ from llmtrain.data.base import TrainLoader
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.lora import LoRAArgs, apply_lora, lora_modules, mark_only_lora_trainable
 from llmtrain.model import GPT
+from llmtrain.model_dir import load_model_dir, merge_lora_checkpoint
 from llmtrain.train.loop import TrainState
 
 TINY = dict(name="tiny-checkpoint", vocab_size=1100, padding_multiple=64, block_size=64, n_layer=2, n_head=2,
@@ -499,7 +499,7 @@ def _refuse_init(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_quantized_base_streams_from_the_file_and_equals_quantizing_the_loaded_model(tmp_path, monkeypatch, tied):
-    from llmtrain.checkpoint.model_dir import build_model_from_dir, build_quantized_model_from_dir
+    from llmtrain.model_dir import build_model_from_dir, build_quantized_model_from_dir
     from llmtrain.quantize import quantize_model
 
     config = Config(**{**TINY, "tie_embeddings": tied})
@@ -545,7 +545,7 @@ def test_the_disk_estimate_holds_a_step_and_final(tmp_path, fmt):
     """What check_disk_space asks for covers the bytes a step checkpoint and final/ take on disk (hard links
     counted once): a sharded run's final/ is a copy of the weights of its own."""
     from llmtrain.checkpoint.size import checkpoint_bytes
-    from llmtrain.train.precision import resolve_precision
+    from llmtrain.precision import resolve_precision
 
     checkpointer = _checkpointer(tmp_path, fmt)
     state = TrainState(step=1)

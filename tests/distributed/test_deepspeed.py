@@ -28,7 +28,7 @@ from llmtrain.args import TrainArgs
 from llmtrain.checkpoint import layout
 from llmtrain.cli import main
 from llmtrain.distributed.parallel_plan import DEEPSPEED_STRATEGIES, ParallelPlan
-from llmtrain.train.signals import PREEMPTED_EXIT_CODE
+from llmtrain.signals import PREEMPTED_EXIT_CODE
 from llmtrain_deepspeed.config import INSTALL_COMMAND, build_config, read_config, zero_settings
 
 from conftest import write_tiny_model

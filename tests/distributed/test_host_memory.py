@@ -18,7 +18,7 @@ PROBE = textwrap.dedent("""
     import ctypes, os, sys
     import torch
     from llmtrain.distributed.runtime import Runtime, configure_process
-    from llmtrain.train.precision import Precision
+    from llmtrain.precision import Precision
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in

@@ -205,7 +205,7 @@ def cli_env(dist_env, tmp_path_factory) -> dict:
 def test_pretrain_pp2_dp2_through_the_cli_converts_to_transformers(tmp_path, cli_env):
     from transformers import AutoModelForCausalLM
 
-    from llmtrain.checkpoint.model_dir import load_model_dir
+    from llmtrain.model_dir import load_model_dir
     from llmtrain.cli import main
 
     out_dir = tmp_path / "pp"

@@ -30,7 +30,7 @@ from llmtrain.distributed.parallelize import materialize, parallelize
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
 from llmtrain.train.loop import IGNORE_INDEX, Fit, TrainState, fit, plan_horizon
-from llmtrain.train.precision import Precision
+from llmtrain.precision import Precision
 
 from conftest import LAUNCHER_PREFIXES, LAUNCHER_VARS, ListLoader, free_port_number
 
@@ -233,7 +233,7 @@ def initial_weights(runtime: Runtime, **build_args) -> dict:
 # ------------------------------------------------------------------------------------ suites
 def suite_two(runtime: Runtime, workdir: Path) -> dict:
     from llmtrain.distributed import parallelize
-    from llmtrain.recipes import compiling
+    from llmtrain import compiling
 
     # The tiny model's gradient buffers are far below the size from which FSDP's reduce-scatter becomes an all-reduce
     # on the CPU where shared memory is off: take that path for all of them in the run that switches it off.

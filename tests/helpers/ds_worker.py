@@ -24,7 +24,7 @@ from llmtrain.distributed.parallel_plan import DEEPSPEED_STRATEGIES
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon
-from llmtrain.train.precision import Precision
+from llmtrain.precision import Precision
 
 
 def build_for_deepspeed(runtime: Runtime, strategy: str, *, precision: str = "32-true", config=None,

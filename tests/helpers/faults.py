@@ -1,4 +1,4 @@
-"""Faults that the tests inject into training runs, as llmtrain callbacks (llmtrain.train.callbacks).
+"""Faults that the tests inject into training runs, as llmtrain callbacks (llmtrain.callbacks).
 
 In the test's own process, install them with ``installed(...)`` around the call that trains. In the
 processes of a run that a test starts (spawned workers, torchrun), pass ``environment(...)`` to the
@@ -21,7 +21,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from llmtrain.train import callbacks
+from llmtrain import callbacks
 
 FAULTS_ENV = "TEST_FAULTS"
 TESTS_DIR = Path(__file__).resolve().parent

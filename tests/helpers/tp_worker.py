@@ -26,7 +26,7 @@ from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
 from llmtrain.optim import build_optimizer
 from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon
-from llmtrain.train.precision import Precision
+from llmtrain.precision import Precision
 
 from conftest import ListLoader
 

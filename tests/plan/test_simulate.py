@@ -1,4 +1,5 @@
-"""``--dry_run.simulate``: ranks of 32- to 512-rank layouts run in one process through the real code (llmtrain.simulate).
+"""``--dry_run.simulate``: ranks of 32- to 512-rank layouts run in one process through the real code
+(llmtrain.recipes.simulate).
 
 Each simulated rank builds its part of the model, runs one training step and gathers a full checkpoint under torch's
 fake process group and fake tensors; the tests hold the dry run's arithmetic (memory, communication) to what torch's
@@ -18,7 +19,7 @@ import sys
 
 import pytest
 
-from llmtrain import simulate
+from llmtrain.recipes import simulate
 from llmtrain.args import FSDPArgs, TrainArgs
 from llmtrain.config import Config
 from llmtrain.distributed.parallel_plan import ParallelPlan

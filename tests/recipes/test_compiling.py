@@ -13,8 +13,8 @@ from llmtrain.args import TrainArgs
 from llmtrain.config import Config
 from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.flops import flops_per_token
-from llmtrain.recipes import compiling
-from llmtrain.recipes.compiling import AUTO_MIN_SECONDS, choose
+from llmtrain import compiling
+from llmtrain.compiling import AUTO_MIN_SECONDS, choose
 
 CPU = torch.device("cpu")
 PEAK = 1e12  # FLOP/s the tests' device "measures"

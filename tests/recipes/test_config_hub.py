@@ -15,7 +15,7 @@ from llmtrain.distributed.launch import resolve_devices
 from llmtrain.cli import main
 from llmtrain.config import Config
 from llmtrain.data import REGISTRY
-from llmtrain.train.precision import resolve_precision
+from llmtrain.precision import resolve_precision
 
 ROOT = Path(__file__).resolve().parents[2]
 HUB = ROOT / "config_hub"

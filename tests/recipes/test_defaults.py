@@ -15,7 +15,7 @@ from llmtrain.args import BatchDefaults, TrainArgs, batch_plan
 from llmtrain.distributed.launch import resolve_devices
 from llmtrain.distributed.runtime import Runtime, configure_process
 from llmtrain.recipes.hub import pretrain_batch_defaults, pretrain_recipe, with_default_length
-from llmtrain.train.precision import Precision, resolve_precision
+from llmtrain.precision import Precision, resolve_precision
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}

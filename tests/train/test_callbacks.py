@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import faults
-from llmtrain.train import callbacks
+from llmtrain import callbacks
 
 
 class Doubles(callbacks.Callback):
@@ -58,7 +58,7 @@ def test_a_bad_entry_names_itself(monkeypatch, spec, message):
 
 def test_what_is_not_a_callback_is_refused(monkeypatch):
     monkeypatch.setenv(callbacks.CALLBACKS_ENV, "collections:OrderedDict")
-    with pytest.raises(TypeError, match="not a llmtrain.train.callbacks.Callback"):
+    with pytest.raises(TypeError, match="not a llmtrain.callbacks.Callback"):
         callbacks.active()
     with pytest.raises(TypeError, match="subclass it"):
         callbacks.register(object())

@@ -28,10 +28,10 @@ from llmtrain.checkpoint.resume import resolve_resume
 from llmtrain.config import Config
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
-from llmtrain.train import callbacks
+from llmtrain import callbacks
 from llmtrain.train.loop import Fit, NonFiniteError, Rewind, fit, plan_horizon
-from llmtrain.train.precision import Precision
-from llmtrain.train.signals import Preempted
+from llmtrain.precision import Precision
+from llmtrain.signals import Preempted
 
 CONFIG = dict(name="diverge-test", vocab_size=64, padding_multiple=64, block_size=16, n_layer=1, n_head=2, n_embd=16,
               n_query_groups=1, intermediate_size=32)

@@ -201,7 +201,7 @@ def test_fsdp_hooks_on_the_head_keep_the_fused_loss(monkeypatch):
     from conftest import free_port_number, tiny_config
     from llmtrain.distributed.parallelize import apply_fsdp
     from llmtrain.fused import runs_hooks
-    from llmtrain.train.precision import Precision
+    from llmtrain.precision import Precision
 
     calls = []
     real = loss_module.LinearCrossEntropy.apply
@@ -340,7 +340,7 @@ def train_tiny(optimizer_kwargs, max_steps=8, log_interval=4):
     from llmtrain.args import EvalArgs, TrainArgs, batch_plan
     from llmtrain.distributed.runtime import Runtime
     from llmtrain.train.loop import Fit, fit, plan_horizon
-    from llmtrain.train.precision import Precision
+    from llmtrain.precision import Precision
 
     torch.manual_seed(0)
     model = GPT(Config(**{**CONFIG, "vocab_size": 64, "padding_multiple": 64, "block_size": 16}))

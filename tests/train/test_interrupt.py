@@ -1,4 +1,4 @@
-"""Ctrl-C (SIGINT) ends a run as documented (llmtrain.train.signals): exit 130, one line, no traceback."""
+"""Ctrl-C (SIGINT) ends a run as documented (llmtrain.signals): exit 130, one line, no traceback."""
 
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ from llmtrain.args import EvalArgs, TrainArgs, batch_plan
 from llmtrain.config import Config
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
-from llmtrain.train import callbacks
+from llmtrain import callbacks
 from llmtrain.train.loop import IGNORE_INDEX, Fit, fit, interval_memory, plan_horizon
-from llmtrain.train.precision import Precision
+from llmtrain.precision import Precision
 
 from conftest import ListLoader
 
@@ -201,7 +201,7 @@ def no_new_groups(monkeypatch):
 def test_another_ranks_stop_vote_rides_in_the_steps_one_all_reduce(no_new_groups):
     """Each step makes one all-reduce, on the run's device, of its target tokens and the host's numbers (input
     tokens, stop vote, time vote); a stop vote from the other rank at step 2 stops both after step 2."""
-    from llmtrain.train.signals import Preempted
+    from llmtrain.signals import Preempted
 
     job, runtime, saved = fit_two_ranks({2: (1.0, 0.0)})
     with pytest.raises(Preempted):
@@ -217,7 +217,7 @@ def test_this_ranks_signal_counts_in_the_step_that_starts_after_it(no_new_groups
     import os
     import signal
 
-    from llmtrain.train.signals import Preempted
+    from llmtrain.signals import Preempted
 
     class SignalAt(callbacks.Callback):
         def on_step_start(self, step):
@@ -243,7 +243,7 @@ def test_the_time_vote_stops_the_run_after_the_step_in_which_max_time_runs_out(m
     from types import SimpleNamespace
 
     from llmtrain.train import loop
-    from llmtrain.train.signals import StopRequest
+    from llmtrain.signals import StopRequest
 
     clock = [0.0]
     monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: clock[0]))

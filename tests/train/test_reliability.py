@@ -34,9 +34,9 @@ from llmtrain.data.base import TrainLoader
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
 from llmtrain.train.loop import Fit, NonFiniteError, TrainState, fit, plan_horizon
-from llmtrain.train.precision import Precision
-from llmtrain.train import callbacks
-from llmtrain.train.signals import PREEMPTED_EXIT_CODE, Preempted
+from llmtrain.precision import Precision
+from llmtrain import callbacks
+from llmtrain.signals import PREEMPTED_EXIT_CODE, Preempted
 
 from conftest import write_tiny_model
 from runs import (MAX_STEPS, STOPPED, assert_same_weights, launcher, model_file,  # noqa: F401 (fixtures)

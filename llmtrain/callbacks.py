@@ -90,7 +90,7 @@ _registered: list[Callback] = []
 def register(callback: Callback) -> Callback:
     """Install ``callback`` in this process (until :func:`unregister`); returns it."""
     if not isinstance(callback, Callback):
-        raise TypeError(f"{callback!r} is not a llmtrain.train.callbacks.Callback; subclass it")
+        raise TypeError(f"{callback!r} is not a llmtrain.callbacks.Callback; subclass it")
     _registered.append(callback)
     return callback
 
@@ -121,6 +121,6 @@ def from_env(spec: str) -> list[Callback]:
                              "the PYTHONPATH of every training process?") from error
         callback = target if isinstance(target, Callback) else target()
         if not isinstance(callback, Callback):
-            raise TypeError(f"{CALLBACKS_ENV}: {entry!r} gave {callback!r}, not a llmtrain.train.callbacks.Callback")
+            raise TypeError(f"{CALLBACKS_ENV}: {entry!r} gave {callback!r}, not a llmtrain.callbacks.Callback")
         found.append(callback)
     return found

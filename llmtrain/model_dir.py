@@ -1,16 +1,25 @@
-"""Opening a model directory: check what it holds, then build the model, tokenizer and prompt style from it."""
+"""Model directories: check what one holds, build the model, tokenizer and prompt style from it, and merge a LoRA
+checkpoint's adapters into the base model directory it names (``llmtrain merge_lora``, ``convert to_hf``).
+
+A model directory is a checkpoint (:mod:`llmtrain.checkpoint` writes and checks its files) with a tokenizer and a
+prompt style beside the weights: opening one needs those two modules, which read the checkpoint's layout
+themselves, so it sits above both.
+"""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from llmtrain.checkpoint import layout
+from llmtrain.checkpoint import files, layout
+from llmtrain.checkpoint.lora import merged_state_dict, read_lora_settings
 from llmtrain.checkpoint.weights import check_weights_match, load_weights, tied_twins
 from llmtrain.config import Config
 from llmtrain.flops import num_parameters
+from llmtrain.lora import apply_lora, is_lora_parameter, load_lora_state_dict
 from llmtrain.memory import check_model_fits
 from llmtrain.model import GPT
 from llmtrain.prompts import PromptStyle, checkpoint_prompt_style
@@ -136,3 +145,53 @@ def build_quantized_model_from_dir(checkpoint_dir: Path, config: Config, mode: Q
     model.rope_cos, model.rope_sin = (torch.empty(0, device=device) for _ in range(2))
     model.reset_rope_cache()
     return model
+
+
+def merged_lora_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """A LoRA checkpoint's adapters merged into the base model that ``lora.yaml`` names, on the CPU.
+
+    Adapters were trained against the base in their own dtype (``--precision bf16-true``: bf16; QLoRA: the quantized
+    base, dequantized to the compute dtype): they are merged into exactly that, as ``final/`` of their run was.
+    """
+    from safetensors.torch import load_file  # NOTE: lazy, as everywhere a CLI path may not need it
+
+    checkpoint_dir = Path(checkpoint_dir)
+    lora, base_dir, quantize = read_lora_settings(checkpoint_dir)
+    base_dir = check_model_dir(base_dir, flag=f"the base model of {checkpoint_dir / layout.LORA_SETTINGS_FILE}")
+    config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
+    adapters = load_file(str(checkpoint_dir / layout.LORA_FILE))
+    if quantize:
+        # NOTE: QLoRA checkpoints written before 2026-11-26's fix also hold bitsandbytes' quantization state
+        # (absmax, quant_map, ...): the adapters are what merges.
+        adapters = {name: tensor for name, tensor in adapters.items() if is_lora_parameter(name)}
+    dtype = next(iter(adapters.values())).dtype  # the dtype the run held its weights in (bf16-true: bf16)
+    config_file = checkpoint_dir / layout.CONFIG_FILE
+    if quantize:
+        model = build_quantized_model_from_dir(base_dir, config, quantize, compute_dtype=dtype, config_file=config_file)
+    else:
+        model = build_model_from_dir(base_dir, config, dtype=dtype, config_file=config_file)
+    apply_lora(model, lora)
+    try:
+        load_lora_state_dict(model, adapters)
+    except (KeyError, ValueError) as error:
+        raise ValueError(f"{checkpoint_dir / layout.LORA_FILE} does not hold the adapters that "
+                         f"{checkpoint_dir / layout.LORA_SETTINGS_FILE} describes: {error}") from error
+    return merged_state_dict(model)
+
+
+def merge_lora_checkpoint(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> Path:
+    """Write the merged model of a LoRA checkpoint as a full model directory (default: ``CHECKPOINT_DIR-merged``)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    out_dir = Path(out_dir) if out_dir is not None else checkpoint_dir.with_name(checkpoint_dir.name + "-merged")
+    files.check_output_dir(out_dir)
+    weights = merged_lora_weights(checkpoint_dir)
+
+    def extras(directory: Path) -> None:
+        if (checkpoint_dir / layout.PROMPT_STYLE_FILE).is_file():
+            shutil.copy2(checkpoint_dir / layout.PROMPT_STYLE_FILE, directory / layout.PROMPT_STYLE_FILE)
+
+    config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
+    return files.write_model_dir(out_dir, state_dict=weights, model_config=config,
+                                 hyperparameters=files.read_hyperparameters(checkpoint_dir) or None,
+                                 tokenizer=Tokenizer(checkpoint_dir), marker={"kind": "model", "lora_merged": True},
+                                 write_extras=extras)

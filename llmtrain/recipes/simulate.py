@@ -428,7 +428,7 @@ def _train_step(config: Config, plan: ParallelPlan, runtime: Any, model: torch.n
     """The loop's own step (:class:`~llmtrain.train.loop.TrainStep`) for this rank, over one step's micro-batches."""
     from llmtrain.args import EvalArgs
     from llmtrain.distributed.pipeline import build_pipeline
-    from llmtrain.train import callbacks
+    from llmtrain import callbacks
     from llmtrain.train.loop import Fit, Horizon, TorchStrategy, TrainStep
 
     pipeline = build_pipeline(model, plan, runtime) if plan.pp > 1 else None
