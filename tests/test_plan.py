@@ -191,7 +191,7 @@ def test_dry_run_plans_32_gpus_on_this_machine(tmp_path):
 
 
 def test_dry_run_mfu_needs_the_gpu_it_is_assumed_on():
-    from llmtrain.plan import DryRunArgs
+    from llmtrain.args import DryRunArgs
 
     with pytest.raises(ValueError, match="--dry_run.mfu is the utilization assumed on --dry_run.gpu"):
         DryRunArgs(mfu=0.9)

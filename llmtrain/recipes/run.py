@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from llmtrain import plan as planning
-from llmtrain.args import BatchDefaults, EvalArgs, FSDPArgs, ProfileArgs, TrainArgs
+from llmtrain.args import BatchDefaults, DryRunArgs, EvalArgs, FSDPArgs, ProfileArgs, TrainArgs
 from llmtrain.config import Config
 from llmtrain.data.base import DataModule
 from llmtrain.data.streaming import check_stream_resume
@@ -187,7 +187,7 @@ def _resumed_step(resume_from: Optional[Path]) -> int:
     return int(match.group(1)) if match else 0
 
 
-def _devices(flags: dict[str, Any], dry: planning.DryRunArgs) -> int:
+def _devices(flags: dict[str, Any], dry: DryRunArgs) -> int:
     """``--devices`` as a number: ``auto`` / ``-1`` read from the launcher or this node's GPUs (said once)."""
     if dry.requested and dry.gpu is not None and flags["devices"] in ("auto", -1) and not torch.cuda.is_available():
         print(f"--devices {flags['devices']}: this machine has no {dry.gpu} to count, so the plan is for one per node; "
