@@ -232,7 +232,7 @@ def benchmark(
     """
     from llmtrain.config import Config, resolve_name
     from llmtrain.flops import flops_per_token, num_parameters
-    from llmtrain.plan import lora_trainable_parameters
+    from llmtrain.plan.memory import lora_trainable_parameters
 
     defaults = SHORT_DEFAULTS if short else FULL_DEFAULTS
     micro_batch_size, seq_len, steps, warmup = (given if given is not None else default for given, default in

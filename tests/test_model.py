@@ -8,7 +8,7 @@ from llmtrain import model as model_module
 from llmtrain.model import (GPT, INIT_SCHEMES, CPU_FLOAT32_ATTENTION_MAX_SEQ, RMSNorm, attention_dtype,
                             build_rope_cache, build_sliding_window_mask, causal_attention, init_gpt_weights, init_stds,
                             kv_layout, rms_norm_composite)
-from llmtrain.plan import activation_bytes_per_token
+from llmtrain.plan.memory import activation_bytes_per_token
 
 from conftest import build_model, tiny_config
 

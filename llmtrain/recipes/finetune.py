@@ -18,7 +18,7 @@ from llmtrain.config import Config
 from llmtrain.convert.hf import ensure_model_dir
 from llmtrain.data import BuiltinInstruct
 from llmtrain.lora import LoRAArgs
-from llmtrain.plan import lora_trainable_parameters
+from llmtrain.plan.memory import lora_trainable_parameters
 from llmtrain.checkpoint.resume import resolve_resume
 from llmtrain.recipes import checks, hparams
 from llmtrain.recipes.flags import shared_flags, with_defaults
