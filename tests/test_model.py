@@ -213,7 +213,7 @@ def test_rms_norm_backward_matches_autograd_of_the_formula(dtype, unit_offset):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_keeps_what_the_memory_estimate_counts(dtype):
     """For backward RMSNorm keeps its input, in its dtype, and one float32 scale per token (besides its weight),
-    which is the norm term of ``plan.activation_bytes_per_token``; the composite kept two float32 tensors."""
+    which is the norm term of ``plan.memory.activation_bytes_per_token``; the composite kept two float32 tensors."""
     config = tiny_config("llama-debug")
     norm = RMSNorm(config.n_embd).to(dtype)
     x = torch.randn(2, 8, config.n_embd, dtype=dtype, requires_grad=True)
