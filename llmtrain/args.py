@@ -1,4 +1,5 @@
-"""Argument groups shared by every recipe (``--train.*``, ``--eval.*``, ``--fsdp.*``, ``--profile.*``).
+"""Argument groups shared by every recipe (``--train.*``, ``--eval.*``, ``--fsdp.*``, ``--profile.*``,
+``--dry_run.*``).
 
 The flag names follow LitGPT's where the concept is the same, so its users can move over.
 Checks that need only these numbers live here; checks that need the world size live in
@@ -227,6 +228,48 @@ class ProfileArgs:
         if end is None:
             end = min(start + self.DEFAULT_STEPS - 1, last_step)
         return start, end
+
+
+@dataclass
+class DryRunArgs:
+    """``--dry_run`` prints the plan (model, parallel layout, batches, memory, checkpoint size, time) and exits."""
+
+    enabled: bool = False
+    """Print the plan and exit without training (bare `--dry_run` sets this)."""
+    tokens_per_sec: Optional[float] = None
+    """Measured tokens/s per device for the time estimate (from an earlier run: the tokens_per_sec_per_device column of its metrics.csv)."""
+    gpu: Optional[str] = None
+    """Plan for this GPU (e.g. H100, A100): the layout on CUDA devices, and the time from its peak FLOP/s at
+    `mfu` instead of a measured tokens/s."""
+    mfu: Optional[float] = None
+    """Model FLOPs utilization assumed with `gpu` (default 0.4)."""
+    simulate: bool = False
+    """Also run rank 0, a rank of the last node and the last pipeline stage's first rank through the real parallelize,
+    training step and full-checkpoint gathering on this machine, each in a child process (torch's fake process group
+    and fake tensors: nothing is allocated or computed), and print their measured peak memory and per-step
+    communication beside the estimate."""
+
+    DEFAULT_MFU = 0.4
+
+    @property
+    def requested(self) -> bool:
+        """Any --dry_run.* flag starts the dry run: none of them means anything to a training run."""
+        return (self.enabled or self.tokens_per_sec is not None or self.gpu is not None or self.mfu is not None
+                or self.simulate)
+
+    @property
+    def device_type(self) -> Optional[str]:
+        """The device the plan is for: cuda with --dry_run.gpu, else whatever --accelerator gives here."""
+        return "cuda" if self.gpu is not None else None
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_sec is not None and self.tokens_per_sec <= 0:
+            raise ValueError(f"--dry_run.tokens_per_sec must be positive, got {self.tokens_per_sec}")
+        if self.mfu is not None and not 0 < self.mfu <= 1:
+            raise ValueError(f"--dry_run.mfu must be in (0, 1], got {self.mfu}")
+        if self.mfu is not None and self.gpu is None:
+            raise ValueError("--dry_run.mfu is the utilization assumed on --dry_run.gpu, and means nothing without it: "
+                             "add --dry_run.gpu NAME, or give a measured --dry_run.tokens_per_sec")
 
 
 @dataclass(frozen=True)

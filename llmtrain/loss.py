@@ -2,7 +2,7 @@
 
 ``GPT.forward(idx, labels=...)`` ends in :func:`head_loss_sum`, which never holds the logits of the
 whole batch: the tokens go through the head in chunks of :func:`head_chunk_tokens` tokens. The memory
-estimate (:mod:`llmtrain.plan`) asks the same function, so the plan and the loss agree on the chunk.
+estimate (:mod:`llmtrain.plan.memory`) asks the same function, so the plan and the loss agree on the chunk.
 """
 
 from typing import Optional

@@ -235,7 +235,7 @@ def _in_benchmark_flags(message: str) -> str:
 def _model_costs(config: Config, seq_len: int, adapters: Optional[LoRAArgs]) -> tuple[int, float]:
     """Trainable parameters (the adapters' under LoRA) and the model's FLOPs per token."""
     from llmtrain.flops import flops_per_token, num_parameters
-    from llmtrain.plan import lora_trainable_parameters
+    from llmtrain.plan.memory import lora_trainable_parameters
 
     trainable = lora_trainable_parameters(config, adapters) if adapters is not None else num_parameters(config)
     return trainable, flops_per_token(config, seq_len, adapter_parameters=trainable if adapters is not None else None)

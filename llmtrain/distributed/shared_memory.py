@@ -44,7 +44,7 @@ calls = {"all_gather": 0, "reduce_scatter": 0}
 
 mapped = {"all-gather": 0, "reduce-scatter": 0}
 """The largest pair of slots this process mapped, in bytes, per kind (tests compare it with the dry run's figure,
-``llmtrain.plan.host_collective_bytes``)."""
+``llmtrain.plan.memory.host_collective_bytes``)."""
 
 
 def enabled() -> bool:

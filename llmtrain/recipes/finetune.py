@@ -17,7 +17,7 @@ from llmtrain.convert.hf import ensure_model_dir
 from llmtrain.data import BuiltinInstruct
 from llmtrain.lora import LoRAArgs
 from llmtrain.model_dir import check_model_dir, merge_lora_checkpoint
-from llmtrain.plan import lora_trainable_parameters
+from llmtrain.plan.memory import lora_trainable_parameters
 from llmtrain.checkpoint.resume import resolve_resume
 from llmtrain.recipes import checks, hparams
 from llmtrain.recipes.flags import shared_flags, with_defaults

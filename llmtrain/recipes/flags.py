@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
-from llmtrain.args import DeepSpeedArgs, EvalArgs, FSDPArgs, ProfileArgs, TrainArgs
+from llmtrain.args import DeepSpeedArgs, DryRunArgs, EvalArgs, FSDPArgs, ProfileArgs, TrainArgs
 from llmtrain.data.base import DataModule
 from llmtrain.distributed.parallel_plan import StrategyName
 from llmtrain.optim import OptimizerArg
-from llmtrain.plan import DryRunArgs
 from llmtrain.compiling import CompileSetting
 from llmtrain.precision import PrecisionName
 

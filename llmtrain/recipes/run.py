@@ -18,8 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from llmtrain import plan as planning
-from llmtrain.args import BatchDefaults, EvalArgs, FSDPArgs, ProfileArgs, TrainArgs
+from llmtrain.args import BatchDefaults, DryRunArgs, EvalArgs, FSDPArgs, ProfileArgs, TrainArgs
 from llmtrain.config import Config
 from llmtrain.data.base import DataModule
 from llmtrain.data.streaming import check_stream_resume
@@ -41,6 +40,9 @@ from llmtrain.distributed.runtime import Runtime, configure_process
 from llmtrain.flops import device_peak_flops, flops_per_token
 from llmtrain.lora import LoRAArgs
 from llmtrain.optim import OptimizerArg, build_optimizer
+from llmtrain.plan.memory import estimate_memory
+from llmtrain.plan.report import dry_run
+from llmtrain.plan.search import check_state_fits
 from llmtrain.prompts import save_prompt_style
 from llmtrain import compiling
 from llmtrain.compiling import CompileSetting
@@ -126,9 +128,9 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
         if profile is not None:
             _check_profile_window(profile, _with_batch(train, plan), seq_len)
         _check_optimizer(hparams.optimizer_spec(flags["optimizer"]), train)  # a bad argument fails a dry run too
-        planning.dry_run(recipe=recipe, config=config, plan=plan, train=_with_batch(train, plan), seq_len=seq_len,
-                         dry=dry, fsdp=fsdp, out_dir=flags["out_dir"], quantize=quantize,
-                         trainable_parameters=trainable_parameters, compile=flags["compile"])
+        dry_run(recipe=recipe, config=config, plan=plan, train=_with_batch(train, plan), seq_len=seq_len, dry=dry,
+                fsdp=fsdp, out_dir=flags["out_dir"], quantize=quantize, trainable_parameters=trainable_parameters,
+                compile=flags["compile"])
         if dry.simulate:
             from llmtrain.recipes.simulate import run_simulation  # NOTE: imports torch's fake tensors, only when asked
 
@@ -140,8 +142,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
     _check_model_split(plan, config, seq_len, lora=lora, quantize=quantize)
     source = (str(Path(initial_checkpoint_dir) / CONFIG_FILE) if initial_checkpoint_dir is not None
               else f"model {config.name}" if config.name in Config.names() else "--model_config")
-    planning.check_state_fits(config, plan, dry, source=source, trainable_parameters=trainable_parameters,
-                              quantize=quantize)
+    check_state_fits(config, plan, dry, source=source, trainable_parameters=trainable_parameters, quantize=quantize)
     train = _with_batch(train, plan)
     if profile is not None:
         _check_profile_window(profile, train, seq_len)
@@ -188,7 +189,7 @@ def _resumed_step(resume_from: Optional[Path]) -> int:
     return int(match.group(1)) if match else 0
 
 
-def _devices(flags: dict[str, Any], dry: planning.DryRunArgs) -> int:
+def _devices(flags: dict[str, Any], dry: DryRunArgs) -> int:
     """``--devices`` as a number: ``auto`` / ``-1`` read from the launcher or this node's GPUs (said once)."""
     if dry.requested and dry.gpu is not None and flags["devices"] in ("auto", -1) and not torch.cuda.is_available():
         print(f"--devices {flags['devices']}: this machine has no {dry.gpu} to count, so the plan is for one per node; "
@@ -352,8 +353,8 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
     if spec.compile == "auto":
         say(compiled.reason)
     say(f"layout: {plan.describe()} | device {runtime.device}")
-    memory = planning.estimate_memory(spec.config, plan=plan, seq_len=spec.seq_len, trainable_parameters=n_trainable,
-                                      quantize=spec.quantize)
+    memory = estimate_memory(spec.config, plan=plan, seq_len=spec.seq_len, trainable_parameters=n_trainable,
+                             quantize=spec.quantize)
     say(f"memory per device (estimate): {memory.describe()}")
     profiler = None
     if spec.profile is not None:

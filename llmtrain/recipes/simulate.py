@@ -189,9 +189,10 @@ class RankReport:
     peak: dict[str, int]
     """Peak bytes by category (at the moment of the step's peak total), measured by torch's memory tracker."""
     estimate: Any
-    """The dry run's :class:`~llmtrain.plan.MemoryEstimate` for this rank's pipeline rank."""
+    """The dry run's :class:`~llmtrain.plan.memory.MemoryEstimate` for this rank's pipeline rank."""
     comm_estimate: dict[str, float]
-    """The dry run's bytes per step by mesh dimension (:func:`llmtrain.plan.communication_bytes_per_step`)."""
+    """The dry run's bytes per step by mesh dimension
+    (:func:`llmtrain.plan.communication.communication_bytes_per_step`)."""
     step: dict[str, dict[str, Collective]]
     """The collectives of one training step, by mesh dimension and operator."""
     checkpoint: dict[str, dict[str, Collective]] = field(default_factory=dict)
@@ -349,7 +350,8 @@ def simulate_rank(config: Config, plan: ParallelPlan, rank: int, *, seq_len: int
     group and fake tensors; what torch's trackers saw."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from llmtrain import plan as planning
+    from llmtrain.plan import memory as planning
+    from llmtrain.plan.communication import communication_bytes_per_step
     from llmtrain.distributed.runtime import Runtime
     from llmtrain.kernel_device import simulated_device_type
     from llmtrain.optim import build_optimizer
@@ -396,7 +398,7 @@ def simulate_rank(config: Config, plan: ParallelPlan, rank: int, *, seq_len: int
                                            pipeline_rank=pipeline_rank)
     coordinates = {"pp": runtime.pp_rank, "dp": runtime.data_parallel_rank, "tp": runtime.tp_rank,
                    "node": rank // plan.devices}
-    comm_estimate = planning.communication_bytes_per_step(config, plan, seq_len, pipeline_rank)
+    comm_estimate = communication_bytes_per_step(config, plan, seq_len, pipeline_rank)
     return RankReport(rank=rank, why=why, coordinates=coordinates, peak=peak, estimate=estimate, step=step,
                       comm_estimate=comm_estimate,
                       checkpoint=checkpoint_comms, growing=growing, seconds=time.perf_counter() - started,

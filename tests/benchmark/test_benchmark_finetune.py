@@ -15,7 +15,7 @@ from llmtrain.config import Config
 from llmtrain.data import BuiltinStories
 from llmtrain.flops import flops_per_token, num_parameters
 from llmtrain.lora import LoRAArgs
-from llmtrain.plan import lora_trainable_parameters
+from llmtrain.plan.memory import lora_trainable_parameters
 
 TINY = dict(model="llama-debug", micro_batch_size=1, seq_len=32, steps=2, warmup=1, baseline=None)
 

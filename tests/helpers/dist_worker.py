@@ -252,7 +252,7 @@ def suite_two(runtime: Runtime, workdir: Path) -> dict:
         shared_memory._create = create
     full_shard = train(runtime, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"), out_dir=workdir / "two",
                        checkpoint_formats=("sharded", "full"))
-    from llmtrain.plan import host_collective_bytes
+    from llmtrain.plan.memory import host_collective_bytes
 
     shared = {"mapped": dict(shared_memory.mapped),
               "planned": host_collective_bytes(tiny_config(),

@@ -15,7 +15,8 @@ from llmtrain.config import Config
 from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.distributed.parallelize import apply_activation_checkpointing
 from llmtrain.model import GPT
-from llmtrain.plan import activation_bytes_per_token, estimate_memory, tensor_parallel_passes
+from llmtrain.plan.communication import tensor_parallel_passes
+from llmtrain.plan.memory import activation_bytes_per_token, estimate_memory
 
 MODES = [False, "full", "selective:2", "selective:3", "op"]
 

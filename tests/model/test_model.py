@@ -8,10 +8,10 @@ from llmtrain import model as model_module
 from llmtrain.model import (GPT, INIT_SCHEMES, CPU_FLOAT32_ATTENTION_MAX_SEQ, RMSNorm, attention_dtype,
                             build_rope_cache, build_sliding_window_mask, causal_attention, init_gpt_weights, init_stds,
                             kv_layout, rms_norm_composite)
-from llmtrain.plan import activation_bytes_per_token
-from hf_reference import hf_model
+from llmtrain.plan.memory import activation_bytes_per_token
 
 from conftest import build_model, tiny_config
+from hf_reference import hf_model
 
 DEBUG_NAMES = ["llama-debug", "gpt-neox-debug", "phi-debug", "gemma-debug", "qwen2-debug", "mistral-debug"]
 
@@ -214,7 +214,7 @@ def test_rms_norm_backward_matches_autograd_of_the_formula(dtype, unit_offset):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_keeps_what_the_memory_estimate_counts(dtype):
     """For backward RMSNorm keeps its input, in its dtype, and one float32 scale per token (besides its weight),
-    which is the norm term of ``plan.activation_bytes_per_token``; the composite kept two float32 tensors."""
+    which is the norm term of ``plan.memory.activation_bytes_per_token``; the composite kept two float32 tensors."""
     config = tiny_config("llama-debug")
     norm = RMSNorm(config.n_embd).to(dtype)
     x = torch.randn(2, 8, config.n_embd, dtype=dtype, requires_grad=True)

@@ -12,7 +12,7 @@ from llmtrain.args import FSDPArgs, TrainArgs
 from llmtrain.config import Config
 from llmtrain.distributed.parallel_plan import DEEPSPEED_STRATEGIES, ParallelPlan, ZeroSettings
 from llmtrain.flops import num_parameters
-from llmtrain.plan import block_parameters_per_rank, estimate_memory, state_bytes
+from llmtrain.plan.memory import block_parameters_per_rank, estimate_memory, state_bytes
 
 GiB = 2**30
 
@@ -90,7 +90,8 @@ def test_each_stage_divides_what_it_partitions(llama_8b):
 
 def test_a_cpu_dry_run_lists_only_the_stages_it_can_run(capsys, tmp_path):
     """A CPU run refuses offloading (it would do nothing there): its dry run offers no offload strategy's savings."""
-    from llmtrain.plan import DryRunArgs, dry_run
+    from llmtrain.args import DryRunArgs
+    from llmtrain.plan.report import dry_run
 
     dry_run(recipe="pretrain", config=Config.from_name("tiny-llama-1.1b"), plan=zero_plan("deepspeed_stage_2",
             device_type="cpu"), train=TrainArgs(global_batch_size=256, micro_batch_size=1, max_steps=1000),
@@ -107,7 +108,8 @@ def test_lora_under_zero_keeps_optimizer_state_for_the_adapters_only(llama_8b):
 
 
 def test_the_dry_run_lists_every_stage_and_marks_this_one(capsys, tmp_path):
-    from llmtrain.plan import DryRunArgs, dry_run
+    from llmtrain.args import DryRunArgs
+    from llmtrain.plan.report import dry_run
 
     config = Config.from_name("tiny-llama-1.1b")
     plan = zero_plan("deepspeed_stage_2_offload")

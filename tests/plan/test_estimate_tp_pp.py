@@ -10,10 +10,11 @@ from llmtrain.args import FSDPArgs, TrainArgs
 from llmtrain.config import Config
 from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.flops import ASSUMED_LINK_BYTES_PER_S, gpu_memory_bytes, link_bytes_per_s, num_parameters
-from llmtrain.plan import (USABLE_MEMORY_FRACTION, activation_bytes, activation_bytes_per_token, estimate_memory,
-                           fits, microbatches_in_flight, model_splits, pipeline_bubble, rank_parameters,
-                           stage_layers, state_bytes, suggest_layout, tensor_parallel_bytes_per_layer,
-                           tensor_parallel_bytes_per_step)
+from llmtrain.plan.communication import (pipeline_bubble, tensor_parallel_bytes_per_layer,
+                                         tensor_parallel_bytes_per_step)
+from llmtrain.plan.memory import (activation_bytes, activation_bytes_per_token, estimate_memory, microbatches_in_flight,
+                                  rank_parameters, stage_layers, state_bytes)
+from llmtrain.plan.search import USABLE_MEMORY_FRACTION, fits, model_splits, suggest_layout
 
 SEQ_LEN = 8192
 H100 = gpu_memory_bytes("H100")

@@ -12,7 +12,7 @@ from llmtrain.args import FSDPArgs, TrainArgs
 from llmtrain.cli import main
 from llmtrain.config import Config
 from llmtrain.distributed.parallel_plan import ParallelPlan
-from llmtrain.plan import activation_bytes_per_token, estimate_memory
+from llmtrain.plan.memory import activation_bytes_per_token, estimate_memory
 
 
 def layout(precision: str, micro_batch: int, checkpointing: bool | str = False, devices: int = 1,
@@ -191,7 +191,7 @@ def test_dry_run_plans_32_gpus_on_this_machine(tmp_path):
 
 
 def test_dry_run_mfu_needs_the_gpu_it_is_assumed_on():
-    from llmtrain.plan import DryRunArgs
+    from llmtrain.args import DryRunArgs
 
     with pytest.raises(ValueError, match="--dry_run.mfu is the utilization assumed on --dry_run.gpu"):
         DryRunArgs(mfu=0.9)
@@ -243,7 +243,7 @@ def test_dry_run_still_rejects_bad_input(tmp_path):
 def test_shared_memory_for_fsdp_on_one_cpu_host_is_two_slots_of_the_largest_unit(monkeypatch):
     """pythia-160m's largest unit is [final norm, head]: 50,304 x 768 + 1,536 parameters. The all-gather slots hold
     it in the gather dtype, the reduce-scatter slots each process's copy in the reduction dtype, in whole MiB."""
-    from llmtrain.plan import host_collective_bytes
+    from llmtrain.plan.memory import host_collective_bytes
 
     config = Config.from_name("pythia-160m")
     unit = 50_304 * 768 + 2 * 768

@@ -199,7 +199,7 @@ def test_mesh_dimensions_multiply_to_the_world():
 
 def test_dry_run_and_memory_estimate_read_the_plan():
     from llmtrain.config import Config
-    from llmtrain.plan import estimate_memory
+    from llmtrain.plan.memory import estimate_memory
 
     config = Config.from_name("tiny-llama-1.1b")
     offloaded = estimate_memory(config, plan(devices=8, cpu_offload=True), seq_len=2048)

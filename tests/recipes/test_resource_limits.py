@@ -127,7 +127,8 @@ def test_training_counts_the_state_one_device_holds_after_sharding(devices, fits
     from llmtrain.args import FSDPArgs, TrainArgs
     from llmtrain.distributed.parallel_plan import ParallelPlan
     from llmtrain.memory import ModelTooLargeError
-    from llmtrain.plan import DryRunArgs, check_state_fits
+    from llmtrain.args import DryRunArgs
+    from llmtrain.plan.search import check_state_fits
 
     plan = ParallelPlan.resolve(devices=devices, num_nodes=1, precision="bf16-mixed", device_type="cuda",
                                 train=TrainArgs(global_batch_size=devices, micro_batch_size=1),
