@@ -43,7 +43,7 @@ from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.flops import (flops_per_token, gpu_has_bf16, gpu_memory_bytes, link_bytes_per_s, lookup_peak_flops,
                             num_parameters)
 from llmtrain.quantize import quantized_bytes_per_weight
-from llmtrain.train.loop import plan_horizon
+from llmtrain.train.horizon import plan_horizon
 
 GiB = 2**30
 
