@@ -116,7 +116,8 @@ class Fit:
     """Under pipeline parallelism, the :class:`llmtrain.distributed.pipeline.Pipeline` that runs this rank's stages
     (forward, backward and validation losses in place of ``model(...)``); None otherwise."""
     strategy: Optional[Callable[["Fit"], "Strategy"]] = None
-    """Builds the run's :class:`Strategy` from this job; None: :class:`TorchStrategy` (one process, DDP, FSDP)."""
+    """Builds the run's :class:`~llmtrain.train.strategy.Strategy` from this job; None:
+    :class:`~llmtrain.train.strategy.TorchStrategy` (one process, DDP, FSDP)."""
     rewind: Rewind = field(default_factory=Rewind)
     """The last good checkpoint and the run's command line, for the messages of a diverging run."""
 
@@ -124,10 +125,10 @@ class Fit:
 def fit(job: Fit) -> TrainState:
     """Train until the first stop condition, validating, logging and checkpointing on the way.
 
-    Raises :class:`~llmtrain.train.signals.Preempted` (exit code 75) after writing a checkpoint when
-    SIGTERM or SIGUSR1 reached any rank (none while non-finite steps run on: :class:`Rewind`), and
-    :class:`NonFiniteError` after ``--train.max_nonfinite_steps`` skipped steps in a row, at the end of a run
-    whose last steps were skipped, or when the weights hold NaN or inf.
+    Raises :class:`~llmtrain.train.signals.Preempted` (exit code 75) after writing a checkpoint when SIGTERM or
+    SIGUSR1 reached any rank (none while non-finite steps run on: :class:`~llmtrain.train.nonfinite.Rewind`), and
+    :class:`~llmtrain.train.nonfinite.NonFiniteError` after ``--train.max_nonfinite_steps`` skipped steps in a row,
+    at the end of a run whose last steps were skipped, or when the weights hold NaN or inf.
     """
     with catch_stop_signals() as stop_request:
         hooks = callbacks.Callbacks([])

@@ -131,7 +131,8 @@ class NonFiniteSteps:
     @property
     def streak_open(self) -> bool:
         """Whether the steps settled last were skipped, counting toward the limit, with no finite step since: no
-        checkpoint is written then (:meth:`StopPolicy.save`). fp16 overflows, the loss scale's search, open none."""
+        checkpoint is written then (:meth:`llmtrain.train.stop.StopPolicy.save`). fp16 overflows, the loss scale's
+        search, open none."""
         return self.in_a_row > 0
 
     def _finite(self, step: int) -> None:
