@@ -225,7 +225,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if debug:
         os.environ[DEBUG_ENV] = "1"  # the workers of a launched run print tracebacks too
     from llmtrain.distributed.launch import record_invocation
-    from llmtrain.train.loop import NonFiniteError
+    from llmtrain.train.nonfinite import NonFiniteError
 
     record_invocation(args)
     try:

@@ -6,7 +6,7 @@
 Runs the recipe exactly as ``llmtrain benchmark`` does (built-in corpus, micro batch 8 x 256 by default,
 no validation; fine-tuning from a random model directory, LoRA with finetune_lora's default adapters without dropout unless --lora_dropout) with ``--profile`` over ``--steps`` steps after ``--warmup``, then reads rank 0's Chrome trace:
 
-- phases: the loop labels them (``llmtrain.train.loop.PHASES``); "other" is the rest of the step (logging, the
+- phases: the loop labels them (``llmtrain.train.step.PHASES``); "other" is the rest of the step (logging, the
   schedule, the profiler's step marker). Milliseconds per step.
 - operators: each operator's self time (its time minus that of the operators it called), summed per name and
   per group (matmul, attention, elementwise, ...), in milliseconds per step and as a share of the step.
@@ -51,7 +51,7 @@ def group_of(name: str) -> str:
 
 def parse_trace(path: Path, steps: int) -> dict:
     """Phase times and operator self times per step from a Chrome trace of ``steps`` steps."""
-    from llmtrain.train.loop import PHASES
+    from llmtrain.train.step import PHASES
 
     labels = {label: phase for phase, label in PHASES.items()}
     events = json.loads(path.read_text())["traceEvents"]

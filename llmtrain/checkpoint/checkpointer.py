@@ -106,7 +106,7 @@ class Checkpointer:
         """Write ``out_dir/step-NNNNNNNN/`` atomically: every rank's part goes into one temporary directory,
         which rank 0 marks complete and renames (at once, or in :meth:`wait` after an async write).
 
-        ``good``: the run's last good checkpoint, which --train.keep_last then spares (llmtrain.train.loop.Rewind).
+        ``good``: the run's last good checkpoint, which --train.keep_last then spares (llmtrain.train.nonfinite.Rewind).
         """
         target = self.out_dir / layout.step_dir_name(state.step)
         # NOTE: before the check, which may refuse this save: the previous one, written in the background, is the
@@ -212,7 +212,7 @@ class Checkpointer:
 
     def prune(self, good: Path) -> None:
         """Delete the checkpoints --train.keep_last no longer keeps, now that ``good``, the newest, is known to be
-        good (llmtrain.train.loop.Rewind); rank 0 deletes."""
+        good (llmtrain.train.nonfinite.Rewind); rank 0 deletes."""
         if self.runtime.is_main:
             files.prune_checkpoints(self.out_dir, self.keep_last, keep=good)
 

@@ -45,7 +45,7 @@ def remove_leftovers(out_dir: Path) -> list[Path]:
 def prune_checkpoints(out_dir: Path, keep_last: Optional[int], keep: Optional[Path] = None,
                       good: Optional[Path] = None) -> list[Path]:
     """Delete all but the newest ``keep_last`` complete step checkpoints; never ``keep`` (the one just written) nor
-    ``good`` (the run's last good one, while a newer one is not known to be: llmtrain.train.loop.Rewind).
+    ``good`` (the run's last good one, while a newer one is not known to be: llmtrain.train.nonfinite.Rewind).
 
     Each goes in two moves: a rename to a leftover name (atomic), then the deletion, so a crash in
     between never leaves a half-deleted directory that still looks complete.

@@ -177,7 +177,7 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
         fully_shard([model.norm_f, model.lm_head], reshard_after_forward=False, **options)
     fully_shard(model, reshard_after_forward=False, **options)
     # SHARD_GRAD_OP holds each unit's weights gathered from its forward to its backward; the loop holds them on through
-    # a step's micro-batches (llmtrain.train.loop.gradient_sync) instead of resharding and gathering them again.
+    # a step's micro-batches (llmtrain.train.strategy.gradient_sync) instead of resharding and gathering them again.
     model.holds_weights_through_accumulation = not reshard_after_forward
     # NOTE: kernel_device_type: a simulated GPU rank (--dry_run.simulate) runs on a CPU mesh, but as the GPU run would.
     on_cpu = kernel_device_type(mesh.device_type) == "cpu"

@@ -24,7 +24,7 @@ from llmtrain.plan.communication import (pipeline_bubble, tensor_parallel_bytes_
 from llmtrain.plan.memory import (MemoryEstimate, estimate_memory, format_size, host_collective_bytes,
                                   microbatches_in_flight, stage_layers)
 from llmtrain.plan.search import USABLE_MEMORY_FRACTION, device_memory_bytes, fits, gpu_name, suggest_layout
-from llmtrain.train.loop import plan_horizon
+from llmtrain.train.horizon import plan_horizon
 
 
 def _shards(step_bytes: int, plan: ParallelPlan, state_dict_type: str, lora: bool) -> str:

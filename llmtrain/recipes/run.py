@@ -49,8 +49,11 @@ from llmtrain.compiling import CompileSetting
 from llmtrain.recipes import build, checks, hparams
 from llmtrain.recipes.flags import LoggerName
 from llmtrain.tokenizer import Tokenizer
+from llmtrain.train.horizon import plan_horizon, step_limits
 from llmtrain.train.loggers import build_loggers
-from llmtrain.train.loop import Fit, NonFiniteError, Rewind, TrainState, data_metrics, fit, plan_horizon, step_limits
+from llmtrain.train.loop import Fit, TrainState, fit
+from llmtrain.train.metrics import data_metrics
+from llmtrain.train.nonfinite import NonFiniteError, Rewind
 from llmtrain.train.profile import build_profiler
 from llmtrain.train.schedule import check_min_lr
 from llmtrain.signals import catch_stop_signals
@@ -332,7 +335,7 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
     torch.manual_seed(spec.seed + runtime.rank)  # dropout and sampling differ per rank, reproducibly
     optimizer = build_optimizer(spec.optimizer, [p for p in model.parameters() if p.requires_grad])
     scaler = plan.precision.grad_scaler(runtime.device)
-    strategy = None  # torch's own (llmtrain.train.loop.TorchStrategy)
+    strategy = None  # torch's own (llmtrain.train.strategy.TorchStrategy)
     if spec.deepspeed_config is not None:
         from llmtrain_deepspeed.engine import DeepSpeedStrategy, initialize
 
@@ -398,7 +401,7 @@ def _run(spec: RunSpec, runtime: Runtime) -> None:
 def _set_aside_diverged(out_dir: Path, rewind: Rewind, say: Callable[[str], None]) -> None:
     """After a stop for divergence, move the checkpoints newer than the last good one (written before the streak,
     from weights that then gave a NaN or inf gradient) where --resume auto does not look, so that it picks the good
-    one (llmtrain.train.loop.Rewind)."""
+    one (llmtrain.train.nonfinite.Rewind)."""
     moved = files.set_aside_newer(out_dir, rewind.checkpoint)
     if moved:
         say(f"moved {', '.join(path.name for path in moved)} into {moved[0].parent}: the weights it holds gave NaN or "

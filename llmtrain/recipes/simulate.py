@@ -8,7 +8,7 @@ against what the code actually allocates and sends, at the world size the user w
 - ``FakeTensorMode`` gives every tensor a shape, dtype and size and no storage: nothing is allocated or computed;
 - each simulated rank then runs what a real rank runs: the same :class:`ParallelPlan` and mesh,
   :func:`llmtrain.recipes.build.build_model` (on the meta device, ``parallelize``, materialised), the same optimizer,
-  the loop's own :class:`~llmtrain.train.loop.TrainStep` (the step's token all-reduce, every micro-batch of the
+  the loop's own :class:`~llmtrain.train.step.TrainStep` (the step's token all-reduce, every micro-batch of the
   planned accumulation or the pipeline schedule, clipping, the optimizer step) and the checkpointer's gathering of
   a full checkpoint. No second implementation: what the simulation measures is what those functions do.
 
@@ -427,11 +427,14 @@ def _mesh_of(model: torch.nn.Module) -> Any:
 
 def _train_step(config: Config, plan: ParallelPlan, runtime: Any, model: torch.nn.Module,
                 optimizer: torch.optim.Optimizer, train: Any, seq_len: int) -> Callable[[], Any]:
-    """The loop's own step (:class:`~llmtrain.train.loop.TrainStep`) for this rank, over one step's micro-batches."""
+    """The loop's own step (:class:`~llmtrain.train.step.TrainStep`) for this rank, over one step's micro-batches."""
     from llmtrain.args import EvalArgs
     from llmtrain.distributed.pipeline import build_pipeline
     from llmtrain import callbacks
-    from llmtrain.train.loop import Fit, Horizon, TorchStrategy, TrainStep
+    from llmtrain.train.horizon import Horizon
+    from llmtrain.train.loop import Fit
+    from llmtrain.train.step import TrainStep
+    from llmtrain.train.strategy import TorchStrategy
 
     pipeline = build_pipeline(model, plan, runtime) if plan.pp > 1 else None
     job = Fit(runtime=runtime, model=model, optimizer=optimizer, train_loader=None, val_loader=None, train=train,

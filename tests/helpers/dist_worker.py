@@ -29,7 +29,8 @@ from llmtrain.distributed import shared_memory
 from llmtrain.distributed.parallelize import materialize, parallelize
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
-from llmtrain.train.loop import IGNORE_INDEX, Fit, TrainState, fit, plan_horizon
+from llmtrain.train.horizon import plan_horizon
+from llmtrain.train.loop import IGNORE_INDEX, Fit, TrainState, fit
 from llmtrain.precision import Precision
 
 from conftest import LAUNCHER_PREFIXES, LAUNCHER_VARS, ListLoader, free_port_number
@@ -313,7 +314,7 @@ def peak_bytes(runtime: Runtime, config: Config, plan: ParallelPlan, seq_len: in
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from llmtrain.recipes.build import build_model
-    from llmtrain.train.loop import gradient_sync
+    from llmtrain.train.strategy import gradient_sync
 
     model = build_model(config, plan=plan, runtime=runtime, seed=SEED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -23,7 +23,8 @@ from llmtrain.args import EvalArgs, FSDPArgs, TrainArgs
 from llmtrain.distributed.parallel_plan import DEEPSPEED_STRATEGIES
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.distributed.runtime import Runtime
-from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon
+from llmtrain.train.horizon import plan_horizon
+from llmtrain.train.loop import Fit, TrainState, fit
 from llmtrain.precision import Precision
 
 

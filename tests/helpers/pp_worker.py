@@ -33,7 +33,8 @@ from llmtrain.distributed.pipeline import PipelineParts, build_pipeline
 from llmtrain.distributed.runtime import Runtime, host_barrier
 from llmtrain.model import GPT
 from llmtrain.recipes.build import build_model
-from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon
+from llmtrain.train.horizon import plan_horizon
+from llmtrain.train.loop import Fit, TrainState, fit
 
 VAL_BATCHES = 6
 """Validation batches (of one sequence) over all data-parallel ranks: fewer than a step's micro-batches, so the

@@ -25,7 +25,8 @@ from llmtrain.distributed.parallelize import materialize, parallelize
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
 from llmtrain.optim import build_optimizer
-from llmtrain.train.loop import Fit, TrainState, fit, plan_horizon
+from llmtrain.train.horizon import plan_horizon
+from llmtrain.train.loop import Fit, TrainState, fit
 from llmtrain.precision import Precision
 
 from conftest import ListLoader

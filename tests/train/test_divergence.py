@@ -29,7 +29,9 @@ from llmtrain.config import Config
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
 from llmtrain import callbacks
-from llmtrain.train.loop import Fit, NonFiniteError, Rewind, fit, plan_horizon
+from llmtrain.train.horizon import plan_horizon
+from llmtrain.train.loop import Fit, fit
+from llmtrain.train.nonfinite import NonFiniteError, Rewind
 from llmtrain.precision import Precision
 from llmtrain.signals import Preempted
 

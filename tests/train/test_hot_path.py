@@ -339,7 +339,8 @@ class Rows:
 def train_tiny(optimizer_kwargs, max_steps=8, log_interval=4):
     from llmtrain.args import EvalArgs, TrainArgs, batch_plan
     from llmtrain.distributed.runtime import Runtime
-    from llmtrain.train.loop import Fit, fit, plan_horizon
+    from llmtrain.train.horizon import plan_horizon
+    from llmtrain.train.loop import Fit, fit
     from llmtrain.precision import Precision
 
     torch.manual_seed(0)
@@ -363,7 +364,7 @@ def test_fused_adamw_steps_read_nothing_from_the_device_between_log_steps(monkey
     A NaN at step 2 is skipped on the device and reported at step 4 (the next log step) with its number,
     and the weights end where the host-decided skip of a foreach AdamW puts them.
     """
-    from llmtrain.train import loop
+    from llmtrain.train import loop, nonfinite
     from llmtrain.train.schedule import WarmupDecaySchedule
 
     nan_at_step_2 = faults.NanLoss([2])
@@ -371,7 +372,7 @@ def test_fused_adamw_steps_read_nothing_from_the_device_between_log_steps(monkey
     with faults.installed(nan_at_step_2):
         loop.fit(reference)
     job, rows = train_tiny({"fused": True})
-    assert loop._skips_on_device(job.optimizer, None) and not loop._skips_on_device(reference.optimizer, None)
+    assert nonfinite._skips_on_device(job.optimizer, None) and not nonfinite._skips_on_device(reference.optimizer, None)
 
     reads = {}  # step being trained -> conversions counted
     current = [0]

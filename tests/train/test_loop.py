@@ -10,7 +10,9 @@ from llmtrain.config import Config
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
 from llmtrain import callbacks
-from llmtrain.train.loop import IGNORE_INDEX, Fit, fit, interval_memory, plan_horizon
+from llmtrain.train.horizon import plan_horizon
+from llmtrain.train.loop import IGNORE_INDEX, Fit, fit
+from llmtrain.train.metrics import interval_memory
 from llmtrain.precision import Precision
 
 from conftest import ListLoader
@@ -242,13 +244,14 @@ def test_the_time_vote_stops_the_run_after_the_step_in_which_max_time_runs_out(m
     """Votes are cast as a step starts, so the time vote looks one step (as long as the last) ahead."""
     from types import SimpleNamespace
 
-    from llmtrain.train import loop
+    from llmtrain.train import horizon, loop, stop
     from llmtrain.signals import StopRequest
 
     clock = [0.0]
-    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    job = SimpleNamespace(horizon=loop.Horizon(total_steps=100, warmup_steps=0, max_time=10.0), state=loop.TrainState())
-    stops = loop.StopPolicy(job, StopRequest())
+    monkeypatch.setattr(stop, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    job = SimpleNamespace(horizon=horizon.Horizon(total_steps=100, warmup_steps=0, max_time=10.0),
+                          state=loop.TrainState())
+    stops = stop.StopPolicy(job, StopRequest())
     time_votes = []
     for step in range(1, 6):  # steps of 3 s: the time runs out during step 4 (9 s to 12 s)
         time_votes.append(stops.votes()[1])
@@ -314,7 +317,7 @@ def test_validation_time_is_no_part_of_the_logged_throughput(monkeypatch):
     """A clock that validation moves 1,000 s: the tokens/s of every log line still count the steps' time alone."""
     from types import SimpleNamespace
 
-    from llmtrain.train import loop
+    from llmtrain.train import loop, metrics, stop
 
     clock = [0.0]
 
@@ -326,7 +329,8 @@ def test_validation_time_is_no_part_of_the_logged_throughput(monkeypatch):
         clock[0] += 1000.0
         return 1.0
 
-    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=perf_counter))
+    for module in (metrics, stop):  # the interval's clock and the run's
+        monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=perf_counter))
     monkeypatch.setattr(loop, "_validation_loss", slow_validation)
     recorder = logged_fit(3, ListLoader(padded_samples(), 1), ListLoader(padded_samples(seed=1), 1),
                           EvalArgs(interval=1, max_iters=1, initial_validation=True, final_validation=False))

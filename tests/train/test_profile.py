@@ -15,7 +15,8 @@ from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
 from llmtrain.recipes import run as run_module
 from llmtrain.callbacks import Callback
-from llmtrain.train.loop import Fit, fit, plan_horizon
+from llmtrain.train.horizon import plan_horizon
+from llmtrain.train.loop import Fit, fit
 from llmtrain.precision import Precision
 from llmtrain.train.profile import StepProfiler, build_profiler, takes_memory_snapshot
 

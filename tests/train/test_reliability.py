@@ -33,7 +33,9 @@ from llmtrain.config import Config
 from llmtrain.data.base import TrainLoader
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
-from llmtrain.train.loop import Fit, NonFiniteError, TrainState, fit, plan_horizon
+from llmtrain.train.horizon import plan_horizon
+from llmtrain.train.loop import Fit, TrainState, fit
+from llmtrain.train.nonfinite import NonFiniteError
 from llmtrain.precision import Precision
 from llmtrain import callbacks
 from llmtrain.signals import PREEMPTED_EXIT_CODE, Preempted

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llmtrain.args import TrainArgs
-from llmtrain.train.loop import plan_horizon, step_limits
+from llmtrain.train.horizon import plan_horizon, step_limits
 from llmtrain.train.schedule import WarmupDecaySchedule, lr_at
 
 

@@ -8,7 +8,7 @@ interface the core already has for torch's own engine:
 - :func:`llmtrain_deepspeed.config.build_config`: the DeepSpeed config, from llmtrain's flags and the user's
   ``--deepspeed.config`` file, checked before any worker starts (pure Python, no deepspeed import);
 - :func:`llmtrain_deepspeed.engine.initialize`: the engine around the built model and optimizer, and
-  :class:`llmtrain_deepspeed.engine.DeepSpeedStrategy`, the :class:`llmtrain.train.loop.Strategy` that lets
+  :class:`llmtrain_deepspeed.engine.DeepSpeedStrategy`, the :class:`llmtrain.train.strategy.Strategy` that lets
   ``fit()`` run its one loop on it;
 - :class:`llmtrain_deepspeed.checkpoint.DeepSpeedCheckpointer`: DeepSpeed's sharded files inside llmtrain's
   step directories (same marker, atomic rename, keep_last), resumed at any world size (DeepSpeed's universal

@@ -22,7 +22,9 @@ import torch
 
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import CausalSelfAttention
-from llmtrain.train.loop import Fit, NonFiniteSteps, Strategy
+from llmtrain.train.loop import Fit
+from llmtrain.train.nonfinite import NonFiniteSteps
+from llmtrain.train.strategy import Strategy
 
 
 def import_deepspeed(device_type: str):
@@ -76,7 +78,7 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
 
 
 class DeepSpeedStrategy(Strategy):
-    """The :class:`~llmtrain.train.loop.Strategy` of a DeepSpeed run: ``job.model`` is the engine.
+    """The :class:`~llmtrain.train.strategy.Strategy` of a DeepSpeed run: ``job.model`` is the engine.
 
     The loop's loss is already divided by the step's target tokens, so backward does not divide it by the
     accumulation steps again; the engine is told which micro-batch ends the step, reduces the gradients there,
@@ -110,7 +112,7 @@ class DeepSpeedStrategy(Strategy):
 
     def _counts_toward_limit(self) -> bool:
         """An fp16 overflow counts only once the loss scale is down to its floor (the scaler's search, as
-        :func:`llmtrain.train.loop._skip_update`); in bf16 and fp32 every skipped step counts."""
+        :func:`llmtrain.train.nonfinite._skip_update`); in bf16 and fp32 every skipped step counts."""
         if not self.engine.fp16_enabled():
             return True
         return float(getattr(self.engine.optimizer, "cur_scale", 1.0)) <= 1.0
