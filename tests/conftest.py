@@ -64,6 +64,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture
+def small_matmul_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``llmtrain benchmark``'s matmul peak measured on 512 × 512 products only, in this process: the default sizes
+    (up to 4096) take one thread 10-40 s, twice a run, for a test that checks nothing of the peak."""
+    from llmtrain.flops import measure_matmul_peak
+
+    monkeypatch.setattr(measure_matmul_peak, "__defaults__", ((512,), *measure_matmul_peak.__defaults__[1:]))
+
+
+@pytest.fixture
 def free_port() -> Callable[[], int]:
     """Call it for a port that is free on 127.0.0.1 right now (a new one each call)."""
     return free_port_number

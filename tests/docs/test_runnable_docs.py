@@ -168,8 +168,11 @@ def test_document_runs_verbatim(name, tmp_path, tmp_path_factory):
     (folder / "config_hub").symlink_to(ROOT / "config_hub")
     for give in GIVEN[name]:
         give(folder)
+    # OMP_NUM_THREADS stays this process's: under pytest-xdist, conftest gave it this worker's share of the cores (a
+    # fixed 2 beside the other worker, times 2 for a `--devices 2` block's workers, made every OpenMP thread wait for
+    # the others: a tiny pretraining took 5x the CPU time of one thread); alone, the document's commands choose theirs.
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "OMP_NUM_THREADS": "2", "GLOO_SOCKET_IFNAME": "lo", "LLMTRAIN_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "shared-cache"),
+           "GLOO_SOCKET_IFNAME": "lo", "LLMTRAIN_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "shared-cache"),
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     for number, (lang, body, save_as) in enumerate(runnable_blocks(DOCS[name].read_text()), start=1):
         if save_as:
