@@ -16,12 +16,12 @@
 mpirun's own variables (Open MPI's, PMI's) are refused rather than read: a process that only they describe
 would otherwise train alone, as if it were the whole job.
 
-This module decides (from the environment alone, with SLURM's variables read by :mod:`llmtrain.distributed.slurm`);
+This module decides, from the environment alone (SLURM's variables read by :mod:`llmtrain.distributed.slurm`);
 :mod:`llmtrain.distributed.supervise` spawns the workers, watches them and turns their failures into exit codes.
 Every rank runs ``fn`` inside :func:`~llmtrain.distributed.supervise.run_as_worker`, which tears the process
-group down and ends the process itself, so ``launch`` returns only in the ``single`` and spawning paths. Spawned workers are
-fresh interpreters that unpickle ``fn`` and its arguments: both must be picklable by reference
-(module-level functions, plain data), not lambdas, open files or built models.
+group down and ends the process itself, so ``launch`` returns only in the ``single`` and spawning paths.
+Spawned workers are fresh interpreters that unpickle ``fn`` and its arguments: both must be picklable by
+reference (module-level functions, plain data), not lambdas, open files or built models.
 """
 
 from __future__ import annotations

@@ -235,8 +235,8 @@ def _describe(spec: RunSpec, runtime: Runtime, built: _Built, horizon: Horizon, 
     if spec.compile == "auto":
         say(built.compiled.reason)
     say(f"layout: {plan.describe()} | device {runtime.device}")
-    memory = planning.estimate_memory(spec.config, plan=plan, seq_len=spec.seq_len, trainable_parameters=built.trainable,
-                                      quantize=spec.quantize)
+    memory = planning.estimate_memory(spec.config, plan=plan, seq_len=spec.seq_len,
+                                      trainable_parameters=built.trainable, quantize=spec.quantize)
     say(f"memory per device (estimate): {memory.describe()}")
 
 
