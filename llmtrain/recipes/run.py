@@ -249,14 +249,16 @@ def _fit_job(spec: RunSpec, runtime: Runtime, data: _Data, built: _Built, state:
         profiler = build_profiler(spec.profile, spec.out_dir, runtime.rank, runtime.device, first_step=state.step + 1,
                                   last_step=data.horizon.total_steps, say=say)
     pipeline = build_pipeline(built.model, plan, runtime) if plan.pp > 1 else None
-    loggers = build_loggers(spec.logger_name, spec.out_dir, state.step if spec.resume_from else None,
-                            spec.hyperparameters, data_columns=list(data_metrics(data.train_loader)))
+    loggers = []
+    if runtime.is_main:  # rank 0 alone writes metrics
+        loggers = build_loggers(spec.logger_name, spec.out_dir, state.step if spec.resume_from else None,
+                                spec.hyperparameters, data_columns=list(data_metrics(data.train_loader)))
     return Fit(runtime=runtime, model=built.model, optimizer=built.optimizer, train_loader=data.train_loader,
                val_loader=data.val_loader, train=spec.train, eval=spec.eval, plan=plan.batch, horizon=data.horizon,
                precision=plan.precision, save_checkpoint=lambda state: checkpointer.save(state, good=rewind.checkpoint),
                save_final=checkpointer.save_final,
                wait_for_checkpoint=checkpointer.wait,
-               loggers=loggers if runtime.is_main else [],
+               loggers=loggers,
                flops_per_token=flops_per_token(spec.config, spec.seq_len,
                                                adapter_parameters=built.trainable if spec.lora is not None else None),
                peak_flops_per_device=device_peak_flops(runtime.device, plan.precision.compute_dtype),
