@@ -282,7 +282,7 @@ def run_cli(args: list[str]) -> None:
 
     import llmtrain.data  # noqa: F401  (registers the data modules so `--data NAME` resolves)
 
-    from llmtrain.distributed.launch import WorkerFailedError
+    from llmtrain.distributed.supervise import WorkerFailedError
     from llmtrain.distributed.runtime import configure_process
 
     configure_process()

@@ -1,5 +1,5 @@
 """Which errors are told in one line and with what exit status: one rule for ``llmtrain.cli.main`` and for the
-workers of a launched run (``llmtrain.distributed.launch``), so that an input error found by a rank reads as it
+workers of a launched run (``llmtrain.distributed.supervise``), so that an input error found by a rank reads as it
 would in a single process.
 
 A told error's message says what is wrong and what to do; its traceback would only hide that. ``--debug``

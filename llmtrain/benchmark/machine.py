@@ -45,7 +45,7 @@ def threads_per_process(devices: int) -> int:
         return torch.get_num_threads()
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return int(os.environ["OMP_NUM_THREADS"])
-    from llmtrain.distributed.launch import _usable_cores
+    from llmtrain.distributed.supervise import _usable_cores
 
     return max(1, _usable_cores() // devices)  # what the launcher gives each worker
 

@@ -57,7 +57,8 @@ def check_rank(out_dir: str, behaviour: Behaviour = "ok", accelerator: str = "au
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from llmtrain.distributed.launch import WorkerFailedError, launch
+    from llmtrain.distributed.launch import launch
+    from llmtrain.distributed.supervise import WorkerFailedError
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=1, help="processes per node")

@@ -51,8 +51,7 @@ def check_vocab(tokenizer: Any, config: Config, tokenizer_source: str) -> None:
 def build_model(config: Config, *, plan: ParallelPlan, runtime: Runtime, seed: int, compile: bool = False,
                 initial_checkpoint_dir: Optional[Path] = None, lora: Optional[LoRAArgs] = None,
                 quantize: Optional[str] = None,
-                allocating: Callable[[], ContextManager] = contextlib.nullcontext,
-                deepspeed_config: Optional[dict] = None) -> torch.nn.Module:
+                allocating: Callable[[], ContextManager] = contextlib.nullcontext) -> torch.nn.Module:
     """Build on the meta device, parallelize, then materialise only this rank's shard.
 
     A 70B model never exists whole on one rank: weights are allocated after sharding and initialised
@@ -60,15 +59,8 @@ def build_model(config: Config, *, plan: ParallelPlan, runtime: Runtime, seed: i
     at any world size. With ``lora``, adapters are added before sharding and only they train.
     ``allocating``: the context the weights are allocated in (``--dry_run.simulate``'s fake tensors, which must not
     see the meta model built before: torch cannot convert a fake meta parameter's dtype in place).
-    ``deepspeed_config``: the run's DeepSpeed config; under ZeRO stage 3 the DeepSpeed extension builds the model
-    partitioned (stages 1 and 2 keep every parameter whole on every rank and build as here).
+    Under ZeRO stage 3 the DeepSpeed engine builds the model partitioned instead (llmtrain.recipes.engine).
     """
-    if deepspeed_config is not None and plan.zero is not None and plan.zero.stage == 3 and quantize is None:
-        from llmtrain_deepspeed.build import build_partitioned_model  # NOTE: the extension, only for a DeepSpeed run
-
-        return build_partitioned_model(config, plan=plan, runtime=runtime, seed=seed, compile=compile,
-                                       deepspeed_config=deepspeed_config,
-                                       initial_checkpoint_dir=initial_checkpoint_dir, lora=lora)
     if quantize is not None:
         return _build_quantized(config, plan=plan, runtime=runtime, seed=seed,
                                 initial_checkpoint_dir=initial_checkpoint_dir, lora=lora, quantize=quantize,

@@ -21,7 +21,7 @@ from llmtrain.plan.memory import lora_trainable_parameters
 from llmtrain.checkpoint.resume import resolve_resume
 from llmtrain.recipes import checks, hparams
 from llmtrain.recipes.flags import shared_flags, with_defaults
-from llmtrain.recipes.run import prepare
+from llmtrain.recipes.prepare import prepare
 from llmtrain.distributed.parallel_plan import resolve_device_type
 from llmtrain.precision import Precision, resolve_precision
 
@@ -102,29 +102,35 @@ def setup_lora(
                     lora_key=lora_key, lora_value=lora_value, lora_projection=lora_projection, lora_mlp=lora_mlp,
                     lora_head=lora_head)
     if quantize is not None:
-        if flags["devices"] in ("auto", -1):  # a quantized base runs on one device; auto means that one
-            flags["devices"] = 1
-        if flags["precision"] == "auto":  # quantized layers compute in one dtype: the -true of auto's choice
-            flags["precision"] = resolve_precision("auto", resolve_device_type(flags["accelerator"])).unmixed().name
-        world = flags["devices"] * flags["num_nodes"]
-        if flags["strategy"].startswith("deepspeed"):
-            raise ValueError(f"--quantize {quantize} cannot train under --strategy {flags['strategy']}: DeepSpeed's "
-                             "ZeRO partitions and casts every weight, which bitsandbytes' quantized layers do not "
-                             "allow. Use --devices 1 and no --strategy for QLoRA, or LoRA without --quantize under "
-                             f"--strategy {flags['strategy']}")
-        if world > 1 or flags["strategy"] != "auto":
-            split = [f"--{name} {flags[name]}" for name in ("tp_size", "pp_size") if flags[name] > 1]
-            raise ValueError(f"--quantize {quantize} runs on one device without a data-parallel wrapper: "
-                             "bitsandbytes' quantized weights cannot be sharded by FSDP"
-                             + (f" nor split by {' or '.join(split)}" if split else "") + ". Use --devices 1 and "
-                             f"no --strategy, or LoRA without --quantize on {world} devices")
-        if Precision(flags["precision"]).is_mixed:
-            raise ValueError(f"--quantize {quantize} with --precision {flags['precision']}: quantized layers compute "
-                             "in one dtype; use --precision bf16-true (or 32-true)")
+        _check_qlora(quantize, flags)
     if flags["fsdp"].state_dict_type == "sharded":
         raise ValueError("finetune_lora writes only the adapters, which are small, so its checkpoints are always "
                          "full; drop --fsdp.state_dict_type sharded")
     _finetune("finetune_lora", checkpoint_dir, prompt_style, flags, lora=lora, quantize=quantize)
+
+
+def _check_qlora(quantize: str, flags: dict[str, Any]) -> None:
+    """QLoRA's flags: one device (auto means that one) and no data-parallel wrapper, in one dtype (auto: the ``-true``
+    of auto's choice); ``flags`` get those defaults."""
+    if flags["devices"] in ("auto", -1):  # a quantized base runs on one device; auto means that one
+        flags["devices"] = 1
+    if flags["precision"] == "auto":  # quantized layers compute in one dtype: the -true of auto's choice
+        flags["precision"] = resolve_precision("auto", resolve_device_type(flags["accelerator"])).unmixed().name
+    world = flags["devices"] * flags["num_nodes"]
+    if flags["strategy"].startswith("deepspeed"):
+        raise ValueError(f"--quantize {quantize} cannot train under --strategy {flags['strategy']}: DeepSpeed's "
+                         "ZeRO partitions and casts every weight, which bitsandbytes' quantized layers do not "
+                         "allow. Use --devices 1 and no --strategy for QLoRA, or LoRA without --quantize under "
+                         f"--strategy {flags['strategy']}")
+    if world > 1 or flags["strategy"] != "auto":
+        split = [f"--{name} {flags[name]}" for name in ("tp_size", "pp_size") if flags[name] > 1]
+        raise ValueError(f"--quantize {quantize} runs on one device without a data-parallel wrapper: "
+                         "bitsandbytes' quantized weights cannot be sharded by FSDP"
+                         + (f" nor split by {' or '.join(split)}" if split else "") + ". Use --devices 1 and "
+                         f"no --strategy, or LoRA without --quantize on {world} devices")
+    if Precision(flags["precision"]).is_mixed:
+        raise ValueError(f"--quantize {quantize} with --precision {flags['precision']}: quantized layers compute "
+                         "in one dtype; use --precision bf16-true (or 32-true)")
 
 
 def _finetune(recipe: str, checkpoint_dir: Path, prompt_style: Optional[str], flags: dict[str, Any],

@@ -10,7 +10,7 @@ from typing import Literal, Optional, Union
 
 from llmtrain.checkpoint import lock as out_dir_lock
 from llmtrain.data.base import DataModule, PretrainDataModule
-from llmtrain.data.manifest import damaged_shards, describe_damage
+from llmtrain.data.manifest import Manifest, damaged_shards, describe_damage
 from llmtrain.data.prepare import Preparation, check_writable, finished, forget_damaged, plan, prepare_rank
 from llmtrain.data.tokens import available_cpu_count
 from llmtrain.data.units import UNIT_BYTES, WorkUnit
@@ -61,6 +61,33 @@ def setup(
             sha256 (hashing runs at the disk's or one core's speed), not only sizes and sampled blocks. Damaged
             shards are prepared again either way.
     """
+    _check_source(data, out_dir, num_workers)
+    data.validate()
+    tokenizer = resolve_tokenizer(tokenizer_dir, data)
+    preparation, units = plan(data, tokenizer, shard_tokens, unit_bytes)
+    manifest = finished(out_dir, preparation)
+    # NOTE: sizes and sampled blocks (a stat and 128 KiB a shard), or with --verify every byte, in each launching
+    # process: the ranks must agree on whether to launch before they can talk.
+    damaged = [] if manifest is None else damaged_shards(out_dir, manifest, check="sha256" if verify else "sample")
+    if manifest is not None and not damaged:
+        if is_first_process():
+            _say_prepared(out_dir, manifest, verify)
+        return
+    check_writable(out_dir)
+    devices, _ = resolve_devices(devices, num_nodes, "cpu")
+    plan_launch(devices, num_nodes)  # the launcher's environment agrees with the flags
+    workers = num_workers or max(1, available_cpu_count() // devices)
+    with out_dir_lock.hold(out_dir) if is_first_process() else contextlib.nullcontext():  # one writer (recipes.prepare)
+        if damaged and is_first_process():
+            print(f"prepare_data: {out_dir} has {len(damaged)} damaged shard(s) ({describe_damage(damaged)}): "
+                  "preparing their units again")
+            forget_damaged(out_dir, [shard for shard, _ in damaged])
+        launch(run, args=(PrepareJob(preparation, units, Path(out_dir), workers),), devices=devices,
+               num_nodes=num_nodes)
+
+
+def _check_source(data: Optional[DataModule], out_dir: Optional[Path], num_workers: Optional[int]) -> None:
+    """The flags of a preparation: pretraining data that is tokenized up front, whole, into ``out_dir``."""
     if data is None or out_dir is None:
         raise ValueError("prepare_data needs --data (e.g. `--data TextFiles --data.train_data_path DIR`) and "
                          "--out_dir (the folder to prepare)")
@@ -77,31 +104,13 @@ def setup(
         raise ValueError(f"--data.val_split_fraction {fraction:g} holds out validation data when training: a prepared "
                          "folder keeps all of the training data. Drop it here, and pass it to the run that trains on "
                          f"the folder (--data Prepared --data.path {out_dir} --data.val_split_fraction {fraction:g})")
-    data.validate()
-    tokenizer = resolve_tokenizer(tokenizer_dir, data)
-    preparation, units = plan(data, tokenizer, shard_tokens, unit_bytes)
-    manifest = finished(out_dir, preparation)
-    # NOTE: sizes and sampled blocks (a stat and 128 KiB a shard), or with --verify every byte, in each launching
-    # process: the ranks must agree on whether to launch before they can talk.
-    damaged = [] if manifest is None else damaged_shards(out_dir, manifest, check="sha256" if verify else "sample")
-    if manifest is not None and not damaged:
-        if is_first_process():
-            shards = sum(len(split.shards) for split in manifest.splits.values())
-            print(f"prepare_data: {out_dir} is prepared already ({manifest.splits['train'].tokens:,} training tokens "
-                  f"in {shards} shards, {'every byte' if verify else 'sizes and sampled blocks'} checked); nothing "
-                  "to do")
-        return
-    check_writable(out_dir)
-    devices, _ = resolve_devices(devices, num_nodes, "cpu")
-    plan_launch(devices, num_nodes)  # the launcher's environment agrees with the flags
-    workers = num_workers or max(1, available_cpu_count() // devices)
-    with out_dir_lock.hold(out_dir) if is_first_process() else contextlib.nullcontext():  # one writer (run.prepare)
-        if damaged and is_first_process():
-            print(f"prepare_data: {out_dir} has {len(damaged)} damaged shard(s) ({describe_damage(damaged)}): "
-                  "preparing their units again")
-            forget_damaged(out_dir, [shard for shard, _ in damaged])
-        launch(run, args=(PrepareJob(preparation, units, Path(out_dir), workers),), devices=devices,
-               num_nodes=num_nodes)
+
+
+def _say_prepared(out_dir: Path, manifest: Manifest, verify: bool) -> None:
+    shards = sum(len(split.shards) for split in manifest.splits.values())
+    print(f"prepare_data: {out_dir} is prepared already ({manifest.splits['train'].tokens:,} training tokens "
+          f"in {shards} shards, {'every byte' if verify else 'sizes and sampled blocks'} checked); nothing "
+          "to do")
 
 
 def run(job: PrepareJob) -> None:

@@ -12,7 +12,7 @@ from llmtrain.checkpoint.resume import resolve_resume
 from llmtrain.recipes import checks, hparams
 from llmtrain.recipes.flags import shared_flags, with_defaults
 from llmtrain.recipes.hub import pretrain_batch_defaults, with_default_length
-from llmtrain.recipes.run import prepare
+from llmtrain.recipes.prepare import prepare
 
 
 @shared_flags(defaults={"out_dir": Path("out/pretrain")},

@@ -33,7 +33,7 @@ def lr_at(step: int, *, base_lr: float, warmup_steps: int, total_steps: int, min
 
 
 def check_min_lr(min_lr: float, base_lr: float, decay: str = "cosine") -> None:
-    """A decay never climbs: refuse a ``min_lr`` above the optimizer's rate (``recipes.run.prepare`` checks the
+    """A decay never climbs: refuse a ``min_lr`` above the optimizer's rate (``recipes.prepare.prepare`` checks the
     flags with this before any worker starts)."""
     if decay != "constant" and min_lr > base_lr:
         raise ValueError(f"--train.min_lr {min_lr:g} is above the learning rate {base_lr:g} (--optimizer.lr): the "

@@ -16,14 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from llmtrain.distributed import launch as launch_module
-from llmtrain.distributed.launch import (
-    expand_hostlist,
-    launch,
-    parse_tasks_per_node,
-    plan_launch,
-    slurm_master_port,
-)
+from llmtrain.distributed import supervise
+from llmtrain.distributed.launch import launch, plan_launch
+from llmtrain.distributed.slurm import expand_hostlist, parse_tasks_per_node, slurm_master_port
 
 REPO = Path(__file__).resolve().parents[2]
 SELFTEST = [sys.executable, "-m", "llmtrain.distributed._selftest"]
@@ -360,4 +355,4 @@ def test_spawn_refuses_entrypoints_from_main(clean_launch_env, monkeypatch):
 
     monkeypatch.setattr(entrypoint, "__module__", "__main__")
     with pytest.raises(ValueError, match="defined in the __main__ script"):
-        launch_module.spawn_workers(plan_launch(2, 1), entrypoint, (), {}, 5.0)
+        supervise.spawn_workers(plan_launch(2, 1), entrypoint, (), {}, 5.0)

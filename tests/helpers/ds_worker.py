@@ -377,7 +377,7 @@ def run_command_lines(cases: list[dict]) -> list[dict]:
     import io
     import traceback
 
-    import llmtrain.recipes.run as recipe_run
+    import llmtrain.recipes.prepare as recipe_prepare
     from llmtrain import cli
 
     launched: list[bool] = []
@@ -386,7 +386,7 @@ def run_command_lines(cases: list[dict]) -> list[dict]:
         launched.append(True)
         sys.exit(99)
 
-    recipe_run.launch = no_workers
+    recipe_prepare.launch = no_workers
     results = []
     for case in cases:
         if case.get("hide_deepspeed"):

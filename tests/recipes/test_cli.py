@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from llmtrain.cli import run_cli
-from llmtrain.recipes import run as run_module
+from llmtrain.recipes import prepare as prepare_module
 
 
 def launched_config(argv: list[str], monkeypatch):
     launched = []
-    monkeypatch.setattr(run_module, "launch", lambda fn, args, **kw: launched.append(args[0]))
+    monkeypatch.setattr(prepare_module, "launch", lambda fn, args, **kw: launched.append(args[0]))
     run_cli(argv)
     return launched[0].config
 

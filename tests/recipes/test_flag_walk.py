@@ -20,7 +20,7 @@ import pytest
 from llmtrain.cli import CommandLineError, run_cli
 from llmtrain.config import Config
 from llmtrain.recipes import finetune, pretrain
-from llmtrain.recipes import run as run_module
+from llmtrain.recipes import prepare as prepare_module
 from llmtrain.recipes.hparams import to_yaml
 
 RECIPES = {"pretrain": pretrain.setup, "finetune_full": finetune.setup_full, "finetune_lora": finetune.setup_lora}
@@ -70,7 +70,7 @@ def other_value(annotation: Any, default: Any, tmp_path: Path) -> str:
 def outcome(argv: list[str], monkeypatch, capsys) -> tuple[str, Any]:
     """("refused", message), ("launched", the RunSpec as YAML) or ("printed", the dry run's plan)."""
     launched = []
-    monkeypatch.setattr(run_module, "launch", lambda fn, args, **kw: launched.append(args[0]))
+    monkeypatch.setattr(prepare_module, "launch", lambda fn, args, **kw: launched.append(args[0]))
     try:
         run_cli(argv)
     except (ValueError, OSError, CommandLineError, TypeError) as error:

@@ -7,7 +7,7 @@ import yaml
 
 from llmtrain.cli import run_cli
 from llmtrain.optim import build_optimizer
-from llmtrain.recipes import run as run_module
+from llmtrain.recipes import prepare as prepare_module
 
 
 class ThresholdSGD(torch.optim.SGD):
@@ -20,7 +20,7 @@ class ThresholdSGD(torch.optim.SGD):
 
 def launched_spec(argv: list[str], monkeypatch):
     launched = []
-    monkeypatch.setattr(run_module, "launch", lambda fn, args, **kw: launched.append(args[0]))
+    monkeypatch.setattr(prepare_module, "launch", lambda fn, args, **kw: launched.append(args[0]))
     run_cli(argv)
     return launched[0]
 

@@ -13,7 +13,7 @@ from llmtrain.cli import main
 from llmtrain.config import Config
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.model import GPT
-from llmtrain.recipes import run as run_module
+from llmtrain.recipes import prepare as prepare_module
 from llmtrain.callbacks import Callback
 from llmtrain.train.horizon import plan_horizon
 from llmtrain.train.loop import Fit, fit
@@ -195,7 +195,7 @@ def test_an_out_of_memory_error_inside_the_window_still_leaves_the_snapshot(tmp_
 ])
 def test_a_bad_window_is_refused_before_the_launch(flags, message, tmp_path, tiny_model_file, monkeypatch):
     launched = []
-    monkeypatch.setattr(run_module, "launch", lambda fn, args, **kw: launched.append(args[0]))
+    monkeypatch.setattr(prepare_module, "launch", lambda fn, args, **kw: launched.append(args[0]))
     argv = tiny_args(tiny_model_file, tmp_path / "o", "--train.max_steps", "300", *flags)
     if message is None:
         main(argv)
@@ -208,7 +208,7 @@ def test_a_bad_window_is_refused_before_the_launch(flags, message, tmp_path, tin
 
 def test_without_profile_flags_the_ranks_get_no_profiler_settings(tmp_path, tiny_model_file, monkeypatch):
     launched = []
-    monkeypatch.setattr(run_module, "launch", lambda fn, args, **kw: launched.append(args[0]))
+    monkeypatch.setattr(prepare_module, "launch", lambda fn, args, **kw: launched.append(args[0]))
     main(tiny_args(tiny_model_file, tmp_path / "o", "--train.max_steps", "3"))
     assert launched[0].profile is None  # so run() builds no profiler
 
@@ -221,7 +221,7 @@ def test_finetuning_checks_the_window_against_max_steps_though_epochs_wait_for_t
     Config.from_name("llama-debug").save(model_dir / CONFIG_FILE)
     for name in ("model.safetensors", "tokenizer.json"):
         (model_dir / name).write_bytes(b"")  # nothing reads them before the launch
-    monkeypatch.setattr(run_module, "launch", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(prepare_module, "launch", lambda *a, **k: pytest.fail("launched"))
     with pytest.raises(ValueError, match=r"--profile.start_step 500 is past the run's last step, 300 "
                                          r"\(--train.max_steps 300\)"):
         main(["finetune_lora", str(model_dir), "--out_dir", str(tmp_path / "o"), "--train.max_steps", "300",

@@ -2,8 +2,10 @@
 
 The extension ships with llmtrain; the ``deepspeed`` package it drives comes with the optional extra
 (``pip install 'llmtrain[deepspeed]'``). llmtrain's core never imports deepspeed: it reads the parallel plan,
-and where the plan's wrapper is ``deepspeed`` the recipe asks this package for four things, each behind the
-interface the core already has for torch's own engine:
+and where the plan's wrapper is ``deepspeed`` (or a ``--deepspeed.config`` file is given) the recipes' one entry
+point, :func:`llmtrain.recipes.engine.engine`, returns :class:`llmtrain_deepspeed.recipe.DeepSpeedEngine`, the
+:class:`llmtrain.recipes.engine.Engine` that answers for DeepSpeed with four things, each behind the interface
+the core already has for torch's own engine:
 
 - :func:`llmtrain_deepspeed.config.build_config`: the DeepSpeed config, from llmtrain's flags and the user's
   ``--deepspeed.config`` file, checked before any worker starts (pure Python, no deepspeed import);
