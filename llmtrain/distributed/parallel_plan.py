@@ -64,7 +64,9 @@ StrategyName = Literal["auto", "ddp", "fsdp", "deepspeed", "deepspeed_stage_1", 
 """``--strategy``: torch's own data parallelism, or DeepSpeed ZeRO (extensions/deepspeed)."""
 STRATEGIES = get_args(StrategyName)
 assert set(STRATEGIES) == {"auto", "ddp", "fsdp", "deepspeed", *DEEPSPEED_STRATEGIES}
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+"""``--pp_schedule``: the order a pipeline rank runs its micro-batches' forwards and backwards in."""
+PIPELINE_SCHEDULES = get_args(PipelineSchedule)
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
@@ -248,13 +250,7 @@ class ParallelPlan:
             raise ValueError(_offload_on_cpu("--fsdp.cpu_offload true", accelerator, "Drop --fsdp.cpu_offload"))
         dp_world = world // (tp * pp)
         wrapper, sharding = _wrapper(strategy, fsdp, dp_world, num_nodes)
-        if wrapper == "ddp" and (tp > 1 or pp > 1):
-            raise ValueError(f"--tp_size {tp} and --pp_size {pp} compose with FSDP, not with DDP (NO_SHARD): use "
-                             "--strategy fsdp (or auto) and a sharded --fsdp.sharding_strategy")
-        _check_single_process_flags(wrapper, fsdp, strategy, world)
-        if fsdp.cpu_offload and wrapper != "fsdp":
-            raise ValueError("--fsdp.cpu_offload needs a sharded strategy; DDP (NO_SHARD) keeps every weight on the "
-                             "device. Use --fsdp.sharding_strategy FULL_SHARD, or drop --fsdp.cpu_offload")
+        _check_wrapper_flags(wrapper, fsdp, strategy, world, tp, pp)
         dp_replicate, dp_shard = _data_parallel_dims(sharding, dp_world, num_nodes, devices // tp)
         batch, batch_problem = _batch(train, dp_replicate * dp_shard, strict_batch, batch_defaults)
         plan = cls(devices=devices, num_nodes=num_nodes, dp_replicate=dp_replicate, dp_shard=dp_shard,
@@ -262,20 +258,28 @@ class ParallelPlan:
                    device_type=device_type, activation_checkpointing=fsdp.activation_checkpointing,
                    cpu_offload=fsdp.cpu_offload, batch_problem=batch_problem, **split)
         plan.check_mesh()
+        return plan._with_pipeline_and_sync(pp_schedule, fsdp, strict_batch)
+
+    def _with_pipeline_and_sync(self, pp_schedule: Optional[str], fsdp: FSDPArgs,
+                                strict_batch: bool) -> "ParallelPlan":
+        """This plan with its pipeline schedule settled against its micro-batches (``pp_schedule``: the one asked
+        for, if any), and with when gradients are reduced (``--fsdp.skip_gradient_sync``)."""
+        plan = self
         if pp_schedule is None and plan.pp > 1 and plan.pp_microbatches < plan.pp:
             # NOTE: 1F1B needs a micro-batch per stage in flight; with fewer (no overlap to gain either way) the
             # default falls back to GPipe, which runs any count. Asked for by name, 1f1b is refused below.
             plan = replace(plan, pp_schedule="gpipe")
-        if batch_problem is None:
+        if plan.batch_problem is None:
             problem = plan.pipeline_batch_problem()
             if problem and strict_batch:
                 raise ValueError(problem)
             plan = replace(plan, batch_problem=problem)
         # NOTE: a pipeline schedule turns gradient sync off for all but the last micro-batch itself.
-        if pp > 1 and wrapper != "none" and not fsdp.skip_gradient_sync:
+        pp = plan.pp
+        if pp > 1 and plan.wrapper != "none" and not fsdp.skip_gradient_sync:
             raise ValueError(f"--fsdp.skip_gradient_sync false: under --pp_size {pp} the pipeline schedule reduces the "
                              "gradients once per step, after its last micro-batch, and would ignore the flag; drop it")
-        syncs_once = (fsdp.skip_gradient_sync and wrapper != "none" and plan.batch.grad_accum_steps > 1
+        syncs_once = (fsdp.skip_gradient_sync and plan.wrapper != "none" and plan.batch.grad_accum_steps > 1
                       and pp == 1)
         return replace(plan, grad_sync_only_last=syncs_once)
 
@@ -441,6 +445,17 @@ def _wrapper(strategy: str, fsdp: FSDPArgs, world: int, num_nodes: int) -> tuple
                              "more, or drop the flag")
         return "ddp", "NO_SHARD"
     return "fsdp", chosen
+
+
+def _check_wrapper_flags(wrapper: Wrapper, fsdp: FSDPArgs, strategy: str, world: int, tp: int, pp: int) -> None:
+    """The flags that the chosen data-parallel wrapper cannot honour, each refused by name."""
+    if wrapper == "ddp" and (tp > 1 or pp > 1):
+        raise ValueError(f"--tp_size {tp} and --pp_size {pp} compose with FSDP, not with DDP (NO_SHARD): use "
+                         "--strategy fsdp (or auto) and a sharded --fsdp.sharding_strategy")
+    _check_single_process_flags(wrapper, fsdp, strategy, world)
+    if fsdp.cpu_offload and wrapper != "fsdp":
+        raise ValueError("--fsdp.cpu_offload needs a sharded strategy; DDP (NO_SHARD) keeps every weight on the "
+                         "device. Use --fsdp.sharding_strategy FULL_SHARD, or drop --fsdp.cpu_offload")
 
 
 def _check_single_process_flags(wrapper: Wrapper, fsdp: FSDPArgs, strategy: str, world: int) -> None:

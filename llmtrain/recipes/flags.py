@@ -16,7 +16,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 from llmtrain.args import DeepSpeedArgs, EvalArgs, FSDPArgs, ProfileArgs, TrainArgs
 from llmtrain.data.base import DataModule
-from llmtrain.distributed.parallel_plan import StrategyName
+from llmtrain.distributed.parallel_plan import PipelineSchedule, StrategyName
 from llmtrain.optim import OptimizerArg
 from llmtrain.plan import DryRunArgs
 from llmtrain.recipes.compiling import CompileSetting
@@ -24,7 +24,6 @@ from llmtrain.train.precision import PrecisionName
 
 ResumeArg = Union[bool, Literal["auto"], Path]
 Accelerator = Literal["auto", "cpu", "cuda", "gpu"]
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 LoggerName = Literal["csv", "tensorboard", "wandb"]
 
 
