@@ -31,7 +31,7 @@ from typing import Any, Literal, Optional, Sequence, Union
 import torch
 
 from llmtrain.args import EvalArgs, FSDPArgs, TrainArgs
-from llmtrain.distributed.parallel_plan import ParallelPlan, StrategyName
+from llmtrain.distributed.parallel_plan import ParallelPlan, StrategyName, data_parallel_ranks
 from llmtrain.flops import MATMUL_SIZES, measure_matmul_peak
 from llmtrain.lora import LoRAArgs
 from llmtrain.train.precision import PrecisionName
@@ -498,7 +498,7 @@ def baseline_key(record: dict) -> str:
 def default_global_batch(record: dict) -> int:
     """--global_batch_size's default for a record's setting: micro batch × data-parallel ranks × pipeline stages."""
     tp, pp, devices = record.get("tp_size") or 1, record.get("pp_size") or 1, record["devices"]
-    data_parallel = devices // (tp * pp) if devices % (tp * pp) == 0 else devices
+    data_parallel = data_parallel_ranks(devices, tp, pp) or devices
     return record["micro_batch_size"] * data_parallel * pp
 
 
