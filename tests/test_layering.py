@@ -8,7 +8,6 @@ import statement that can run, function-level ones included, each named here by 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Iterable
 
 from test_imports import ROOT, import_edges, module_names

@@ -14,6 +14,8 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Optional
 
+from llmtrain.distributed.parallel_plan import data_parallel_ranks
+
 DEFAULT_BASELINE = Path(files(__package__) / "baseline.json")  # a plain file: packages install unzipped
 """The repository's baselines (--baseline's default): this package's ``baseline.json``."""
 
@@ -44,7 +46,7 @@ def baseline_key(record: dict) -> str:
 def default_global_batch(record: dict) -> int:
     """--global_batch_size's default for a record's setting: micro batch × data-parallel ranks × pipeline stages."""
     tp, pp, devices = record.get("tp_size") or 1, record.get("pp_size") or 1, record["devices"]
-    data_parallel = devices // (tp * pp) if devices % (tp * pp) == 0 else devices
+    data_parallel = data_parallel_ranks(devices, tp, pp) or devices
     return record["micro_batch_size"] * data_parallel * pp
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal, Mapping, Optional
 
 from llmtrain.distributed import slurm, supervise
+from llmtrain.distributed.parallel_plan import global_rank
 from llmtrain.distributed.runtime import RDZV_TIMEOUT_ENV, rendezvous_timeout_s
 
 LaunchMode = Literal["single", "env", "slurm_task_per_device", "slurm_task_per_node", "local_spawn"]
@@ -297,7 +298,7 @@ def _plan_slurm(devices: int, num_nodes: int, env: Mapping[str, str]) -> LaunchP
         # runs on the second node, and the mesh needs a node's ranks consecutive (tensor-parallel groups and
         # HYBRID_SHARD's shards within a node), as torchrun and the spawning path number them.
         local_rank = int(env.get("SLURM_LOCALID", "0"))
-        rank_env = {"RANK": str(node_rank * devices + local_rank), "WORLD_SIZE": str(num_tasks),
+        rank_env = {"RANK": str(global_rank(node_rank, local_rank, devices)), "WORLD_SIZE": str(num_tasks),
                     "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(devices),
                     "GROUP_RANK": str(node_rank), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
         return LaunchPlan("slurm_task_per_device", devices, num_nodes, rank_env=rank_env, **common)

@@ -64,7 +64,9 @@ StrategyName = Literal["auto", "ddp", "fsdp", "deepspeed", "deepspeed_stage_1", 
 """``--strategy``: torch's own data parallelism, or DeepSpeed ZeRO (extensions/deepspeed)."""
 STRATEGIES = get_args(StrategyName)
 assert set(STRATEGIES) == {"auto", "ddp", "fsdp", "deepspeed", *DEEPSPEED_STRATEGIES}
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+"""``--pp_schedule``: the order a pipeline rank runs its micro-batches' forwards and backwards in."""
+PIPELINE_SCHEDULES = get_args(PipelineSchedule)
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
@@ -181,6 +183,29 @@ class ParallelPlan:
             return None
         return init_device_mesh(self.device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
 
+    def coordinates(self, mesh, rank: int) -> dict[str, int]:
+        """Rank ``rank``'s place: read from ``mesh``, the plan's mesh (:meth:`build_mesh`) as this rank holds it, as
+        :func:`mesh_coordinates` names it.
+
+        Without a mesh (one process, or DeepSpeed, which groups the ranks itself) every rank is a data-parallel rank
+        of its own; a plan that splits the model over several ranks needs its mesh to tell them apart.
+        """
+        if mesh is not None:
+            return mesh_coordinates(mesh)
+        if self.splits_model or not 0 <= rank < self.data_parallel_size:
+            raise ValueError(f"rank {rank} of a plan with mesh {self.describe_mesh()}: its place is the mesh's to "
+                             "tell; build the mesh (ParallelPlan.build_mesh) first")
+        return _coordinates(data_parallel_rank=rank, data_parallel_size=self.data_parallel_size)
+
+    def node_and_local_rank(self, rank: int) -> tuple[int, int]:
+        """(node, local rank) of ``rank``: the inverse of :func:`global_rank`."""
+        return divmod(rank, self.devices)
+
+    def first_rank_of_stage(self, pp_rank: int) -> int:
+        """The lowest rank of pipeline rank ``pp_rank``: the pipeline is the mesh's outermost dimension, so each of its
+        ranks holds ``world / pp`` consecutive ranks."""
+        return pp_rank * self.world_size // self.pp
+
     def describe_mesh(self) -> str:
         """ "replicate 2 × shard 2" """
         words = {"pp": "pipeline", "dp_replicate": "replicate", "dp_shard": "shard", "tp": "tensor"}
@@ -246,15 +271,9 @@ class ParallelPlan:
                              f"{strategy}: pass one of those, or drop --deepspeed.config")
         if fsdp.cpu_offload and device_type == "cpu":
             raise ValueError(_offload_on_cpu("--fsdp.cpu_offload true", accelerator, "Drop --fsdp.cpu_offload"))
-        dp_world = world // (tp * pp)
+        dp_world = data_parallel_ranks(world, tp, pp)
         wrapper, sharding = _wrapper(strategy, fsdp, dp_world, num_nodes)
-        if wrapper == "ddp" and (tp > 1 or pp > 1):
-            raise ValueError(f"--tp_size {tp} and --pp_size {pp} compose with FSDP, not with DDP (NO_SHARD): use "
-                             "--strategy fsdp (or auto) and a sharded --fsdp.sharding_strategy")
-        _check_single_process_flags(wrapper, fsdp, strategy, world)
-        if fsdp.cpu_offload and wrapper != "fsdp":
-            raise ValueError("--fsdp.cpu_offload needs a sharded strategy; DDP (NO_SHARD) keeps every weight on the "
-                             "device. Use --fsdp.sharding_strategy FULL_SHARD, or drop --fsdp.cpu_offload")
+        _check_wrapper_flags(wrapper, fsdp, strategy, world, tp, pp)
         dp_replicate, dp_shard = _data_parallel_dims(sharding, dp_world, num_nodes, devices // tp)
         batch, batch_problem = _batch(train, dp_replicate * dp_shard, strict_batch, batch_defaults)
         plan = cls(devices=devices, num_nodes=num_nodes, dp_replicate=dp_replicate, dp_shard=dp_shard,
@@ -262,20 +281,28 @@ class ParallelPlan:
                    device_type=device_type, activation_checkpointing=fsdp.activation_checkpointing,
                    cpu_offload=fsdp.cpu_offload, batch_problem=batch_problem, **split)
         plan.check_mesh()
+        return plan._with_pipeline_and_sync(pp_schedule, fsdp, strict_batch)
+
+    def _with_pipeline_and_sync(self, pp_schedule: Optional[str], fsdp: FSDPArgs,
+                                strict_batch: bool) -> "ParallelPlan":
+        """This plan with its pipeline schedule settled against its micro-batches (``pp_schedule``: the one asked
+        for, if any), and with when gradients are reduced (``--fsdp.skip_gradient_sync``)."""
+        plan = self
         if pp_schedule is None and plan.pp > 1 and plan.pp_microbatches < plan.pp:
             # NOTE: 1F1B needs a micro-batch per stage in flight; with fewer (no overlap to gain either way) the
             # default falls back to GPipe, which runs any count. Asked for by name, 1f1b is refused below.
             plan = replace(plan, pp_schedule="gpipe")
-        if batch_problem is None:
+        if plan.batch_problem is None:
             problem = plan.pipeline_batch_problem()
             if problem and strict_batch:
                 raise ValueError(problem)
             plan = replace(plan, batch_problem=problem)
         # NOTE: a pipeline schedule turns gradient sync off for all but the last micro-batch itself.
-        if pp > 1 and wrapper != "none" and not fsdp.skip_gradient_sync:
+        pp = plan.pp
+        if pp > 1 and plan.wrapper != "none" and not fsdp.skip_gradient_sync:
             raise ValueError(f"--fsdp.skip_gradient_sync false: under --pp_size {pp} the pipeline schedule reduces the "
                              "gradients once per step, after its last micro-batch, and would ignore the flag; drop it")
-        syncs_once = (fsdp.skip_gradient_sync and wrapper != "none" and plan.batch.grad_accum_steps > 1
+        syncs_once = (fsdp.skip_gradient_sync and plan.wrapper != "none" and plan.batch.grad_accum_steps > 1
                       and pp == 1)
         return replace(plan, grad_sync_only_last=syncs_once)
 
@@ -443,6 +470,17 @@ def _wrapper(strategy: str, fsdp: FSDPArgs, world: int, num_nodes: int) -> tuple
     return "fsdp", chosen
 
 
+def _check_wrapper_flags(wrapper: Wrapper, fsdp: FSDPArgs, strategy: str, world: int, tp: int, pp: int) -> None:
+    """The flags that the chosen data-parallel wrapper cannot honour, each refused by name."""
+    if wrapper == "ddp" and (tp > 1 or pp > 1):
+        raise ValueError(f"--tp_size {tp} and --pp_size {pp} compose with FSDP, not with DDP (NO_SHARD): use "
+                         "--strategy fsdp (or auto) and a sharded --fsdp.sharding_strategy")
+    _check_single_process_flags(wrapper, fsdp, strategy, world)
+    if fsdp.cpu_offload and wrapper != "fsdp":
+        raise ValueError("--fsdp.cpu_offload needs a sharded strategy; DDP (NO_SHARD) keeps every weight on the "
+                         "device. Use --fsdp.sharding_strategy FULL_SHARD, or drop --fsdp.cpu_offload")
+
+
 def _check_single_process_flags(wrapper: Wrapper, fsdp: FSDPArgs, strategy: str, world: int) -> None:
     """Without a data-parallel wrapper an FSDP flag would be accepted and ignored: refuse it instead."""
     if wrapper != "none":
@@ -505,6 +543,46 @@ def _data_parallel_dims(sharding: Optional[str], dp_world: int, num_nodes: int,
         shard = math.gcd(dp_world, dp_per_node)
         return dp_world // shard, shard
     return 1, dp_world
+
+
+def mesh_coordinates(mesh) -> dict[str, int]:
+    """This rank's place in a plan's ``mesh``: its data-parallel shard, tensor-parallel and pipeline rank, and their
+    sizes (the fields of :class:`~llmtrain.distributed.runtime.Runtime` of those names). Each is a dimension's local
+    rank and size (0 and 1 for a dimension the mesh leaves out), as torchtitan's ParallelDims reads them.
+
+    NOTE: the data-parallel rank is this rank's row-major position in the data-parallel sub-mesh (``dp_replicate ×
+    dp_shard`` under HSDP), the local rank a flattened dimension would give; flattening one (``_flatten``) would
+    create one more process group for nothing else.
+    """
+    names = mesh.mesh_dim_names or ()
+    sizes = {name: 1 for name in MESH_DIMS}
+    ranks = {name: 0 for name in MESH_DIMS}
+    for name in names:
+        sizes[name], ranks[name] = mesh[name].size(), mesh[name].get_local_rank()
+    return _coordinates(data_parallel_rank=ranks["dp_replicate"] * sizes["dp_shard"] + ranks["dp_shard"],
+                        data_parallel_size=sizes["dp_replicate"] * sizes["dp_shard"], tp_rank=ranks["tp"],
+                        tp_size=sizes["tp"], pp_rank=ranks["pp"], pp_size=sizes["pp"])
+
+
+def _coordinates(*, data_parallel_rank: int, data_parallel_size: int, tp_rank: int = 0, tp_size: int = 1,
+                 pp_rank: int = 0, pp_size: int = 1) -> dict[str, int]:
+    return dict(data_parallel_rank=data_parallel_rank, data_parallel_size=data_parallel_size, tp_rank=tp_rank,
+                tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
+
+
+def data_parallel_ranks(world: int, tp: int, pp: int) -> Optional[int]:
+    """The ranks left for data parallelism when tensor and pipeline parallelism take ``tp × pp`` of ``world``; None
+    when they do not divide it."""
+    return None if world % (tp * pp) else world // (tp * pp)
+
+
+def global_rank(node: int, local_rank: int, devices: int) -> int:
+    """The rank of local rank ``local_rank`` on node ``node``, with ``devices`` processes per node.
+
+    Ranks are numbered node by node, as torchrun and the spawning path number them: a node's ranks are consecutive,
+    which the mesh needs (tensor-parallel groups and HYBRID_SHARD's shards lie within a node).
+    """
+    return node * devices + local_rank
 
 
 def data_parallel_mesh(mesh):

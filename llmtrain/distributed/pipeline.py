@@ -401,12 +401,13 @@ def build_pipeline_model(config: Config, *, plan, runtime, seed: int, compile: b
                          allocating: Callable[[], ContextManager] = contextlib.nullcontext) -> PipelineParts:
     """This rank's stages built on the meta device, each parallelized (checkpointing, compile, FSDP over the
     data-parallel ranks), then materialised (in the ``allocating`` context, see
-    :func:`llmtrain.recipes.build.build_model`) with the weights the whole model gets from ``seed``."""
+    :func:`llmtrain.recipes.build.build_model`) with the weights the whole model gets from ``seed``. The stages are
+    those of this rank's place on the mesh's ``pp`` dimension, the one the schedule communicates on."""
     from llmtrain.distributed.parallelize import materialize, parallelize
 
-    mesh = plan.build_mesh()
+    mesh = runtime.mesh if runtime.mesh is not None else plan.build_mesh()
     with torch.device("meta"):
-        parts = build_pipeline_parts(config, pp_rank=runtime.pp_rank, pp_size=plan.pp,
+        parts = build_pipeline_parts(config, pp_rank=plan.coordinates(mesh, runtime.rank)["pp_rank"], pp_size=plan.pp,
                                      virtual_stages=plan.pp_virtual_stages)
     parts.to(plan.precision.param_dtype)
     for stage in parts.stages:

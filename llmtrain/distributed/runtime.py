@@ -67,7 +67,9 @@ def rendezvous_timeout_s() -> float:
 
 @dataclass
 class Runtime:
-    """The process layout. ``data_parallel_*`` equal ``rank``/``world_size`` unless a mesh says otherwise."""
+    """The process layout. ``data_parallel_*``, ``tp_*`` and ``pp_*`` are this rank's place in the plan's
+    ``mesh`` (:meth:`~llmtrain.distributed.parallel_plan.ParallelPlan.coordinates`); without a plan,
+    ``data_parallel_*`` equal ``rank``/``world_size``."""
 
     rank: int = 0
     world_size: int = 1
@@ -80,6 +82,8 @@ class Runtime:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    mesh: Any = None
+    """The plan's DeviceMesh, built once its process group exists (None for one process, and for DeepSpeed)."""
 
     @property
     def counts_batch(self) -> bool:
@@ -115,7 +119,8 @@ class Runtime:
     @classmethod
     def for_plan(cls, plan: Any, timeout_s: float = 600.0) -> "Runtime":
         """This rank of ``plan`` (a :class:`~llmtrain.distributed.parallel_plan.ParallelPlan`): its device, the
-        process group the plan needs (also a one-rank group for FSDP on one device), its data-parallel shard."""
+        process group the plan needs (also a one-rank group for FSDP on one device), the plan's mesh once that group
+        exists, and its place on the mesh (data-parallel shard, tensor and pipeline rank)."""
         world_size = _env_int("WORLD_SIZE", 1)
         if world_size != plan.world_size:
             raise RuntimeError(f"the launcher started {world_size} processes but the parallel plan has "
@@ -124,7 +129,8 @@ class Runtime:
         backend = process_group_backend(device.type, plan.cpu_offload)
         runtime = cls._start(device, plan, timeout_s, None, backend)
         if plan.uses_process_group and not dist.is_initialized():
-            # NOTE: FSDP on one device still needs a process group; a one-rank group meets nobody.
+            # NOTE: FSDP on one device still needs a process group; a one-rank group meets nobody. Its one-rank mesh
+            # is built where the model is sharded (parallelize): one rank has no place to find in it.
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
                                     **bound_device(device, backend))
         return runtime
@@ -149,20 +155,20 @@ class Runtime:
     def simulated(cls, plan: Any, rank: int) -> "Runtime":
         """Rank ``rank`` of ``plan`` as ``--dry_run.simulate`` runs it: in this process, on the CPU, under a fake
         process group that the caller created (:func:`llmtrain.recipes.simulate.fake_world`)."""
-        return cls._at(rank, plan.world_size, plan, torch.device("cpu"), local_rank=rank % plan.devices,
+        return cls._at(rank, plan.world_size, plan, torch.device("cpu"), local_rank=plan.node_and_local_rank(rank)[1],
                        local_world_size=plan.devices)
 
     @classmethod
     def _at(cls, rank: int, world_size: int, plan: Any, device: torch.device, *, local_rank: int,
             local_world_size: int) -> "Runtime":
-        # Ranks are laid out pp × dp_replicate × dp_shard × tp, tp innermost: consecutive ranks share a
-        # data-parallel shard only under tensor parallelism.
-        tp = plan.tp if plan is not None else 1
-        pp = plan.pp if plan is not None else 1
-        dp_size = plan.data_parallel_size if plan is not None else world_size
+        """This rank, and with a plan of several ranks the plan's mesh (the process group exists): its place in the
+        plan is the mesh's coordinates, the one source of every data-parallel, tensor and pipeline rank."""
+        if plan is None:
+            return cls(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
+                       device=device, data_parallel_rank=rank, data_parallel_size=world_size)
+        mesh = plan.build_mesh() if world_size > 1 else None
         return cls(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
-                   device=device, data_parallel_rank=(rank // tp) % dp_size, data_parallel_size=dp_size,
-                   tp_rank=rank % tp, tp_size=tp, pp_rank=rank // (dp_size * tp), pp_size=pp)
+                   device=device, mesh=mesh, **plan.coordinates(mesh, rank))
 
     def barrier(self) -> None:
         """Wait until every rank gets here: a wait for host work, around the device (:func:`host_barrier`)."""

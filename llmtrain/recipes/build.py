@@ -78,7 +78,7 @@ def build_model(config: Config, *, plan: ParallelPlan, runtime: Runtime, seed: i
         apply_lora(model, lora)
         mark_only_lora_trainable(model)
         after_init = reset_lora_parameters
-    model = parallelize(model, plan, device=runtime.device, compile=compile)
+    model = parallelize(model, plan, device=runtime.device, compile=compile, mesh=runtime.mesh)
     with allocating():
         materialize(model, runtime.device, seed, cpu_offload=plan.cpu_offload, after_init=after_init)
     if initial_checkpoint_dir is not None:
@@ -112,4 +112,4 @@ def _build_quantized(config: Config, *, plan: ParallelPlan, runtime: Runtime, se
             torch.manual_seed(seed)
             reset_lora_parameters(model)
         mark_only_lora_trainable(model)
-    return parallelize(model, plan, device=runtime.device, compile=compile)
+    return parallelize(model, plan, device=runtime.device, compile=compile, mesh=runtime.mesh)

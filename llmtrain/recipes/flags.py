@@ -16,14 +16,13 @@ from typing import Any, Callable, Literal, Optional, Union
 
 from llmtrain.args import DeepSpeedArgs, DryRunArgs, EvalArgs, FSDPArgs, ProfileArgs, TrainArgs
 from llmtrain.data.base import DataModule
-from llmtrain.distributed.parallel_plan import StrategyName
+from llmtrain.distributed.parallel_plan import PipelineSchedule, StrategyName
 from llmtrain.optim import OptimizerArg
 from llmtrain.compiling import CompileSetting
 from llmtrain.precision import PrecisionName
 
 ResumeArg = Union[bool, Literal["auto"], Path]
 Accelerator = Literal["auto", "cpu", "cuda", "gpu"]
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 LoggerName = Literal["csv", "tensorboard", "wandb"]
 
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmtrain.config import Config
-from llmtrain.distributed.parallel_plan import ParallelPlan
+from llmtrain.distributed.parallel_plan import ParallelPlan, global_rank
 
 GiB = 2**30
 
@@ -46,9 +46,9 @@ def simulated_ranks(plan: ParallelPlan) -> list[tuple[int, str]]:
     stage (the head and the loss). Each once, in rank order."""
     chosen = {0: "rank 0"}
     if plan.num_nodes > 1:
-        chosen.setdefault(plan.world_size - plan.devices, f"first rank of node {plan.num_nodes - 1}")
+        chosen.setdefault(global_rank(plan.num_nodes - 1, 0, plan.devices), f"first rank of node {plan.num_nodes - 1}")
     if plan.pp > 1:
-        last_stage = (plan.pp - 1) * plan.world_size // plan.pp
+        last_stage = plan.first_rank_of_stage(plan.pp - 1)
         chosen[last_stage] = (chosen[last_stage] + ", " if last_stage in chosen else "") + "last pipeline stage"
     return sorted(chosen.items())
 
@@ -388,7 +388,7 @@ def simulate_rank(config: Config, plan: ParallelPlan, rank: int, *, seq_len: int
                 checkpoint_comms = saving.by_dim
                 growing += [f"checkpoint: {line}" for line in saving.growing(plan.world_size)]
     plan = estimated_plan
-    pipeline_rank = rank * plan.pp // plan.world_size
+    pipeline_rank = runtime.pp_rank
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if lora is not None else None
     estimate = planning.estimate_memory(config, plan, seq_len=seq_len, trainable_parameters=trainable)
     if plan.pp > 1:
@@ -397,7 +397,7 @@ def simulate_rank(config: Config, plan: ParallelPlan, rank: int, *, seq_len: int
                                            planning.activation_bytes(config, plan, pipeline_rank, seq_len=seq_len),
                                            pipeline_rank=pipeline_rank)
     coordinates = {"pp": runtime.pp_rank, "dp": runtime.data_parallel_rank, "tp": runtime.tp_rank,
-                   "node": rank // plan.devices}
+                   "node": plan.node_and_local_rank(rank)[0]}
     comm_estimate = communication_bytes_per_step(config, plan, seq_len, pipeline_rank)
     return RankReport(rank=rank, why=why, coordinates=coordinates, peak=peak, estimate=estimate, step=step,
                       comm_estimate=comm_estimate,

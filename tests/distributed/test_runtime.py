@@ -185,6 +185,7 @@ def waits_worker(out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{runtime.rank}.json"), "w") as f:
         json.dump(result, f)
     torch.distributed.destroy_process_group()
+    runtime_module.leave_in_order()  # as a worker leaves (launch._close_process_group): rank 0 hosts the store
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
