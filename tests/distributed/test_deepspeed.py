@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dist_worker import launch
+from dist_worker import CHILD_PATHS, launch
 from limits import hard_limit
 from llmtrain.args import TrainArgs
 from llmtrain.checkpoint import layout
@@ -349,7 +349,8 @@ def command_lines(cases: dict[str, dict], workdir: Path, env: dict) -> dict[str,
     """Run the cases (name -> {"argv": [...], "hide_deepspeed": bool}) through the console script in one process."""
     (workdir / "cases.json").write_text(json.dumps(list(cases.values())))
     result = subprocess.run([sys.executable, str(HELPERS / "ds_worker.py"), "command-lines", str(workdir / "cases.json"),
-                             str(workdir / "results.json")], env=env, capture_output=True, text=True, timeout=300,
+                             str(workdir / "results.json")], capture_output=True, text=True, timeout=300,
+                            env={**env, "PYTHONPATH": os.pathsep.join(map(str, CHILD_PATHS))},
                             cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return dict(zip(cases, json.loads((workdir / "results.json").read_text())))
