@@ -34,9 +34,31 @@ def losses(out_dir):
         return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(handle) if r["loss"]}
 
 
-def test_sharded_checkpoint_from_two_workers_resumes_on_one(tmp_path, run_cli):
-    reference = tmp_path / "reference"
-    run_cli(reference, "--train.max_steps", "6")
+REFERENCE_STEPS = 6
+_REFERENCE: dict = {}
+
+
+@pytest.fixture
+def reference(run_cli, tmp_path_factory) -> Path:
+    """The out_dir of one single-process run of REFERENCE_STEPS steps, made once for the module, that the
+    multi-process runs compare with. A run of fewer steps logs the same losses up to step 4: the loss of step k
+    follows updates 0 .. k-2, and updates 0-1 (warmup, --train.lr_warmup_steps 2) and 2 (the first of the decay,
+    at the full rate) use rates that do not depend on the run's length (schedule.lr_at)."""
+    if not _REFERENCE:
+        out_dir = tmp_path_factory.mktemp("reference") / "reference"
+        run_cli(out_dir, "--train.max_steps", str(REFERENCE_STEPS))
+        _REFERENCE["out_dir"] = out_dir
+    return _REFERENCE["out_dir"]
+
+
+def reference_losses(reference: Path, steps: int) -> dict[int, float]:
+    """The single-process run's losses of its first `steps` steps (at most 4, see `reference`)."""
+    assert steps <= 4
+    return {step: loss for step, loss in losses(reference).items() if step <= steps}
+
+
+def test_sharded_checkpoint_from_two_workers_resumes_on_one(tmp_path, run_cli, reference):
+    assert REFERENCE_STEPS == 6
     two = tmp_path / "two"
     result = run_cli(two, "--devices", "2", "--fsdp.state_dict_type", "sharded", "--train.max_steps", "6",
                      "--train.save_interval", "3")
@@ -61,13 +83,11 @@ def test_sharded_checkpoint_from_two_workers_resumes_on_one(tmp_path, run_cli):
         assert (weights[name] - tensor).abs().max() < 1e-4, name
 
 
-def test_ddp_strategy_matches(tmp_path, run_cli):
-    reference = tmp_path / "reference"
-    run_cli(reference, "--train.max_steps", "3")
+def test_ddp_strategy_matches(tmp_path, run_cli, reference):
     ddp = tmp_path / "ddp"
     result = run_cli(ddp, "--devices", "2", "--strategy", "ddp", "--train.max_steps", "3")
     assert "ddp" in result.stdout
-    assert losses(ddp) == pytest.approx(losses(reference), rel=1e-4)
+    assert losses(ddp) == pytest.approx(reference_losses(reference, 3), rel=1e-4)
 
 
 def test_mismatched_devices_under_torchrun_fail_fast(tmp_path, dist_env, free_port):
@@ -80,10 +100,8 @@ def test_mismatched_devices_under_torchrun_fail_fast(tmp_path, dist_env, free_po
 
 
 def test_two_nodes_as_two_torchrun_commands_use_hybrid_shard(tmp_path, run_cli, dist_env, free_port, tmp_path_factory,
-                                                             tiny_model_file):
+                                                             tiny_model_file, reference):
     """4 processes as 2 "nodes" × 2 devices, one launcher command per node: HSDP on a 2-D mesh."""
-    reference = tmp_path / "reference"
-    run_cli(reference, "--train.max_steps", "4")
     out_dir = tmp_path / "hsdp"
     env = dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "shared-cache"))
     port = free_port()
@@ -110,7 +128,7 @@ def test_two_nodes_as_two_torchrun_commands_use_hybrid_shard(tmp_path, run_cli, 
     # The mesh really is 2-D: replicated across the 2 nodes, sharded over the 2 devices of each.
     assert "HYBRID_SHARD, mesh replicate 2 × shard 2" in outputs[0]
     assert "world 4" in outputs[0]
-    assert losses(out_dir) == pytest.approx(losses(reference), rel=1e-4)
+    assert losses(out_dir) == pytest.approx(reference_losses(reference, 4), rel=1e-4)
     assert (out_dir / "final" / "model.safetensors").is_file()
 
 
