@@ -29,8 +29,10 @@ ROOT = Path(__file__).resolve().parents[2]
 MARKED_BLOCK = re.compile(r"^<!-- runnable(?:: save as (?P<save>\S+))? -->\n```(?P<lang>\w*)\n(?P<body>.*?)^```",
                           re.S | re.M)
 TRAINING = re.compile(r"^(\s*llmtrain (?:pretrain|finetune_lora|finetune_full)\b.*)$", re.M)
-TINY = ("--train.max_steps 3 --train.save_interval 2 --train.global_batch_size 4 --train.micro_batch_size 2 "
-        "--train.max_seq_length 256 --train.lr_warmup_steps 1 --eval.interval 1000 --eval.max_iters 1")
+# Two steps (the second writes the step checkpoint the prose's step 200 stands for, then final/), sequences of 128,
+# two accumulation steps of 2: every step, save, resume, merge and conversion a document names still happens.
+TINY = ("--train.max_steps 2 --train.save_interval 2 --train.global_batch_size 4 --train.micro_batch_size 2 "
+        "--train.max_seq_length 128 --train.lr_warmup_steps 1 --eval.interval 1000 --eval.max_iters 1")
 RENAMES = {"step-00000200": "step-00000002"}
 
 
