@@ -14,6 +14,7 @@ import contextlib
 import errno
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -63,7 +64,12 @@ class CrashBeforeStep(LastRankFault):
 
 class FreezeBeforeStep(LastRankFault):
     """The last rank stops before the given step and never goes on (a hung GPU, a stuck filesystem read): the
-    others wait for it in their next collective until --dist_timeout ends it."""
+    others wait for it in their next collective until --dist_timeout ends it.
+
+    NOTE: the frozen rank dies of the SIGTERM the launcher stops it with once another rank failed, as a rank stuck
+    outside Python would not: llmtrain's own SIGTERM handler only sets a flag for the next step, which a rank asleep
+    here never reaches, so the launcher would wait its 30 s grace before SIGKILL, and the test with it, for nothing
+    the test checks (the error line is the failing rank's, written before the launcher stops the others)."""
 
     def __init__(self, step: int) -> None:
         self.step = step
@@ -71,6 +77,7 @@ class FreezeBeforeStep(LastRankFault):
     def on_step_start(self, step: int) -> None:
         if step == self.step and self.last_rank:
             print(f"[rank {self.rank}] test fault: freezing before step {step}", file=sys.stderr, flush=True)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(3600)
 
 

@@ -14,11 +14,11 @@ model take 8 to 14 s each and are marked slow.
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 
 import pytest
 
+from forked_cli import run_forked
 from llmtrain.recipes import simulate
 from llmtrain.args import FSDPArgs, TrainArgs
 from llmtrain.config import Config
@@ -114,10 +114,28 @@ def test_clipping_fsdp_and_tensor_parallel_gradients_gathers_none_whole():
     assert report.peak_total < 4 * num_parameters(config)  # less than the whole model's fp32 gradients, all told
 
 
+def pipeline_layout(nodes: int):
+    """pp 2 x dp x tp 4 of tiny-llama on ``nodes`` nodes: 2 micro-batches of 2 a step."""
+    return layout("tiny-llama-1.1b", nodes=nodes, micro=2, accumulation=2, tp=4, pp=2)
+
+
+@pytest.fixture(scope="module")
+def pipeline_at_32_ranks():
+    """The ranks of :func:`simulate.simulated_ranks` of the 32-rank pipeline layout, side by side, rank 0 with a full
+    checkpoint's gathering too (after its step, which it does not change): what
+    test_pipeline_data_and_tensor_parallel_2_by_4_by_4_at_32_ranks checks of the step and
+    test_a_full_checkpoint_under_pipeline_parallelism_sends_rank_0_one_tensor_at_a_time of the checkpoint, from one
+    simulation of each rank."""
+    config, plan, train = pipeline_layout(nodes=4)
+    children = [simulate.start_child_process(simulate.simulate_rank, config, plan, rank, seq_len=SEQ_LEN,
+                                             optimizer_spec="AdamW", train=train, why=why, checkpoint=rank == 0)
+                for rank, why in simulate.simulated_ranks(plan)]
+    return config, plan, [finish(child) for child, finish in children]
+
+
 @pytest.mark.slow
-def test_pipeline_data_and_tensor_parallel_2_by_4_by_4_at_32_ranks():
-    config, plan, train = layout("tiny-llama-1.1b", nodes=4, micro=2, accumulation=2, tp=4, pp=2)
-    reports = run(config, plan, train)
+def test_pipeline_data_and_tensor_parallel_2_by_4_by_4_at_32_ranks(pipeline_at_32_ranks):
+    _, _, reports = pipeline_at_32_ranks
     assert [report.coordinates["pp"] for report in reports] == [0, 1, 1]
     assert_estimates_hold(reports)
     for report in reports:  # the stage boundary: each micro-batch's activations one way, their gradients back
@@ -141,14 +159,18 @@ def test_a_70b_model_at_512_ranks_over_pipeline_data_and_tensor_parallel():
 
 
 @pytest.mark.slow
-def test_a_full_checkpoint_under_pipeline_parallelism_sends_rank_0_one_tensor_at_a_time():
+def test_a_full_checkpoint_under_pipeline_parallelism_sends_rank_0_one_tensor_at_a_time(pipeline_at_32_ranks):
     """save (a full step checkpoint), final/ and a full resume gather the same way; rank 0's bytes must not grow with
     the world, and no collective may carry more than the model's largest tensor (or its optimizer state's)."""
     received = {}
     for nodes in (4, 8):
-        config, plan, train = layout("tiny-llama-1.1b", nodes=nodes, micro=1, accumulation=2, tp=4, pp=2)
-        [report] = run(config, plan, train, ranks=[(0, "rank 0")], checkpoint=True)
-        assert not report.growing, report.growing
+        if nodes == 4:  # the step test's simulation of rank 0 (its checkpoint's gathering does not see the step)
+            config, plan, reports = pipeline_at_32_ranks
+            [report] = [report for report in reports if report.rank == 0]
+        else:
+            config, plan, train = pipeline_layout(nodes=nodes)
+            [report] = run(config, plan, train, ranks=[(0, "rank 0")], checkpoint=True)
+        assert report.checkpoint and not report.growing, report.growing
         collectives = [found for ops in report.checkpoint.values() for found in ops.values()]
         largest_tensor = 4 * config.padded_vocab_size * config.n_embd  # the embedding, fp32
         assert max(found.largest for found in collectives) <= largest_tensor
@@ -156,26 +178,40 @@ def test_a_full_checkpoint_under_pipeline_parallelism_sends_rank_0_one_tensor_at
     assert received[32] == received[64] > 0, received
 
 
-def test_the_cli_prints_measured_memory_and_communication_beside_the_estimate(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "llmtrain", "pretrain", "llama-debug", "--devices", "4",
-                           "--num_nodes", "2", "--dry_run.simulate", "true", "--dry_run.gpu", "H100",
-                           "--train.micro_batch_size", "2", "--train.global_batch_size", "16",
-                           "--train.max_seq_length", "256", "--out_dir", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=600)
+REFUSED = [
+    (["--strategy", "deepspeed_stage_3"], "--dry_run.simulate runs torch's own data parallelism"),
+]
+"""Flags the simulation cannot run, and what the one line refusing them says."""
+
+
+@pytest.fixture(scope="module")
+def command_lines(tmp_path_factory):
+    """`python -m llmtrain pretrain ... --dry_run.simulate true`: the simulated usage line and each of REFUSED, as
+    command lines of their own, forked from one interpreter (tests/helpers/forked_cli): (result, out_dir) of each."""
+    root = tmp_path_factory.mktemp("simulate_cli")
+    argvs = [["pretrain", "llama-debug", "--devices", "4", "--num_nodes", "2", "--dry_run.simulate", "true",
+              "--dry_run.gpu", "H100", "--train.micro_batch_size", "2", "--train.global_batch_size", "16",
+              "--train.max_seq_length", "256", "--out_dir", str(root / "out" / "0")]]
+    argvs += [["pretrain", "llama-debug", "--devices", "2", "--dry_run.simulate", "true", "--out_dir",
+               str(root / "out" / str(index)), *flags] for index, (flags, _) in enumerate(REFUSED, start=1)]
+    done = run_forked(argvs, root / "logs", dict(os.environ), timeout_s=900)  # a hang guard
+    return [(result, root / "out" / str(index)) for index, result in enumerate(done)]
+
+
+def test_the_cli_prints_measured_memory_and_communication_beside_the_estimate(command_lines):
+    done, out_dir = command_lines[0]
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "simulated    2 rank(s) of 8" in out
     assert "rank 0 " in out and "first rank of node 1" in out
     assert out.count("memory     measured") == 2 and out.count("step comm  dp_shard") == 2
-    assert not (tmp_path / "out").exists()
+    assert not out_dir.exists()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--strategy", "deepspeed_stage_3"], "--dry_run.simulate runs torch's own data parallelism"),
-])
-def test_what_the_simulation_cannot_run_is_refused_in_one_line(tmp_path, flags, message):
-    done = subprocess.run([sys.executable, "-m", "llmtrain", "pretrain", "llama-debug", "--devices", "2",
-                           "--dry_run.simulate", "true", "--out_dir", str(tmp_path / "out"), *flags],
-                          capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("index, flags, message", [(index, flags, message)
+                                                   for index, (flags, message) in enumerate(REFUSED, start=1)])
+def test_what_the_simulation_cannot_run_is_refused_in_one_line(command_lines, index, flags, message):
+    done, out_dir = command_lines[index]
+    assert done.args[-len(flags):] == flags
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr
