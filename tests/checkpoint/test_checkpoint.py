@@ -300,8 +300,8 @@ def test_resume_refuses_adapters_other_than_this_runs_lora_settings(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     model_file = tmp_path / "tiny-128.yaml"  # instructions need a longer context
     model_file.write_text(yaml.safe_dump({**TINY, "block_size": 128}))
-    [base] = run_forked([_pretrain_argv(model_file, tmp_path / "base", "--train.max_steps", "2")], tmp_path / "logs-base",
-                        env, timeout_s=300)
+    [base] = run_forked([_pretrain_argv(model_file, tmp_path / "base", "--train.max_steps", "2")],
+                        tmp_path / "logs-base", env, timeout_s=300)
     assert base.returncode == 0, base.stderr
     out_dir = tmp_path / "lora"
 
