@@ -128,7 +128,7 @@ def test_the_designs_usage_line_with_the_alias_under_two_torchrun_commands(tmp_p
     shrink = ["--model_config.n_layer", "2", "--model_config.n_embd", "64", "--model_config.n_head", "4",
               "--model_config.intermediate_size", "128", "--model_config.vocab_size", "4096"]
     small = ["--data", "BuiltinStories", "--data.num_documents", "200", "--data.num_val_documents", "20",
-             "--train.max_seq_length", "32", "--train.max_steps", "2", "--train.micro_batch_size", "16",
+             "--train.max_seq_length", "32", "--train.max_steps", "1", "--train.micro_batch_size", "16",
              "--eval.max_iters", "1", "--eval.initial_validation", "false"]
     outputs = []
     for devices, out in (("2", "a"), ("auto", "b")):
