@@ -31,6 +31,8 @@ from llmtrain.model import GPT
 from llmtrain.model_dir import load_model_dir, merge_lora_checkpoint
 from llmtrain.train.loop import TrainState
 
+from forked_cli import run_forked
+
 TINY = dict(name="tiny-checkpoint", vocab_size=1100, padding_multiple=64, block_size=64, n_layer=2, n_head=2,
             n_embd=64, n_query_groups=1, intermediate_size=128)
 
@@ -192,15 +194,18 @@ def test_a_resumed_run_trains_with_its_own_optimizer_flags(tmp_path, fmt):
 
 
 # ------------------------------------------------------------------------------------ the CLI
-def _pretrain(model_file: Path, out_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    argv = ["pretrain", "--model_config", str(model_file), "--out_dir", str(out_dir), "--data", "BuiltinStories",
+def _pretrain_argv(model_file: Path, out_dir: Path, *extra: str) -> list[str]:
+    return ["pretrain", "--model_config", str(model_file), "--out_dir", str(out_dir), "--data", "BuiltinStories",
             "--data.num_documents", "200", "--data.num_val_documents", "20", "--train.global_batch_size", "4",
             "--train.micro_batch_size", "2", "--train.max_seq_length", "32", "--train.lr_warmup_steps", "1",
             "--train.log_interval", "1", "--eval.interval", "100", "--eval.max_iters", "1",
             "--train.save_interval", "2", *extra]
+
+
+def _pretrain(model_file: Path, out_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "llmtrain", *argv], capture_output=True, text=True, timeout=300,
-                          env=env)
+    return subprocess.run([sys.executable, "-m", "llmtrain", *_pretrain_argv(model_file, out_dir, *extra)],
+                          capture_output=True, text=True, timeout=300, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -284,39 +289,42 @@ def test_resume_refuses_a_checkpoint_of_another_architecture_or_optimizer_before
     assert layout.latest_checkpoint(out_dir) == step
 
 
-def _llmtrain(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llmtrain", *argv], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
 @pytest.mark.slow
 def test_resume_refuses_adapters_other_than_this_runs_lora_settings(tmp_path):
     """Without the check, --lora_query false resumed silently without the trained query adapters, --quantize
     resumed LoRA adapters on a 4-bit base they were not trained on, and finetune_full resuming a LoRA checkpoint
-    failed in the optimizer load with a traceback."""
+    failed in the optimizer load with a traceback. The command lines run as real ``python -m llmtrain`` processes
+    forked from one interpreter per stage (tests/helpers/forked_cli.py): the base, its LoRA run, then the four
+    refused resumes (each refused before it writes, so side by side they resume the same checkpoint)."""
     os.environ.setdefault("LLMTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     model_file = tmp_path / "tiny-128.yaml"  # instructions need a longer context
     model_file.write_text(yaml.safe_dump({**TINY, "block_size": 128}))
-    assert _pretrain(model_file, tmp_path / "base", "--train.max_steps", "2").returncode == 0
+    [base] = run_forked([_pretrain_argv(model_file, tmp_path / "base", "--train.max_steps", "2")],
+                        tmp_path / "logs-base", env, timeout_s=300)
+    assert base.returncode == 0, base.stderr
     out_dir = tmp_path / "lora"
 
-    def finetune(recipe: str, *extra: str) -> subprocess.CompletedProcess:
-        return _llmtrain(recipe, str(tmp_path / "base" / "final"), "--out_dir", str(out_dir), "--data",
-                         "BuiltinInstruct", "--data.num_train", "40", "--data.num_val", "4",
-                         "--train.global_batch_size", "4", "--train.micro_batch_size", "2",
-                         "--train.max_seq_length", "128", "--eval.max_iters", "1", "--train.save_interval", "2", *extra)
+    def finetune(recipe: str, *extra: str) -> list[str]:
+        return [recipe, str(tmp_path / "base" / "final"), "--out_dir", str(out_dir), "--data",
+                "BuiltinInstruct", "--data.num_train", "40", "--data.num_val", "4",
+                "--train.global_batch_size", "4", "--train.micro_batch_size", "2",
+                "--train.max_seq_length", "128", "--eval.max_iters", "1", "--train.save_interval", "2", *extra]
 
-    done = finetune("finetune_lora", "--train.max_steps", "2")
+    [done] = run_forked([finetune("finetune_lora", "--train.max_steps", "2")], tmp_path / "logs-lora", env,
+                        timeout_s=300)
     assert done.returncode == 0, done.stderr
     step = out_dir / "step-00000002"
-    for recipe, extra, expected in (
-            ("finetune_lora", ["--lora_query", "false"], "holds other adapters than this run's (checkpoint vs run: "
-                                                         "--lora_query true vs false)"),
-            ("finetune_lora", ["--lora_r", "4", "--lora_mlp", "true"], "--lora_r 8 vs 4; --lora_mlp false vs true"),
-            # QLoRA's adapters went on training against the full-precision base (and final/ merged them into it).
-            ("finetune_lora", ["--quantize", "bnb.nf4"], "(checkpoint vs run: no --quantize vs --quantize bnb.nf4)"),
-            ("finetune_full", [], "holds LoRA adapters")):
-        resumed = finetune(recipe, "--train.max_steps", "4", "--resume", "auto", *extra)
+    cases = (
+        ("finetune_lora", ["--lora_query", "false"], "holds other adapters than this run's (checkpoint vs run: "
+                                                     "--lora_query true vs false)"),
+        ("finetune_lora", ["--lora_r", "4", "--lora_mlp", "true"], "--lora_r 8 vs 4; --lora_mlp false vs true"),
+        # QLoRA's adapters went on training against the full-precision base (and final/ merged them into it).
+        ("finetune_lora", ["--quantize", "bnb.nf4"], "(checkpoint vs run: no --quantize vs --quantize bnb.nf4)"),
+        ("finetune_full", [], "holds LoRA adapters"))
+    resumes = run_forked([finetune(recipe, "--train.max_steps", "4", "--resume", "auto", *extra)
+                          for recipe, extra, _ in cases], tmp_path / "logs-resumes", env, timeout_s=600)
+    for (recipe, extra, expected), resumed in zip(cases, resumes):
         assert resumed.returncode == 2, resumed.stdout + resumed.stderr
         message = resumed.stderr.strip()
         assert "Traceback" not in message and message.startswith(f"error: --resume {step} ") and expected in message

@@ -1,6 +1,6 @@
 """The parallel plan: every bad combination of layout flags is one message and exit 2 before any worker starts,
-with ``--devices 2`` and with one process; under two torchrun commands of two processes each, the mistakes only a
-launcher reveals and two of the others."""
+with ``--devices 2`` and with one process; under two torchrun commands of one process each (two nodes), the mistakes
+only a launcher reveals and two of the others; the design's usage line under two torchrun commands of two processes."""
 
 from __future__ import annotations
 
@@ -52,17 +52,20 @@ BAD_ON_ONE_PROCESS = [
 ]
 
 # Under torchrun each rank checks its own flags against what the launcher started. Each case costs two torchrun
-# agents and four ranks (about 11 s of a CI worker), so this table keeps the mistakes only a launcher can reveal,
-# plus two of the single-node table's (a batch and a model check) to show the per-rank checks refuse there too; the
-# single-node table above runs the same checks (ParallelPlan) for every other flag.
+# agents (two nodes) of one rank each: a rank's checks read the launcher's variables (WORLD_SIZE, LOCAL_WORLD_SIZE),
+# which two nodes of one process set as two of two do (the usage-line test below runs two nodes of two processes).
+# The table keeps the mistakes only a launcher can reveal, plus two of the single-node table's (a batch and a model
+# check) to show the per-rank checks refuse there too; the single-node table above runs the same checks
+# (ParallelPlan) for every other flag.
 BAD_UNDER_TORCHRUN = [
     (["--train.micro_batch_size", "16"], "--train.global_batch_size 16 is not divisible"),
     (["--train.max_seq_length", "100000"], "--train.max_seq_length 100000 exceeds the block_size"),
-    (["--num_nodes", "3"], "--devices 2 × --num_nodes 3 = 6 processes, but the launcher started 4"),
-    (["--devices", "4", "--num_nodes", "1"], "--devices 4 × --num_nodes 1 = 4 processes, but the launcher started 4 "
-                                             "(2 per node)"),
-    (["--devices", "auto", "--num_nodes", "3"], "--devices auto reads 2 processes per node from the launcher, but "
-                                                "--num_nodes 3 × 2 is not the 4 it started in all; pass --num_nodes 2"),
+    (["--num_nodes", "3"], "--devices 1 × --num_nodes 3 = 3 processes, but the launcher started 2"),
+    # The total is right (2), the processes per node are not: the launcher started 1 on each node.
+    (["--devices", "2", "--num_nodes", "1"], "--devices 2 × --num_nodes 1 = 2 processes, but the launcher started 2 "
+                                             "(1 per node)"),
+    (["--devices", "auto", "--num_nodes", "3"], "--devices auto reads 1 processes per node from the launcher, but "
+                                                "--num_nodes 3 × 1 is not the 2 it started in all; pass --num_nodes 2"),
 ]
 
 
@@ -103,9 +106,9 @@ def test_flag_that_needs_several_processes_is_refused_with_one(index, refused):
 def test_bad_combination_under_two_torchrun_nodes(flags, expected, tmp_path, dist_env, free_port):
     """Rank 0 prints the one message; every rank exits 2 (or is stopped by torchrun once a sibling has)."""
     port = str(free_port())
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                 "--master_addr", "127.0.0.1", "--master_port", port, "--rdzv_conf", "timeout=60"]
-    nodes = [subprocess.Popen([*torchrun, "--node_rank", str(node), "-m", "llmtrain", *DEBUG, "--devices", "2",
+    nodes = [subprocess.Popen([*torchrun, "--node_rank", str(node), "-m", "llmtrain", *DEBUG, "--devices", "1",
                                "--num_nodes", "2", *flags, "--out_dir", str(tmp_path / "o")],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dist_env)
              for node in (0, 1)]
@@ -125,7 +128,7 @@ def test_the_designs_usage_line_with_the_alias_under_two_torchrun_commands(tmp_p
     shrink = ["--model_config.n_layer", "2", "--model_config.n_embd", "64", "--model_config.n_head", "4",
               "--model_config.intermediate_size", "128", "--model_config.vocab_size", "4096"]
     small = ["--data", "BuiltinStories", "--data.num_documents", "200", "--data.num_val_documents", "20",
-             "--train.max_seq_length", "32", "--train.max_steps", "2", "--train.micro_batch_size", "16",
+             "--train.max_seq_length", "32", "--train.max_steps", "1", "--train.micro_batch_size", "16",
              "--eval.max_iters", "1", "--eval.initial_validation", "false"]
     outputs = []
     for devices, out in (("2", "a"), ("auto", "b")):

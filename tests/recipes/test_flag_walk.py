@@ -92,7 +92,10 @@ def model_dir(tmp_path_factory) -> Path:
     from llmtrain.checkpoint.layout import CONFIG_FILE
 
     directory = tmp_path_factory.mktemp("model")
-    Config.from_name("llama-debug").save(directory / CONFIG_FILE)
+    # Two layers, not llama-debug's four: what a flag changes does not depend on the depth (two still split into the
+    # two pipeline stages that --pp_size 2 asks for), and --dry_run.simulate's rank steps through every layer under
+    # fake tensors (about 5 s of CPU per layer per fine-tuning recipe).
+    Config.from_name("llama-debug", n_layer=2).save(directory / CONFIG_FILE)
     for name in ("model.safetensors", "tokenizer.json"):
         (directory / name).write_bytes(b"")  # nothing reads the weights before the launch
     return directory
