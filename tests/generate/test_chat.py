@@ -21,12 +21,11 @@ import pytest
 import torch
 
 from llmtrain.chat import PROMPT, Chat, TextStream
-from llmtrain.checkpoint.files import write_model_dir
 from llmtrain.generate import decode_completion, generate_text, load_for_generation, load_model_dir
 from llmtrain.model import GPT
 from llmtrain.prompts import PromptStyle
 
-from conftest import tiny_config
+from conftest import write_random_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG_GUARD_S = 120  # a hung chat fails the test instead of the suite; no run comes near it
@@ -37,14 +36,7 @@ GREEDY = ["--temperature", "0", "--accelerator", "cpu", "--precision", "32-true"
 def model_dir(tmp_path_factory, tiny_tokenizer):
     texts = ["Llamas eat grass and hay. " * 4, "What food do llamas eat? They eat leaves.", "Alpacas hum. " * 3]
     tokenizer = tiny_tokenizer(texts, vocab_size=300)
-    config = tiny_config("llama-debug", n_layer=2, block_size=256, vocab_size=tokenizer.vocab_size)
-    torch.manual_seed(0)
-    model = GPT(config)
-    with torch.no_grad():  # far from uniform logits, so that different prompts get different replies
-        for param in model.parameters():
-            param.normal_(0.0, 0.05)
-    return write_model_dir(tmp_path_factory.mktemp("chat") / "final", state_dict=model.state_dict(),
-                           model_config=config, hyperparameters=None, tokenizer=tokenizer)
+    return write_random_model_dir(tmp_path_factory.mktemp("chat") / "final", tokenizer, std=0.05)
 
 
 @pytest.fixture(scope="module")

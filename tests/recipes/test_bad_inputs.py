@@ -163,6 +163,10 @@ CASES = [
          ["convert", "to_hf", "{in}/evil-run/step-00000001", "{out}"], [".metadata", "will not unpickle"]),
     Case("generate from a missing folder", ["generate", "{in}/no-such-model", "--prompt", "hi"],
          ["no-such-model"]),
+    Case("serve a missing folder", ["serve", "{in}/no-such-model"], ["no-such-model", "does not exist"]),
+    Case("serve a run folder that is no model directory", ["serve", "{in}/run"],
+         ["is not a model directory", "model_config.yaml"]),
+    Case("serve on a port out of range", ["serve", "{in}/run/final", "--port", "70000"], ["--port", "65535"]),
     # data at scale: prepare_data, Prepared, Mixture
     Case("prepare_data of an empty folder", ["prepare_data", "--data", "TextFiles", "--data.train_data_path",
                                              "{in}/empty-texts", "--tokenizer_dir", "{in}/tok", "--out_dir", "{out}"],
