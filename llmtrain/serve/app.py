@@ -55,7 +55,7 @@ def build_app(engine: Engine, model_name: str, max_new_tokens: int) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok"}
+        return {"status": "ok", "pending": engine.pending}
 
     @app.get("/v1/models")
     async def models() -> dict:
