@@ -16,6 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Union
 
 import pytest
 import torch
@@ -105,7 +106,7 @@ def raw_completion(loaded, prompt: str, max_new_tokens: int = MAX_NEW_TOKENS) ->
     return decode_completion(loaded.tokenizer, ids, new, (), eos), len(ids), len(new)
 
 
-def chat_answer(loaded, prompt: str, max_new_tokens: int = MAX_NEW_TOKENS) -> str:
+def chat_answer(loaded, prompt: Union[str, list[dict]], max_new_tokens: int = MAX_NEW_TOKENS) -> str:
     return generate_text(loaded.model, loaded.tokenizer, loaded.prompt_style, prompt, max_new_tokens=max_new_tokens)
 
 
@@ -201,6 +202,27 @@ def test_eight_concurrent_requests_each_get_their_own_answer(server, client, loa
         health = httpx.get(server.url.removesuffix("/v1") + "/health", timeout=HANG_GUARD_S).json()
         assert {prompt: answers[index].result(HANG_GUARD_S) for index, prompt in enumerate(PROMPTS)} == expected
     assert health["status"] == "ok" and health["pending"] > 0
+
+
+def test_a_conversation_with_a_system_message_is_rendered_in_the_prompt_style(client, loaded):
+    messages = [{"role": "system", "content": "You are a llama."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": [
+                    {"type": "text", "text": "What do you "}, {"type": "text", "text": "eat?"}]}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, temperature=0)
+    as_written = messages[:3] + [{"role": "user", "content": "What do you eat?"}]
+    assert whole.choices[0].message.content == chat_answer(loaded, as_written)
+
+
+def test_a_client_that_leaves_a_stream_frees_the_worker(server, client):
+    with httpx.stream("POST", server.url + "/completions", timeout=HANG_GUARD_S,
+                      json={"model": "tiny", "prompt": PROMPTS[4], "stream": True, "temperature": 0}) as stream:
+        first = next(stream.iter_lines())
+    assert first.startswith("data: {")
+    deadline = time.monotonic() + HANG_GUARD_S
+    while httpx.get(server.url.removesuffix("/v1") + "/health").json()["pending"]:
+        assert time.monotonic() < deadline, "the stream's job never ended"
+        time.sleep(0.05)
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
 
 # ---- bad requests ----------------------------------------------------------------------------------
