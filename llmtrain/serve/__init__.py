@@ -2,8 +2,9 @@
 
 Endpoints: ``POST /v1/completions`` (the prompt as it is), ``POST /v1/chat/completions`` (the messages in the
 model's prompt style, as ``llmtrain chat`` writes them), both streaming as server-sent events with
-``"stream": true``; ``GET /v1/models`` and ``GET /health``. Any OpenAI client works with
-``base_url=http://HOST:PORT/v1``.
+``"stream": true``; ``GET /v1/models`` and ``GET /health`` (``{"status": "ok", "pending": N}``, N the requests
+queued or generating). Any OpenAI client works with ``base_url=http://HOST:PORT/v1``. Greedy answers
+(``temperature`` 0) equal ``llmtrain generate``'s (``--raw`` for completions).
 
 Built on FastAPI and uvicorn, not LitServe (LitGPT's choice): they are the most widely used and kept Python web
 stack, they give server-sent events (a streaming response) and request validation (pydantic) directly, and one

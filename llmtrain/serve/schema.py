@@ -37,7 +37,8 @@ class Sampling(BaseModel):
     top_k: Optional[int] = Field(None, ge=1)
     """Not OpenAI's: sample among the k most likely tokens only."""
     stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=0, le=2**64 - 1)
+    """The sampler's seed (torch.Generator's range); default: a random one per request."""
     n: int = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None

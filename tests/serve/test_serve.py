@@ -247,6 +247,8 @@ BAD_REQUESTS = [
      "temperature", ["valid number"]),
     ("negative temperature", "completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, 400,
      "temperature", ["greater than or equal to 0"]),
+    ("a negative seed", "completions", {"model": "tiny", "prompt": "hi", "seed": -1}, 400, "seed",
+     ["greater than or equal to 0"]),
     ("top_p of zero", "completions", {"model": "tiny", "prompt": "hi", "top_p": 0}, 400, "top_p", ["greater than 0"]),
     ("an unknown field", "completions", {"model": "tiny", "prompt": "hi", "tempreature": 0}, 400, "tempreature",
      ["unknown or unsupported"]),
