@@ -97,6 +97,8 @@ def files_to_fetch(repo_id: str, names: list[str], tokenizer_only: bool) -> list
                          f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
     if not config:
         raise ValueError(f"{repo_id} has no config.json: it is not a transformers model repository")
+    if "tokenizer.json" not in top and "tokenizer.model" in top:  # llmtrain then says what to do about it
+        tokenizer.append("tokenizer.model")
     return config + weights + tokenizer
 
 

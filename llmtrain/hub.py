@@ -49,6 +49,14 @@ def reach(repo_id: str, *, repo_type: str = "model", token: Optional[str] = None
         raise HubError(explain(error, repo_id, repo_type=repo_type, fix=fix)) from error
 
 
+def dataset_fix(how_local: str) -> str:
+    """What to do when a Hub dataset cannot be had; ``how_local`` says how to pass a local copy instead."""
+    if offline_variable() is not None:
+        return f"datasets has no copy of it cached: download it where the Hub can be reached and {how_local}"
+    return (f"without network, download it elsewhere and {how_local}; HF_HUB_OFFLINE=1 uses a copy that datasets "
+            "cached before")
+
+
 def explain(error: BaseException, repo_id: str, *, repo_type: str = "model", fix: str) -> str:
     """One line for a failure of huggingface_hub (or of datasets, which wraps it) with repository ``repo_id``."""
     import httpx2
@@ -66,7 +74,7 @@ def explain(error: BaseException, repo_id: str, *, repo_type: str = "model", fix
         if isinstance(cause, RepositoryNotFoundError):
             return (f"{repo_id} is not a {repo_type} repository on {where} ({_status(cause)}): check its spelling "
                     "(ORG/NAME, as on its Hub page); a private one needs --access_token TOKEN or HF_TOKEN")
-        if isinstance(cause, OfflineModeIsEnabled):
+        if isinstance(cause, OfflineModeIsEnabled) or offline_variable() is not None:
             return f"{offline_variable() or 'offline mode'} forbids reaching the Hugging Face Hub for {repo_id}: {fix}"
     for cause in causes:
         if isinstance(cause, (httpx2.TransportError, ConnectionError, TimeoutError)):

@@ -57,8 +57,14 @@ def missing_path_message(path: Path, flag: str = "CHECKPOINT_DIR") -> str:
     message = f"{flag} {path} does not exist{where}; pass a model directory such as out/pretrain/final"
     parts = path.parts
     hub_like = not path.is_absolute() and len(parts) >= 2 and all(_HUB_NAME.fullmatch(p) for p in parts[-2:])
-    if hub_like and (len(parts) == 2 or parts[-3] == "checkpoints"):
-        repo_id = "/".join(parts[-2:])
+    repo_id = "/".join(parts[-2:]) if hub_like and (len(parts) == 2 or parts[-3] == "checkpoints") else None
+    if len(parts) == 1 and _HUB_NAME.fullmatch(parts[0]):  # a zoo model's name, e.g. Llama-3.2-1B
+        try:
+            hf = Config.from_name(parts[0]).hf_config
+        except ValueError:
+            hf = {}
+        repo_id = f"{hf['org']}/{hf['name']}" if hf.get("org") and hf.get("name") else None
+    if repo_id is not None:
         message += (f", or a transformers folder; to fetch {repo_id} from the Hugging Face Hub: `llmtrain download "
                     f"{repo_id}` (into checkpoints/{repo_id})")
     return message

@@ -13,16 +13,15 @@ from llmtrain.data.base import PretrainDataModule, TokenFiles, TrainLoader, ValL
 from llmtrain.data.streaming import StreamingLoader, StreamingValLoader, StreamPosition, stream_windows
 from llmtrain.data.tokens import Piece, available_cpu_count, cache_key, document_pieces, tokenize_to_cache
 from llmtrain.data.units import WorkUnit
-from llmtrain.hub import HubError, explain, offline_variable, reach
+from llmtrain.hub import HubError, dataset_fix, explain, offline_variable, reach
 from llmtrain.tokenizer import Tokenizer
 
 # load_dataset builders that read local files and so need --data.data_files.
 FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas", "webdataset")
 
 
-HUB_FIX = ("without network, download the dataset elsewhere and pass its files with --data.path json|parquet|csv|"
-           "text --data.data_files FILES; HF_HUB_OFFLINE=1 uses a copy that datasets cached before")
-"""What to do when a Hub dataset cannot be reached."""
+LOCAL_COPY = "pass its files with --data.path json|parquet|csv|text --data.data_files FILES"
+"""How to train on a Hub dataset's files instead."""
 
 
 @dataclass
@@ -82,7 +81,7 @@ class HFDataset(PretrainDataModule):
             raise ValueError(f"--data.num_workers must be at least 1, got {self.num_workers}")
         if self._on_hub() and offline_variable() is None:  # offline, datasets may have cached it
             try:
-                reach(self.path, repo_type="dataset", fix=HUB_FIX)
+                reach(self.path, repo_type="dataset", fix=dataset_fix(LOCAL_COPY))
             except HubError as error:
                 raise HubError(f"--data.path {self.path}: {error}") from error
 
@@ -183,7 +182,7 @@ class HFDataset(PretrainDataModule):
             if not self._on_hub():
                 raise
             raise HubError(f"--data.path {self.path}: "
-                           + explain(error, self.path, repo_type="dataset", fix=HUB_FIX)) from error
+                           + explain(error, self.path, repo_type="dataset", fix=dataset_fix(LOCAL_COPY))) from error
         if dataset.column_names is None:  # a stream whose columns are known only from its rows
             return dataset
         if self.text_field not in dataset.column_names:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
-from llmtrain.hub import HubError, explain, offline_variable, reach
+from llmtrain.hub import HubError, dataset_fix, explain, offline_variable, reach
 from llmtrain.data.instruct import Conversation, InstructDataModule, record_to_conversation, split_records
 
 # load_dataset builders for local files, by suffix.
@@ -81,6 +81,16 @@ class HubInstruct(InstructDataModule):
                              f"{list(self.columns)} (missing: {missing})")
         return dataset, name
 
+    def _source(self) -> str:
+        return self.path or self.hub_name
+
+    def _local_copy(self) -> Optional[Path]:
+        local = Path(self.path).expanduser() if self.path is not None else None
+        return local if local is not None and local.exists() else None
+
+    def _offline_fix(self) -> str:
+        return dataset_fix("pass the file or folder with --data.path")
+
 
 @dataclass(kw_only=True)
 class Alpaca(HubInstruct):
@@ -124,18 +134,6 @@ class LIMA(HubInstruct):
             texts = texts[:-1]
         roles = ("user", "assistant")
         return {"messages": [{"role": roles[i % 2], "content": text} for i, text in enumerate(texts)]}
-
-
-    def _source(self) -> str:
-        return self.path or self.hub_name
-
-    def _local_copy(self) -> Optional[Path]:
-        local = Path(self.path).expanduser() if self.path is not None else None
-        return local if local is not None and local.exists() else None
-
-    def _offline_fix(self) -> str:
-        return ("without network, download the dataset elsewhere and pass the file or folder with --data.path; "
-                "HF_HUB_OFFLINE=1 uses a copy that datasets cached before")
 
 
 def _looks_local(path: str) -> bool:

@@ -204,10 +204,13 @@ def test_a_killed_download_fetches_only_the_rest_when_run_again(repos, hub, tmp_
     assert not list(folder.rglob("*.incomplete"))
 
 
-def test_a_gated_repository_downloads_with_a_token(at_hub):
+def test_a_gated_repository_downloads_with_a_token(at_hub, monkeypatch):
     main(["download", "tiny-org/gated-llama", "--access_token", "hf_test_token"])
     assert (Path("checkpoints") / "tiny-org/gated-llama" / "model.safetensors").is_file()
     assert all(r.authorization == "Bearer hf_test_token" for r in at_hub.gets())
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")  # or from the environment, as huggingface_hub reads it
+    main(["download", "tiny-org/gated-llama", "--checkpoint_dir", "from-env"])
+    assert (Path("from-env") / "tiny-org/gated-llama" / "model.safetensors").is_file()
 
 
 @pytest.fixture(scope="module")
