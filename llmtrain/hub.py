@@ -65,15 +65,17 @@ def explain(error: BaseException, repo_id: str, *, repo_type: str = "model", fix
 
     where = endpoint()
     page = f"{where}/{'datasets/' if repo_type == 'dataset' else ''}{repo_id}"
+    # `download` takes a token as a flag; the data modules read the one huggingface_hub finds
+    token = "the HF_TOKEN variable (or `hf auth login`)" if repo_type == "dataset" else \
+        "--access_token TOKEN or the HF_TOKEN variable"
     causes = _causes(error)
     for cause in causes:
         if isinstance(cause, GatedRepoError):
             return (f"{repo_id} is gated: accept its conditions on {page} with your account, then pass an access "
-                    "token of that account with --access_token TOKEN or the HF_TOKEN variable "
-                    f"({_status(cause)} from the Hub)")
+                    f"token of that account with {token} ({_status(cause)} from the Hub)")
         if isinstance(cause, RepositoryNotFoundError):
             return (f"{repo_id} is not a {repo_type} repository on {where} ({_status(cause)}): check its spelling "
-                    "(ORG/NAME, as on its Hub page); a private one needs --access_token TOKEN or HF_TOKEN")
+                    f"(ORG/NAME, as on its Hub page); a private one needs a token: {token}")
         if isinstance(cause, OfflineModeIsEnabled) or offline_variable() is not None:
             return f"{offline_variable() or 'offline mode'} forbids reaching the Hugging Face Hub for {repo_id}: {fix}"
     for cause in causes:
