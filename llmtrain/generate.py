@@ -117,7 +117,8 @@ class LoadedModel(NamedTuple):
 def load_for_generation(checkpoint_dir: Path, *, quantize: Optional[QuantizeMode] = None,
                         precision: Optional[PrecisionName] = None,
                         accelerator: Literal["auto", "cpu", "cuda"] = "auto") -> LoadedModel:
-    """The model directory on the device `accelerator` picks, in `precision` (default: `default_precision`).
+    """The model directory (or transformers folder, converted once) on the device `accelerator` picks, in
+    `precision` (default: `default_precision`).
 
     Says on stderr how long loading took. The flags have the meaning of `llmtrain generate`'s.
     """
@@ -128,6 +129,7 @@ def load_for_generation(checkpoint_dir: Path, *, quantize: Optional[QuantizeMode
     # auto (or unset): bf16 weights where the GPU has them; generation keeps no fp32 master copy to mix with
     precision_setting = Precision(precision if precision not in (None, "auto") else default_precision(device))
     started = time.perf_counter()
+    checkpoint_dir = ensure_model_dir(Path(checkpoint_dir))
     model, _, tokenizer, prompt_style = load_model_dir(
         checkpoint_dir, device=device, dtype=precision_setting.param_dtype, quantize=quantize
     )
