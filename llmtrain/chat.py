@@ -16,6 +16,7 @@ import torch
 
 from llmtrain.generate import (PromptTooLongError, check_sampling, decode_completion, generate, strip_stop,
                                load_for_generation)
+from llmtrain.convert.hf import ensure_model_dir
 from llmtrain.model_dir import check_model_dir
 from llmtrain.quantize import QuantizeMode
 from llmtrain.precision import PrecisionName
@@ -48,7 +49,8 @@ def setup(
     oldest turns are dropped.
 
     Args:
-        checkpoint_dir: Model directory with model.safetensors, model_config.yaml and tokenizer.json.
+        checkpoint_dir: Model directory with model.safetensors, model_config.yaml and tokenizer.json, or a
+            transformers folder (config.json + safetensors, e.g. from `llmtrain download`).
         system: System message that opens the conversation. Default: the prompt style's own, if any.
         max_new_tokens: Most tokens per reply (fewer if the model's block size ends first).
         temperature: Divides the logits before sampling; 0 picks the most likely token (greedy).
@@ -61,10 +63,10 @@ def setup(
         accelerator: Where to run: auto (GPU if there is one), cpu or cuda.
         seed: Seed of the sampler.
     """
-    check_model_dir(checkpoint_dir)
     check_sampling(temperature, top_k, top_p)
     if max_new_tokens < 1:
         raise ValueError(f"--max_new_tokens must be at least 1, got {max_new_tokens}")
+    checkpoint_dir = check_model_dir(ensure_model_dir(Path(checkpoint_dir)))  # a transformers folder: converted
     loaded = load_for_generation(checkpoint_dir, quantize=quantize, precision=precision, accelerator=accelerator)
     chat = Chat(loaded, system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                 top_p=top_p, generator=torch.Generator(loaded.device).manual_seed(seed))

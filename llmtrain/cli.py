@@ -20,6 +20,7 @@ POSITIONAL = {"pretrain": "--model_name"}
 def commands() -> dict[str, Callable]:
     """Every subcommand, in one place. Imported lazily so `--help` stays fast."""
     from llmtrain import chat, generate, plot, serve
+    from llmtrain.download import download
     from llmtrain.benchmark.command import benchmark
     from llmtrain.convert.hf import convert_from_hf, convert_to_hf
     from llmtrain.recipes import finetune, prepare_data, pretrain
@@ -28,7 +29,7 @@ def commands() -> dict[str, Callable]:
             "finetune": finetune.setup_lora, "merge_lora": finetune.merge_lora, "generate": generate.setup,
             "chat": chat.setup, "convert": {"to_hf": convert_to_hf, "from_hf": convert_from_hf}, "plot": plot.plot,
             "benchmark": benchmark, "prepare_data": prepare_data.setup,
-            "serve": serve.setup}
+            "serve": serve.setup, "download": download}
 
 
 LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable, Literal, NamedTuple, Optional, Seque
 
 import torch
 
+from llmtrain.convert.hf import ensure_model_dir
 from llmtrain.model_dir import check_model_dir, load_model_dir, read_model_dir
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.quantize import QuantizeMode
@@ -54,7 +55,8 @@ def setup(
     """Generate text from a model directory (e.g. `out/finetune/final`) and print the completion.
 
     Args:
-        checkpoint_dir: Model directory with model.safetensors, model_config.yaml and tokenizer.json.
+        checkpoint_dir: Model directory with model.safetensors, model_config.yaml and tokenizer.json, or a
+            transformers folder (config.json + safetensors, e.g. from `llmtrain download`).
         prompt: The instruction, written out in the model's prompt style unless --raw.
         max_new_tokens: Most tokens to generate per sample (fewer if the model's block_size ends first).
         temperature: Divides the logits before sampling; 0 picks the most likely token (greedy).
@@ -69,11 +71,12 @@ def setup(
         seed: Seed of the sampler.
         raw: Give the prompt to the model as it is, without the prompt style's template.
     """
-    check_model_dir(checkpoint_dir)  # before anything loads: the flags' errors, then the model's
-    check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p)  # before anything loads: the flags' errors, then the model's
     for name, value in (("--max_new_tokens", max_new_tokens), ("--num_samples", num_samples)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
+    # A transformers folder (e.g. from `llmtrain download`) is converted once, on the fly, and cached.
+    checkpoint_dir = check_model_dir(ensure_model_dir(Path(checkpoint_dir)))
     # The prompt is checked before the weights load (a large model takes minutes).
     config, tokenizer, prompt_style = read_model_dir(checkpoint_dir)
     prompt_ids = tokenizer.encode(prompt if raw else prompt_style.apply(prompt))
@@ -114,7 +117,8 @@ class LoadedModel(NamedTuple):
 def load_for_generation(checkpoint_dir: Path, *, quantize: Optional[QuantizeMode] = None,
                         precision: Optional[PrecisionName] = None,
                         accelerator: Literal["auto", "cpu", "cuda"] = "auto") -> LoadedModel:
-    """The model directory on the device `accelerator` picks, in `precision` (default: `default_precision`).
+    """The model directory (or transformers folder, converted once) on the device `accelerator` picks, in
+    `precision` (default: `default_precision`).
 
     Says on stderr how long loading took. The flags have the meaning of `llmtrain generate`'s.
     """
@@ -125,6 +129,7 @@ def load_for_generation(checkpoint_dir: Path, *, quantize: Optional[QuantizeMode
     # auto (or unset): bf16 weights where the GPU has them; generation keeps no fp32 master copy to mix with
     precision_setting = Precision(precision if precision not in (None, "auto") else default_precision(device))
     started = time.perf_counter()
+    checkpoint_dir = ensure_model_dir(Path(checkpoint_dir))
     model, _, tokenizer, prompt_style = load_model_dir(
         checkpoint_dir, device=device, dtype=precision_setting.param_dtype, quantize=quantize
     )

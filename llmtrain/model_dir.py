@@ -8,6 +8,7 @@ themselves, so it sits above both.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -33,9 +34,11 @@ def check_model_dir(checkpoint_dir: Path, flag: str = "CHECKPOINT_DIR") -> Path:
     ``flag`` is how the user passed the directory, for the message.
     """
     checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.exists():
+        raise FileNotFoundError(missing_path_message(checkpoint_dir, flag))
     if not checkpoint_dir.is_dir():
-        raise FileNotFoundError(f"{flag} {checkpoint_dir} does not exist or is not a directory; pass a model "
-                                "directory such as out/pretrain/final")
+        raise FileNotFoundError(f"{flag} {checkpoint_dir} is a file, not a directory; pass a model directory such as "
+                                "out/pretrain/final")
     for name in (layout.CONFIG_FILE, layout.MODEL_FILE, layout.TOKENIZER_FILE):
         if not (checkpoint_dir / name).is_file():
             hint = " (a LoRA step checkpoint holds only adapters: merge it first with `llmtrain merge_lora`)" if (
@@ -44,6 +47,31 @@ def check_model_dir(checkpoint_dir: Path, flag: str = "CHECKPOINT_DIR") -> Path:
                 f"{flag} {checkpoint_dir} is not a model directory: {checkpoint_dir / name} does not exist (a model "
                 f"directory needs {layout.CONFIG_FILE}, {layout.MODEL_FILE} and {layout.TOKENIZER_FILE}){hint}")
     return checkpoint_dir
+
+
+def missing_path_message(path: Path, flag: str = "CHECKPOINT_DIR") -> str:
+    """Why ``path`` (a model the user named) cannot be opened: it does not exist, where that was looked for, and
+    ``llmtrain download ORG/NAME`` when it reads like a Hub repository (ORG/NAME, or checkpoints/ORG/NAME)."""
+    path = Path(path)
+    where = "" if path.is_absolute() else f" (relative to the current directory {Path.cwd()}: {path.resolve()})"
+    message = f"{flag} {path} does not exist{where}; pass a model directory such as out/pretrain/final"
+    parts = path.parts
+    hub_like = not path.is_absolute() and len(parts) >= 2 and all(_HUB_NAME.fullmatch(p) for p in parts[-2:])
+    repo_id = "/".join(parts[-2:]) if hub_like and (len(parts) == 2 or parts[-3] == "checkpoints") else None
+    if len(parts) == 1 and _HUB_NAME.fullmatch(parts[0]):  # a zoo model's name, e.g. Llama-3.2-1B
+        try:
+            hf = Config.from_name(parts[0]).hf_config
+        except ValueError:
+            hf = {}
+        repo_id = f"{hf['org']}/{hf['name']}" if hf.get("org") and hf.get("name") else None
+    if repo_id is not None:
+        message += (f", or a transformers folder; to fetch {repo_id} from the Hugging Face Hub: `llmtrain download "
+                    f"{repo_id}` (into checkpoints/{repo_id})")
+    return message
+
+
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.\-]*")
+"""One half of a Hub repository id (ORG or NAME)."""
 
 
 def load_model_dir(checkpoint_dir: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -35,7 +35,7 @@ from llmtrain.convert.adapters import (
     named_config,
     zoo_config,
 )
-from llmtrain.model_dir import merged_lora_weights
+from llmtrain.model_dir import merged_lora_weights, missing_path_message
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +66,7 @@ def from_hf(hf_dir: Path, output_dir: Path, model_name: Optional[str] = None,
     if model_name is not None:
         config = named_config(config, model_name, hf_dir / HF_CONFIG_FILE)
     else:
-        config = zoo_config(config, hints=[config.hf_config.get("name", ""), hf_dir.name])
+        config = _zoo_or_own(config, hf_dir)
     check_weights_hold(config, hf_dir / HF_CONFIG_FILE, hf_weight_files(hf_dir))
     weights = _read_hf_weights(hf_dir, adapter, config, _torch_dtype(dtype))
     tokenizer = _tokenizer_or_none(hf_dir)
@@ -93,6 +93,22 @@ def read_hf_config(hf_dir: Path) -> tuple[Adapter, Config]:
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not valid JSON: {error}") from error
     return config_from_hf(values, path)
+
+
+def hf_folder_config(path: Path) -> Optional[Config]:
+    """The Config that converting the transformers folder `path` would record (a zoo entry when one has its
+    architecture), read from its config.json alone; None when `path` is not a transformers folder (a llmtrain model
+    directory, or no folder). What a dry run needs to know of a model, without converting its weights."""
+    path = Path(path)
+    if (path / layout.CONFIG_FILE).is_file() or not (path / HF_CONFIG_FILE).is_file():
+        return None
+    config = _zoo_or_own(read_hf_config(path)[1], path)
+    hf_weight_files(path)  # the weights are there (a run would convert them)
+    return config
+
+
+def _zoo_or_own(config: Config, hf_dir: Path) -> Config:
+    return zoo_config(config, hints=[config.hf_config.get("name", ""), hf_dir.name])
 
 
 def _read_hf_weights(hf_dir: Path, adapter: Adapter, config: Config,
@@ -331,12 +347,13 @@ def _write_hf_weights(directory: Path, adapter: Adapter, config: Config, weights
 
 
 # ------------------------------------------------------------------------------------ either -> llmtrain
-def ensure_model_dir(path: Path, cache_dir: Optional[Path] = None) -> Path:
+def ensure_model_dir(path: Path, cache_dir: Optional[Path] = None, flag: str = "CHECKPOINT_DIR") -> Path:
     """A llmtrain model directory for `path`: `path` itself, or its conversion if it is a transformers folder.
 
     The conversion happens once: it is cached under `cache_dir` (default `$LLMTRAIN_CACHE_DIR/from_hf`,
     else `~/.cache/llmtrain/from_hf`), keyed by the folder's path and its files' sizes and mtimes.
-    Processes that call this together convert once (a file lock), the others wait and reuse it.
+    Processes that call this together convert once (a file lock), the others wait and reuse it. ``flag`` is how
+    the user passed `path`, for the message when it does not exist.
     """
     from llmtrain.data.tokens import cache_dir as default_cache_dir
     from llmtrain.data.tokens import cache_key, exclusive_lock
@@ -344,6 +361,8 @@ def ensure_model_dir(path: Path, cache_dir: Optional[Path] = None) -> Path:
     path = Path(path)
     if (path / layout.CONFIG_FILE).is_file():
         return path
+    if not path.exists():
+        raise FileNotFoundError(missing_path_message(path, flag))
     if not (path / HF_CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{path} is neither a llmtrain model directory (it has no {layout.CONFIG_FILE}) "
                                 f"nor a transformers folder (it has no {HF_CONFIG_FILE})")

@@ -13,10 +13,15 @@ from llmtrain.data.base import PretrainDataModule, TokenFiles, TrainLoader, ValL
 from llmtrain.data.streaming import StreamingLoader, StreamingValLoader, StreamPosition, stream_windows
 from llmtrain.data.tokens import Piece, available_cpu_count, cache_key, document_pieces, tokenize_to_cache
 from llmtrain.data.units import WorkUnit
+from llmtrain.hub import HubError, dataset_fix, explain, offline_variable, reach
 from llmtrain.tokenizer import Tokenizer
 
 # load_dataset builders that read local files and so need --data.data_files.
 FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas", "webdataset")
+
+
+LOCAL_COPY = "pass its files with --data.path json|parquet|csv|text --data.data_files FILES"
+"""How to train on a Hub dataset's files instead."""
 
 
 @dataclass
@@ -74,6 +79,15 @@ class HFDataset(PretrainDataModule):
                 "or drop --data.val_split_fraction")
         if self.num_workers < 1:
             raise ValueError(f"--data.num_workers must be at least 1, got {self.num_workers}")
+        if self._on_hub() and offline_variable() is None:  # offline, datasets may have cached it
+            try:
+                reach(self.path, repo_type="dataset", fix=dataset_fix(LOCAL_COPY))
+            except HubError as error:
+                raise HubError(f"--data.path {self.path}: {error}") from error
+
+    def _on_hub(self) -> bool:
+        """Whether --data.path names a Hub dataset (not a builder of local files, nor a local folder)."""
+        return self.path not in FILE_BUILDERS and not _looks_local(self.path)
 
     def uses_token_cache(self) -> bool:
         return not self.streaming
@@ -155,6 +169,7 @@ class HFDataset(PretrainDataModule):
 
     def _load(self, split: str, flag: str, streaming: bool = False) -> Any:
         import datasets
+        from huggingface_hub.errors import HfHubHTTPError
 
         try:
             dataset = datasets.load_dataset(self.path, name=self.name, data_files=self.data_files, split=split,
@@ -163,6 +178,11 @@ class HFDataset(PretrainDataModule):
             if "split" in str(error).lower():
                 raise ValueError(f"{flag} {split!r} is not available in --data.path {self.path}: {error}") from error
             raise
+        except (ConnectionError, HfHubHTTPError) as error:  # the Hub: offline, unreachable, gated, missing
+            if not self._on_hub():
+                raise
+            raise HubError(f"--data.path {self.path}: "
+                           + explain(error, self.path, repo_type="dataset", fix=dataset_fix(LOCAL_COPY))) from error
         if dataset.column_names is None:  # a stream whose columns are known only from its rows
             return dataset
         if self.text_field not in dataset.column_names:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
+from llmtrain.hub import HubError, dataset_fix, explain, offline_variable, reach
 from llmtrain.data.instruct import Conversation, InstructDataModule, record_to_conversation, split_records
 
 # load_dataset builders for local files, by suffix.
@@ -40,6 +41,11 @@ class HubInstruct(InstructDataModule):
             raise FileNotFoundError(f"--data.path {self.path} does not exist")
         if not 0 <= self.val_split_fraction < 1:
             raise ValueError(f"--data.val_split_fraction must be in [0, 1), got {self.val_split_fraction}")
+        if not self._local_copy() and offline_variable() is None:  # offline, datasets may have cached it
+            try:
+                reach(self._source(), repo_type="dataset", fix=self._offline_fix())
+            except HubError as error:
+                raise HubError(f"--data {type(self).__name__}: {error}") from error
 
     def load_conversations(self) -> tuple[list[Conversation], Optional[list[Conversation]], str]:
         dataset, name = self._load()
@@ -51,8 +57,8 @@ class HubInstruct(InstructDataModule):
     def _load(self) -> tuple[Any, str]:
         import datasets
 
-        local = Path(self.path).expanduser() if self.path is not None else None
-        if local is not None and local.exists():
+        local = self._local_copy()
+        if local is not None:
             name = f"--data.path {self.path}"
             if local.is_file():
                 builder = FILE_BUILDERS.get(local.suffix)
@@ -62,20 +68,28 @@ class HubInstruct(InstructDataModule):
             else:
                 dataset = datasets.load_dataset(str(local), split="train")
         else:
-            source = self.path or self.hub_name
+            source = self._source()
             name = f"{type(self).__name__} ({source})"
             try:
                 dataset = datasets.load_dataset(source, split="train")
             except Exception as error:  # offline, gated, or misspelled: the error types vary by cause
-                raise RuntimeError(
-                    f"Could not load {source!r} from the Hugging Face Hub ({type(error).__name__}: {error}). "
-                    f"Without internet access, download it elsewhere and pass --data.path FILE_OR_FOLDER."
-                ) from error
+                raise HubError(f"--data {type(self).__name__}: "
+                               + explain(error, source, repo_type="dataset", fix=self._offline_fix())) from error
         missing = [column for column in self.columns if column not in dataset.column_names]
         if missing:
             raise ValueError(f"{name} has columns {dataset.column_names}, but {type(self).__name__} needs "
                              f"{list(self.columns)} (missing: {missing})")
         return dataset, name
+
+    def _source(self) -> str:
+        return self.path or self.hub_name
+
+    def _local_copy(self) -> Optional[Path]:
+        local = Path(self.path).expanduser() if self.path is not None else None
+        return local if local is not None and local.exists() else None
+
+    def _offline_fix(self) -> str:
+        return dataset_fix("pass the file or folder with --data.path")
 
 
 @dataclass(kw_only=True)

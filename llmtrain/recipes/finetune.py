@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional
 from llmtrain.args import BatchDefaults, EvalArgs, TrainArgs
 from llmtrain.checkpoint import layout
 from llmtrain.config import Config
-from llmtrain.convert.hf import ensure_model_dir
+from llmtrain.convert.hf import ensure_model_dir, hf_folder_config
 from llmtrain.data import BuiltinInstruct
 from llmtrain.lora import LoRAArgs
 from llmtrain.model_dir import check_model_dir, merge_lora_checkpoint
@@ -150,9 +150,13 @@ def _finetune(recipe: str, checkpoint_dir: Path, prompt_style: Optional[str], fl
     if lora is not None:
         arguments.update(quantize=quantize, **dataclasses.asdict(lora))  # the fields are the lora_* flags
     hyperparameters = hparams.hyperparameters(arguments)
-    # A transformers folder (config.json + weights) is converted once, on the fly, and cached.
-    checkpoint_dir = check_model_dir(ensure_model_dir(Path(checkpoint_dir)))
-    config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
+    checkpoint_dir = Path(checkpoint_dir)
+    config = hf_folder_config(checkpoint_dir) if flags["dry_run"].requested else None
+    if config is None:
+        # A transformers folder (config.json + weights) is converted once, on the fly, and cached; a dry run of
+        # one reads its config.json alone.
+        checkpoint_dir = check_model_dir(ensure_model_dir(checkpoint_dir))
+        config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
     checks.check_out_dir(flags["out_dir"])
     checks.check_logger(flags["logger_name"])
     resume_from = None

@@ -52,7 +52,7 @@ def setup(
     if not flags["dry_run"].requested:
         resume_from = resolve_resume(flags["resume"], flags["out_dir"], initial_checkpoint_dir)
     if initial_checkpoint_dir is not None:
-        initial_checkpoint_dir = ensure_model_dir(Path(initial_checkpoint_dir))  # a transformers folder works too
+        initial_checkpoint_dir = ensure_model_dir(Path(initial_checkpoint_dir), flag="--initial_checkpoint_dir")  # a transformers folder works too
     config = checks.resolve_model_config(model_name, model_config, initial_checkpoint_dir)
     zoo_name = config.name if config.name in Config.names() else None
     flags["train"] = with_default_length(flags["train"], zoo_name)

@@ -12,6 +12,7 @@ from llmtrain.data import (
 )
 from llmtrain.data.builtin_instruct import TASK_NAMES, TASKS, check, generate_tasks, solve
 from llmtrain.data.instruct import pad_multiple, padded_width
+from llmtrain.hub import HubError
 from llmtrain.prompts import ChatML, ChatTemplate, PromptStyle
 from llmtrain.tokenizer import BPE_EOS_TOKEN, Tokenizer
 
@@ -456,7 +457,7 @@ def test_named_dataset_errors(tmp_path: Path, tokenizer: Tokenizer, hf_offline: 
         module.prepare_data()
     module = Alpaca()  # the Hub, which this test keeps offline
     module.connect(tokenizer, 2, 64)
-    with pytest.raises(RuntimeError, match="'yahma/alpaca-cleaned' from the Hugging Face Hub.*--data.path"):
+    with pytest.raises(HubError, match="--data Alpaca: .*Hugging Face Hub.* yahma/alpaca-cleaned.*--data.path"):
         module.prepare_data()
 
 

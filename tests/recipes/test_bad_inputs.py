@@ -73,6 +73,15 @@ CASES = [
          ["n_head", "n_embd"]),
     Case("missing --config recipe", ["pretrain", "--config", "{in}/nope.yaml"], ["nope.yaml"]),
     Case("recipe YAML that does not parse", ["pretrain", "--config", "{in}/broken.yaml"], ["broken.yaml"]),
+    # a model that is not there: where it was looked for, and how to download one that reads like a Hub id
+    Case("fine-tune a Hub model not downloaded", ["finetune_lora", "checkpoints/nope-org/nope-model", "--out_dir",
+                                                  "{out}"],
+         ["checkpoints/nope-org/nope-model does not exist", "relative to the current directory",
+          "`llmtrain download nope-org/nope-model`"]),
+    Case("generate from a Hub id", ["generate", "nope-org/nope-model"],
+         ["nope-org/nope-model does not exist", "`llmtrain download nope-org/nope-model`"]),
+    Case("chat with a zoo name", ["chat", "Llama-3.2-1B"],
+         ["Llama-3.2-1B does not exist", "`llmtrain download meta-llama/Llama-3.2-1B`"]),
     # flags
     Case("misspelled flag", _pretrain("--train.max_stepz", "3"), ["max_stepz", "did you mean --train.max_steps"]),
     Case("misspelled key in a --config recipe", ["pretrain", "--config", "{in}/misspelled.yaml", "--out_dir", "{out}"],
@@ -127,6 +136,13 @@ CASES = [
     Case("JSON that does not parse", _lora(*_json_data("broken.json")), ["broken.json"]),
     Case("JSON record without a response", _lora(*_json_data("no_output.json")), ["no_output.json", "record 2"]),
     Case("JSONL with a broken line", _lora(*_json_data("bad_line.jsonl")), ["bad_line.jsonl", "line 3"]),
+    # the Hub, offline (the table runs with HF_HUB_OFFLINE=1): one line, what to do instead
+    Case("Alpaca offline", _lora("--data", "Alpaca"),
+         ["--data Alpaca", "HF_HUB_OFFLINE=1", "yahma/alpaca-cleaned", "--data.path"]),
+    Case("a Hub dataset offline", _pretrain_on("--data", "HFDataset", "--data.path", "no-org/no-dataset"),
+         ["--data.path no-org/no-dataset", "HF_HUB_OFFLINE=1", "--data.data_files"]),
+    Case("download offline", ["download", "meta-llama/Llama-3.2-1B", "--checkpoint_dir", "{out}"],
+         ["HF_HUB_OFFLINE=1 forbids reaching the Hugging Face Hub", "meta-llama/Llama-3.2-1B"]),
     # tokenizer
     Case("missing tokenizer folder", _pretrain("--tokenizer_dir", "{in}/no-tokenizer"), ["no-tokenizer"]),
     Case("folder without tokenizer.json", _pretrain("--tokenizer_dir", "{in}/empty-texts"),
