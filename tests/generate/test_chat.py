@@ -21,12 +21,11 @@ import pytest
 import torch
 
 from llmtrain.chat import PROMPT, Chat, TextStream
-from llmtrain.checkpoint.files import write_model_dir
 from llmtrain.generate import decode_completion, generate_text, load_for_generation, load_model_dir
 from llmtrain.model import GPT
 from llmtrain.prompts import PromptStyle
 
-from conftest import tiny_config
+from chat_models import write_chat_model
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG_GUARD_S = 120  # a hung chat fails the test instead of the suite; no run comes near it
@@ -35,16 +34,7 @@ GREEDY = ["--temperature", "0", "--accelerator", "cpu", "--precision", "32-true"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tiny_tokenizer):
-    texts = ["Llamas eat grass and hay. " * 4, "What food do llamas eat? They eat leaves.", "Alpacas hum. " * 3]
-    tokenizer = tiny_tokenizer(texts, vocab_size=300)
-    config = tiny_config("llama-debug", n_layer=2, block_size=256, vocab_size=tokenizer.vocab_size)
-    torch.manual_seed(0)
-    model = GPT(config)
-    with torch.no_grad():  # far from uniform logits, so that different prompts get different replies
-        for param in model.parameters():
-            param.normal_(0.0, 0.05)
-    return write_model_dir(tmp_path_factory.mktemp("chat") / "final", state_dict=model.state_dict(),
-                           model_config=config, hyperparameters=None, tokenizer=tokenizer)
+    return write_chat_model(tmp_path_factory.mktemp("chat") / "final", tiny_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -318,3 +308,26 @@ def test_the_next_turn_holds_the_reply_as_the_model_wrote_it(loaded, style):
     first = tokenizer.decode(chat.prompt_ids("What do llamas eat?"))
     chat.reply("What do llamas eat?")
     assert tokenizer.decode(chat.prompt_ids("And alpacas?")).startswith(first + written)
+
+
+@pytest.mark.parametrize("command", ["/exit", "/quit", "exit", "quit", "!exit", "!quit", "  /Exit "])
+def test_an_exit_command_ends_the_chat_without_a_reply(loaded, monkeypatch, command):
+    out, notices = io.StringIO(), io.StringIO()
+    chat = Chat(loaded, temperature=0.0, max_new_tokens=4, out=out, notices=notices)
+    lines = iter(["hi", command, "never read"])
+    monkeypatch.setattr("builtins.input", lambda prompt: next(lines))
+    chat.run(prompt="")
+    assert [message["content"] for message in chat.history[::2]] == ["hi"]  # the command went to no model
+    assert next(lines) == "never read" and notices.getvalue() == ""
+
+
+def test_the_command_line_names_its_exit_commands_and_obeys_them(model_dir, monkeypatch, capsys):
+    from llmtrain.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["chat", "--help"])
+    assert "a line /exit, /quit, exit, quit, !exit or !quit ends it" in " ".join(capsys.readouterr().out.split())
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/quit\nWhat do llamas eat?\n"))
+    main(["chat", str(model_dir), *GREEDY])
+    done = capsys.readouterr()
+    assert done.out == "" and "/exit or Ctrl-D ends the chat" in done.err
