@@ -295,7 +295,8 @@ def _local_model_dir(model: Union[str, Path], *, access_token: Optional[str], ch
     if not path.exists() and _looks_like_repo_id(str(model)):
         from llmtrain.download import download  # NOTE: lazy: huggingface_hub only when a repository is named
 
-        path = download(str(model), checkpoint_dir=Path(checkpoint_dir), access_token=access_token)
+        download(str(model), checkpoint_dir=Path(checkpoint_dir), access_token=access_token)  # resumes, or checks
+        path = Path(checkpoint_dir) / str(model)
     elif access_token is not None:
         raise ValueError(f"access_token is for a Hugging Face repository id, and {model} is a local path: drop it")
     if _is_lora_step(path):
