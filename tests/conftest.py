@@ -10,7 +10,7 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import pytest
 import torch
@@ -134,6 +134,22 @@ def tiny_model_file(tmp_path: Path) -> Path:
 def tiny_config(name: str, **overrides) -> Config:
     """A zoo debug config made even smaller for fast tests."""
     return Config.from_name(name, **{"block_size": 64, "vocab_size": 128, **overrides})
+
+
+def write_random_model_dir(path: Path, tokenizer: Tokenizer, *, std: float, block_size: int = 256,
+                           write_extras: Optional[Callable[[Path], None]] = None) -> Path:
+    """A model directory of a 2-layer llama-debug model over ``tokenizer``, every weight drawn from N(0, std) with
+    seed 0: logits far from uniform, so that different prompts get different greedy answers."""
+    from llmtrain.checkpoint.files import write_model_dir
+
+    config = tiny_config("llama-debug", n_layer=2, block_size=block_size, vocab_size=tokenizer.vocab_size)
+    torch.manual_seed(0)
+    model = GPT(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, std)
+    return write_model_dir(path, state_dict=model.state_dict(), model_config=config, hyperparameters=None,
+                           tokenizer=tokenizer, write_extras=write_extras)
 
 
 def build_model(config: Config, seed: int = 0) -> GPT:

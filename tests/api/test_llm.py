@@ -17,7 +17,7 @@ from llmtrain import LLM
 from llmtrain.cli import main
 from llmtrain.generate import PromptTooLongError, generate_text
 
-from chat_models import write_chat_model
+from conftest import write_random_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = ["--temperature", "0", "--accelerator", "cpu", "--precision", "32-true"]
@@ -26,7 +26,9 @@ PROMPT = "What food do llamas eat?"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tiny_tokenizer):
-    return write_chat_model(tmp_path_factory.mktemp("api") / "final", tiny_tokenizer)
+    tokenizer = tiny_tokenizer(["Llamas eat grass and hay. " * 4, "What food do llamas eat? They eat leaves."],
+                               vocab_size=300)
+    return write_random_model_dir(tmp_path_factory.mktemp("api") / "final", tokenizer, std=0.05)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from llmtrain.generate import decode_completion, generate_text, load_for_generat
 from llmtrain.model import GPT
 from llmtrain.prompts import PromptStyle
 
-from chat_models import write_chat_model
+from conftest import write_random_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG_GUARD_S = 120  # a hung chat fails the test instead of the suite; no run comes near it
@@ -34,7 +34,9 @@ GREEDY = ["--temperature", "0", "--accelerator", "cpu", "--precision", "32-true"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tiny_tokenizer):
-    return write_chat_model(tmp_path_factory.mktemp("chat") / "final", tiny_tokenizer)
+    texts = ["Llamas eat grass and hay. " * 4, "What food do llamas eat? They eat leaves.", "Alpacas hum. " * 3]
+    tokenizer = tiny_tokenizer(texts, vocab_size=300)
+    return write_random_model_dir(tmp_path_factory.mktemp("chat") / "final", tokenizer, std=0.05)
 
 
 @pytest.fixture(scope="module")
