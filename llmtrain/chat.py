@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from llmtrain.tokenizer import Tokenizer
 
 PROMPT = ">>> "
+EXIT_COMMANDS = ("/exit", "/quit", "exit", "quit", "!exit", "!quit")
+"""Lines that end the chat instead of going to the model (LitGPT's are !quit and !exit)."""
 
 
 def setup(
@@ -42,9 +44,10 @@ def setup(
     accelerator: Literal["auto", "cpu", "cuda"] = "auto",
     seed: int = 1234,
 ) -> None:
-    """Chat with a model directory (e.g. `out/finetune/lora/final`): one message per line, replies streamed.
+    """Chat with a model directory, one message per line; a line /exit, /quit, exit, quit, !exit or !quit ends it.
 
-    Ctrl-D (or Ctrl-C at the prompt) ends the chat; Ctrl-C during a reply stops that reply. The whole
+    The model directory is e.g. `out/finetune/lora/final`; replies are streamed. Ctrl-D and Ctrl-C at the prompt end
+    the chat too; Ctrl-C during a reply stops that reply. The whole
     conversation is the model's input each turn; when it no longer fits the model's block size, the
     oldest turns are dropped.
 
@@ -71,7 +74,7 @@ def setup(
     chat = Chat(loaded, system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                 top_p=top_p, generator=torch.Generator(loaded.device).manual_seed(seed))
     print(f"Chatting in the {loaded.prompt_style.name} prompt style. "
-          "Ctrl-D ends the chat; Ctrl-C stops a reply.", file=sys.stderr)
+          "/exit or Ctrl-D ends the chat; Ctrl-C stops a reply.", file=sys.stderr)
     interactive = sys.stdin.isatty()
     if interactive:
         with contextlib.suppress(ImportError):  # not on every platform
@@ -98,7 +101,8 @@ class Chat:
         """The finished turns: a user message and the assistant's reply each."""
 
     def run(self, prompt: str = PROMPT) -> None:
-        """Read messages with input() until end of input or Ctrl-C at the prompt, answering each."""
+        """Read messages with input() until an exit command (EXIT_COMMANDS), end of input or Ctrl-C at the prompt,
+        answering each."""
         while True:
             try:
                 line = input(prompt)
@@ -108,6 +112,8 @@ class Chat:
                 return
             if not line.strip():
                 continue
+            if line.strip().lower() in EXIT_COMMANDS:
+                return
             try:
                 self.reply(line)
             except PromptTooLongError as error:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from llmtrain.errors import DEBUG_ENV, USER_ERRORS, told_status
 
@@ -280,11 +280,23 @@ def _check_config_files(argv: list[str]) -> None:
 
 
 def run_cli(args: list[str]) -> None:
+    from llmtrain.distributed.supervise import WorkerFailedError
+
+    try:
+        dispatch(args)
+    except WorkerFailedError as error:  # an unexpected error's traceback was printed already
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(error.exit_status)
+
+
+def dispatch(args: list[str]) -> Any:
+    """Parse ``args`` (a subcommand and its flags) as the command line does and run the subcommand; returns what
+    it returns (a recipe: its final/ folder). The Python API (llmtrain.api) calls this too, so a recipe called from
+    Python has the command line's flags, defaults, checks and messages."""
     from jsonargparse import CLI, set_parsing_settings
 
     import llmtrain.data  # noqa: F401  (registers the data modules so `--data NAME` resolves)
 
-    from llmtrain.distributed.supervise import WorkerFailedError
     from llmtrain.distributed.runtime import configure_process
 
     configure_process()
@@ -293,12 +305,8 @@ def run_cli(args: list[str]) -> None:
     args = _positional_to_flag(_drop_launcher_local_rank(args))
     args = _qualify_optimizer(_bare_switches(_zoo_model_with_overrides(args)))
     _check_config_files(args)
-    try:
-        CLI(commands(), args=args, description="Pretrain and fine-tune GPT-style language models.",
-            parser_class=_parser_class())
-    except WorkerFailedError as error:  # an unexpected error's traceback was printed already
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(error.exit_status)
+    return CLI(commands(), args=args, description="Pretrain and fine-tune GPT-style language models.",
+               parser_class=_parser_class())
 
 
 if __name__ == "__main__":

@@ -93,3 +93,13 @@ def test_no_unit_imports_from_its_own_layer_or_above():
     found = upward_imports(read_layers(ARCHITECTURE.read_text()), llmtrain_edges())
     assert not found, (f"imports against the layers of {ARCHITECTURE.name} (move the module that is filed in the "
                        "wrong unit, or the unit to the layer where it belongs):\n" + "\n".join(found))
+
+
+def test_the_package_is_on_top_so_no_unit_may_import_it_for_a_name():
+    """llmtrain/__init__.py hands out llmtrain.api's names (``from llmtrain import LLM``), so it sits above every unit:
+    a unit that imported the package itself (``from llmtrain import __version__``) would import the whole API."""
+    layers = read_layers(ARCHITECTURE.read_text())
+    assert layers[-1] == ["__init__"]
+    assert not upward_imports(layers, [("llmtrain", "llmtrain/__init__.py", 20, "llmtrain.api")])
+    found = upward_imports(layers, [("llmtrain.model", "llmtrain/model.py", 3, "llmtrain")])
+    assert len(found) == 1 and "llmtrain.model imports llmtrain: __init__" in found[0]

@@ -381,7 +381,7 @@ def ensure_model_dir(path: Path, cache_dir: Optional[Path] = None, flag: str = "
 
 # ------------------------------------------------------------------------------------ command line
 def convert_to_hf(checkpoint_dir: Path, output_dir: Path, dtype: Optional[DTypeName] = None,
-                  max_shard_size: str = "5GB") -> None:
+                  max_shard_size: str = "5GB") -> Path:
     """Convert a llmtrain checkpoint into a folder that transformers' `from_pretrained` opens.
 
     Args:
@@ -390,12 +390,13 @@ def convert_to_hf(checkpoint_dir: Path, output_dir: Path, dtype: Optional[DTypeN
         dtype: Precision of the saved weights: float32, bfloat16 or float16. Default: as stored in the checkpoint.
         max_shard_size: Largest weights file, e.g. 5GB or 500MB; bigger models are split into shards with an index.
     """
-    to_hf(checkpoint_dir, output_dir, dtype=dtype, max_shard_size=max_shard_size)
+    written = to_hf(checkpoint_dir, output_dir, dtype=dtype, max_shard_size=max_shard_size)
     print(f"wrote transformers model to {output_dir}")
+    return Path(written)
 
 
 def convert_from_hf(hf_dir: Path, output_dir: Path, model_name: Optional[str] = None,
-                    dtype: Optional[DTypeName] = None) -> None:
+                    dtype: Optional[DTypeName] = None) -> Path:
     """Convert a transformers model folder (e.g. a Hugging Face Hub download) into a llmtrain model directory.
 
     Args:
@@ -408,6 +409,7 @@ def convert_from_hf(hf_dir: Path, output_dir: Path, model_name: Optional[str] = 
     config = Config.from_file(path / layout.CONFIG_FILE)
     described = config.name or f"custom, {config.hf_config.get('name') or 'not in the zoo'}"
     print(f"wrote llmtrain model directory {path} (model {described})")
+    return path
 
 
 # ------------------------------------------------------------------------------------ helpers

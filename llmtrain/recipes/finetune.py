@@ -41,7 +41,7 @@ FINETUNE_DOCS = {
 
 @shared_flags(defaults={**FINETUNE_DEFAULTS, "out_dir": Path("out/finetune/full")},
               docs={**FINETUNE_DOCS, "seed": "Seed for data order and dropout."})
-def setup_full(checkpoint_dir: Path, prompt_style: Optional[str] = None, **flags: Any) -> None:
+def setup_full(checkpoint_dir: Path, prompt_style: Optional[str] = None, **flags: Any) -> Optional[Path]:
     """Fine-tune every weight of a model directory on instruction data.
 
     Args:
@@ -51,7 +51,7 @@ def setup_full(checkpoint_dir: Path, prompt_style: Optional[str] = None, **flags
             prompt_style.yaml, else its chat template (as transformers would use it), else the model family's.
     """
     flags = with_defaults(setup_full, flags)
-    _finetune("finetune_full", checkpoint_dir, prompt_style, flags, lora=None, quantize=None)
+    return _finetune("finetune_full", checkpoint_dir, prompt_style, flags, lora=None, quantize=None)
 
 
 @shared_flags(defaults={**FINETUNE_DEFAULTS, "out_dir": Path("out/finetune/lora")},
@@ -76,7 +76,7 @@ def setup_lora(
     lora_mlp: bool = False,
     lora_head: bool = False,
     **flags: Any,
-) -> None:
+) -> Optional[Path]:
     """Fine-tune low-rank adapters on a frozen model directory (LoRA; QLoRA with --quantize).
 
     Args:
@@ -106,7 +106,7 @@ def setup_lora(
     if flags["fsdp"].state_dict_type == "sharded":
         raise ValueError("finetune_lora writes only the adapters, which are small, so its checkpoints are always "
                          "full; drop --fsdp.state_dict_type sharded")
-    _finetune("finetune_lora", checkpoint_dir, prompt_style, flags, lora=lora, quantize=quantize)
+    return _finetune("finetune_lora", checkpoint_dir, prompt_style, flags, lora=lora, quantize=quantize)
 
 
 def _check_qlora(quantize: str, flags: dict[str, Any]) -> None:
@@ -134,8 +134,8 @@ def _check_qlora(quantize: str, flags: dict[str, Any]) -> None:
 
 
 def _finetune(recipe: str, checkpoint_dir: Path, prompt_style: Optional[str], flags: dict[str, Any],
-              lora: Optional[LoRAArgs], quantize: Optional[str]) -> None:
-    """The checks and the launch both fine-tuning recipes share."""
+              lora: Optional[LoRAArgs], quantize: Optional[str]) -> Optional[Path]:
+    """The checks and the launch both fine-tuning recipes share; returns the run's final/ (None for a dry run)."""
     if flags["data"] is None:
         flags["data"] = BuiltinInstruct()
     if flags["train"].max_tokens is not None:
@@ -162,12 +162,12 @@ def _finetune(recipe: str, checkpoint_dir: Path, prompt_style: Optional[str], fl
     resume_from = None
     if not flags["dry_run"].requested:
         resume_from = resolve_resume(flags["resume"], flags["out_dir"], None)
-    prepare(recipe, flags, config=config, resume_from=resume_from, initial_checkpoint_dir=checkpoint_dir,
+    return prepare(recipe, flags, config=config, resume_from=resume_from, initial_checkpoint_dir=checkpoint_dir,
             lora=lora, quantize=quantize, prompt_style=prompt_style, hyperparameters=hyperparameters,
             batch_defaults=FINETUNE_BATCH, trainable_parameters=None if lora is None else lora_trainable_parameters(config, lora))
 
 
-def merge_lora(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> None:
+def merge_lora(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> Path:
     """Merge a LoRA checkpoint's adapters into its base model and write a full model directory.
 
     Args:
@@ -176,3 +176,4 @@ def merge_lora(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> None:
     """
     written = merge_lora_checkpoint(checkpoint_dir, out_dir)
     print(f"merged {checkpoint_dir} into {written}")
+    return written

@@ -18,7 +18,7 @@ import torch
 
 from llmtrain.args import BatchDefaults, DryRunArgs, ProfileArgs, TrainArgs
 from llmtrain.checkpoint import lock as out_dir_lock
-from llmtrain.checkpoint.layout import CONFIG_FILE
+from llmtrain.checkpoint.layout import CONFIG_FILE, FINAL_DIR
 from llmtrain.checkpoint.resume import (check_deepspeed_resume, check_resume_lora, check_resume_model,
                                         check_resume_optimizer, resume_fallbacks)
 from llmtrain.checkpoint.size import check_disk_space, final_is_separate
@@ -42,8 +42,9 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
             initial_checkpoint_dir: Optional[Path] = None, tokenizer_dir: Optional[Path] = None,
             lora: Optional[LoRAArgs] = None, quantize: Optional[str] = None, prompt_style: Optional[str] = None,
             trainable_parameters: Optional[int] = None, hyperparameters: dict,
-            batch_defaults: BatchDefaults = BatchDefaults()) -> None:
-    """Check everything cheap, then print the dry run or launch ``run`` on every rank.
+            batch_defaults: BatchDefaults = BatchDefaults()) -> Optional[Path]:
+    """Check everything cheap, then print the dry run or launch ``run`` on every rank; returns the run's final/
+    (None for a dry run).
 
     ``flags`` are the shared recipe flags (llmtrain.recipes.flags); ``batch_defaults`` fill the batch sizes
     they leave unset. Every bad combination raises
@@ -64,7 +65,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
     if dry.requested:
         _dry_run(recipe, flags, config=config, plan=plan, train=train, seq_len=seq_len, lora=lora, quantize=quantize,
                  trainable_parameters=trainable_parameters)
-        return
+        return None
     hyperparameters["optimizer"] = optimizer
     if isinstance(hyperparameters.get("train"), dict):  # the checkpoint records the batch this run used
         hyperparameters["train"].update(global_batch_size=train.global_batch_size,
@@ -87,6 +88,7 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
                    quantize=quantize, prompt_style=prompt_style, profile=_profile(flags),
                    dist_timeout=flags["dist_timeout"], deepspeed_config=deepspeed_config, command=invocation())
     _launch(spec)
+    return spec.out_dir / FINAL_DIR
 
 
 def _resolve_plan(flags: dict[str, Any], dry: DryRunArgs, batch_defaults: BatchDefaults) -> ParallelPlan:

@@ -38,7 +38,7 @@ def setup(
     devices: Union[int, Literal["auto"]] = "auto",
     num_nodes: int = 1,
     verify: bool = False,
-) -> None:
+) -> Path:
     """Tokenize a pretraining data module into a folder of fixed-size token shards and a manifest.
 
     Every rank takes its share of the source's work units and tokenizes them on every core; a killed
@@ -72,7 +72,7 @@ def setup(
     if manifest is not None and not damaged:
         if is_first_process():
             _say_prepared(out_dir, manifest, verify)
-        return
+        return Path(out_dir)
     check_writable(out_dir)
     devices, _ = resolve_devices(devices, num_nodes, "cpu")
     plan_launch(devices, num_nodes)  # the launcher's environment agrees with the flags
@@ -84,6 +84,7 @@ def setup(
             forget_damaged(out_dir, [shard for shard, _ in damaged])
         launch(run, args=(PrepareJob(preparation, units, Path(out_dir), workers),), devices=devices,
                num_nodes=num_nodes)
+    return Path(out_dir)
 
 
 def _check_source(data: Optional[DataModule], out_dir: Optional[Path], num_workers: Optional[int]) -> None:

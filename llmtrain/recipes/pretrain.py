@@ -24,7 +24,7 @@ def setup(
     initial_checkpoint_dir: Optional[Path] = None,
     tokenizer_dir: Optional[Path] = None,
     **flags: Any,
-) -> None:
+) -> Optional[Path]:
     """Pretrain a model from the zoo (or a custom architecture) on a data module.
 
     Args:
@@ -38,7 +38,7 @@ def setup(
     """
     if model_name == "list":
         print_zoo()
-        return
+        return None
     flags = with_defaults(setup, flags)
     if flags["data"] is None:
         flags["data"] = BuiltinStories()
@@ -56,7 +56,7 @@ def setup(
     config = checks.resolve_model_config(model_name, model_config, initial_checkpoint_dir)
     zoo_name = config.name if config.name in Config.names() else None
     flags["train"] = with_default_length(flags["train"], zoo_name)
-    prepare("pretrain", flags, config=config, resume_from=resume_from, initial_checkpoint_dir=initial_checkpoint_dir,
+    return prepare("pretrain", flags, config=config, resume_from=resume_from, initial_checkpoint_dir=initial_checkpoint_dir,
             tokenizer_dir=tokenizer_dir, hyperparameters=hyperparameters,
             batch_defaults=pretrain_batch_defaults(zoo_name))
 

@@ -279,3 +279,17 @@ def test_tokenizer_only_and_the_zoo_list(repos, at_hub, capsys):
     listed = capsys.readouterr().out.split()
     assert "meta-llama/Llama-3.2-1B" in listed and "EleutherAI/pythia-14m" in listed
     assert listed == sorted(listed, key=str.lower)
+
+
+def test_llm_load_of_a_repo_id_downloads_it_and_answers_as_the_folder(at_hub, tmp_path):
+    from llmtrain import LLM
+
+    llm = LLM.load(REPO, accelerator="cpu", precision="32-true")  # at_hub: HF_ENDPOINT is the local hub, cwd tmp_path
+    folder = tmp_path / "checkpoints" / REPO
+    assert (folder / "config.json").is_file() and any("/resolve/" in r.path for r in at_hub.requests)
+    local = LLM.load(folder, accelerator="cpu", precision="32-true")
+    assert llm.generate("the cat", 8, temperature=0) == local.generate("the cat", 8, temperature=0)
+    with pytest.raises(OSError, match="tiny-org/gated-llama is gated"):  # no token: the download's one line
+        LLM.load("tiny-org/gated-llama")
+    gated = LLM.load("tiny-org/gated-llama", access_token="hf_test_token", accelerator="cpu", precision="32-true")
+    assert gated.generate("the cat", 8, temperature=0) == local.generate("the cat", 8, temperature=0)

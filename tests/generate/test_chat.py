@@ -310,3 +310,26 @@ def test_the_next_turn_holds_the_reply_as_the_model_wrote_it(loaded, style):
     first = tokenizer.decode(chat.prompt_ids("What do llamas eat?"))
     chat.reply("What do llamas eat?")
     assert tokenizer.decode(chat.prompt_ids("And alpacas?")).startswith(first + written)
+
+
+@pytest.mark.parametrize("command", ["/exit", "/quit", "exit", "quit", "!exit", "!quit", "  /Exit "])
+def test_an_exit_command_ends_the_chat_without_a_reply(loaded, monkeypatch, command):
+    out, notices = io.StringIO(), io.StringIO()
+    chat = Chat(loaded, temperature=0.0, max_new_tokens=4, out=out, notices=notices)
+    lines = iter(["hi", command, "never read"])
+    monkeypatch.setattr("builtins.input", lambda prompt: next(lines))
+    chat.run(prompt="")
+    assert [message["content"] for message in chat.history[::2]] == ["hi"]  # the command went to no model
+    assert next(lines) == "never read" and notices.getvalue() == ""
+
+
+def test_the_command_line_names_its_exit_commands_and_obeys_them(model_dir, monkeypatch, capsys):
+    from llmtrain.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["chat", "--help"])
+    assert "a line /exit, /quit, exit, quit, !exit or !quit ends it" in " ".join(capsys.readouterr().out.split())
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/quit\nWhat do llamas eat?\n"))
+    main(["chat", str(model_dir), *GREEDY])
+    done = capsys.readouterr()
+    assert done.out == "" and "/exit or Ctrl-D ends the chat" in done.err
