@@ -176,6 +176,20 @@ CASES = [
     Case("prepared with another tokenizer", _pretrain_on("--data", "Prepared", "--data.path", "{in}/prepared",
                                                          "--tokenizer_dir", "{in}/tok2"),
          ["was prepared with the tokenizer in", "--tokenizer_dir"]),
+    # a dry run checks the inputs a run checks
+    Case("dry run with a missing text folder",
+         _pretrain("--data", "TextFiles", "--data.train_data_path", "{in}/no-texts", "--dry_run"),
+         ["--data.train_data_path", "no-texts"]),
+    Case("dry run with a missing tokenizer folder", _pretrain("--tokenizer_dir", "{in}/no-tokenizer", "--dry_run"),
+         ["no-tokenizer", "--tokenizer_dir"]),
+    Case("dry run resuming a folder that does not exist", _pretrain("--resume", "{in}/no-such-step", "--dry_run"),
+         ["--resume", "no-such-step"]),
+    Case("dry run of a finetune on a missing JSON file", _lora(*_json_data("missing.json"), "--dry_run"),
+         ["missing.json", "--data.json_path"]),
+    Case("dry run on data prepared with another tokenizer",
+         _pretrain_on("--data", "Prepared", "--data.path", "{in}/prepared", "--tokenizer_dir", "{in}/tok2",
+                      "--dry_run"),
+         ["was prepared with the tokenizer in", "--tokenizer_dir"]),
 ]
 
 
