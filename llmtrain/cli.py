@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from llmtrain.errors import DEBUG_ENV, USER_ERRORS, told_status
+from llmtrain.errors import DEBUG_ENV, USER_ERRORS, close_matches, told_status
 
 # Subcommands whose first positional argument is sugar for a flag: `pretrain NAME` = `pretrain --model_name NAME`.
 POSITIONAL = {"pretrain": "--model_name"}
@@ -138,6 +138,30 @@ class CommandLineError(ValueError):
         self.hint = f"`{command} --help` lists every flag"
 
 
+FLAG_SYNONYMS = {
+    ("lr", "learning_rate"): ("--optimizer.lr",),
+    ("wd", "weight_decay"): ("--optimizer.weight_decay",),
+    ("batch_size", "bs", "gradient_accumulation_steps"): ("--train.global_batch_size", "--train.micro_batch_size"),
+    ("num_epochs", "num_train_epochs"): ("--train.epochs",),
+    ("steps", "num_steps", "max_iters", "iters", "train_steps"): ("--train.max_steps",),
+    ("warmup", "warmup_steps"): ("--train.lr_warmup_steps",),
+    ("seq_len", "max_seq_len", "seq_length", "context_length", "max_length"): ("--train.max_seq_length",),
+    ("grad_clip", "max_grad_norm", "clip_grad_norm", "gradient_clipping"): ("--train.max_norm",),
+    ("output_dir", "out", "output"): ("--out_dir",),
+    ("gpus", "num_gpus", "num_devices", "nproc_per_node"): ("--devices",),
+    ("nodes", "nnodes"): ("--num_nodes",),
+    ("dtype", "mixed_precision", "fp16", "bf16"): ("--precision",),
+    ("model", "model_name_or_path"): ("--model_name", "--checkpoint_dir"),
+    ("resume_from_checkpoint",): ("--resume",),
+    ("tokenizer", "tokenizer_path"): ("--tokenizer_dir",),
+}
+"""Other tools' names for llmtrain's flags, by the last part of the unknown flag (``--train.learning_rate``: lr).
+A flag is suggested only where the command has it."""
+
+SUGGESTED_OPTIMIZER = "torch.optim.AdamW"
+"""Whose arguments (``--optimizer.lr``, ...) suggestions offer: the default optimizer's."""
+
+
 def _suggest(message: str, options: Sequence[str]) -> str:
     """Add the closest known flags to an "Unrecognized arguments" message, and to a --config file's unknown key
     ("does not accept option 'train.max_step'") or class argument ("class_path 'llmtrain.config.Config': Option
@@ -147,10 +171,12 @@ def _suggest(message: str, options: Sequence[str]) -> str:
 
     hints = []
     keys = [f"--{key}" for key in re.findall(r"does not accept option '([\w.\-]+)'", message)]
+    if "--optimizer" in options:  # its arguments are flags too, though the parser lists none of them
+        options = [*options, *(f"--optimizer.{name}" for name in _init_arguments(SUGGESTED_OPTIMIZER))]
     for flag in dict.fromkeys(re.findall(r"(--[\w.\-]+)", message) + keys):
         name = flag.split("=", 1)[0]
         if name not in options and not name.startswith("--data."):  # a data module's fields: _plain explains them
-            close = difflib.get_close_matches(name, options, n=3, cutoff=0.6)
+            close = _close_flags(name, options)
             if close:
                 hints.append(f"instead of {name}, did you mean {' or '.join(close)}?")
     group = message.split(":", 1)[0] if message.startswith("--") else None
@@ -163,6 +189,28 @@ def _suggest(message: str, options: Sequence[str]) -> str:
         if close and group:
             hints.append(f"instead of {group}.{name}, did you mean {' or '.join(f'{group}.{c}' for c in close)}?")
     return message + ("; " + "; ".join(hints) if hints else "")
+
+
+def _close_flags(name: str, options: Sequence[str]) -> list[str]:
+    """The flags an unknown ``name`` may mean: another tool's name for one (FLAG_SYNONYMS), else the flags spelled
+    alike, whole or by their last part (``--max_step``: ``--train.max_steps``)."""
+    import difflib
+
+    last = name.lstrip("-").rsplit(".", 1)[-1].lower().replace("-", "_")
+    synonyms = next((flags for names, flags in FLAG_SYNONYMS.items() if last in names), ())
+    found = [flag for flag in synonyms if flag in options]
+    if found:
+        return found
+    options = [option for option in options if option.startswith("--") and not option.endswith(".help")]
+    by_last: dict[str, list[str]] = {}
+    for option in options:
+        by_last.setdefault(option.rsplit(".", 1)[-1].lstrip("-"), []).append(option)
+    if last in by_last:  # the right name in the wrong group (--max_steps)
+        return by_last[last][:3]
+    found = [flag for close in difflib.get_close_matches(last, list(by_last), n=3, cutoff=0.75)
+             for flag in by_last[close]]
+    found += difflib.get_close_matches(name, options, n=3, cutoff=0.6)
+    return list(dict.fromkeys(found))[:3]
 
 
 def _init_arguments(class_path: str) -> list[str]:
@@ -193,12 +241,89 @@ def _plain(message: str) -> str:
     return message
 
 
+def _bad_value(message: str, options: dict) -> Optional[str]:
+    """A value outside what a typed flag takes ('Parser key "data": ... Given value: Alpaka'), said in one line
+    with what it takes and the close matches: ``--data 'Alpaka': expected a data module (BuiltinStories, ...);
+    did you mean Alpaca?``. None when the message is about something else."""
+    import pydoc
+    import re
+    import typing
+
+    match = re.match(r'Parser key "([\w.]+)":.*(?:Given value type: <class \'str\'> Given value|Got value): (.*)$',
+                     message)
+    # A class's field (--data.num_workers x): "Parser key "data": ... class_path 'llmtrain.data.TextFiles': Parser
+    # key "num_workers": ... Given value: NestedArg(key='num_workers', val='x')".
+    field = re.match(r'Parser key "([\w.]+)":.*class_path \'([\w.]+)\': Parser key "\w+".*'
+                     r"Given value: NestedArg\(key='(\w+)', val='(.*)'\)$", message)
+    if field:
+        group, class_path, name, value = field.groups()
+        key, hint = f"{group}.{name}", typing.get_type_hints(pydoc.locate(class_path) or object).get(name)
+    elif match:
+        (key, value), hint = match.groups(), getattr(options.get(f"--{match[1]}"), "_typehint", None)
+    else:
+        return None
+    accepted = _accepted_values(hint)
+    if accepted is None or value in accepted[1] or (accepted[2] and "." in value):
+        return None  # a choice, or an import path, that failed for another reason: jsonargparse's message says it
+    what, names, _ = accepted
+    close = close_matches(value, names)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    return f"--{key} {value!r}: expected {' or '.join(what)}{hint}"
+
+
+def _accepted_values(hint) -> Optional[tuple[list[str], list[str], bool]]:
+    """What a flag of type ``hint`` takes, in words; the names among it; whether it takes a class by import path.
+    None for a type this does not describe (one that takes any string, a path, a dataclass)."""
+    import typing
+
+    from llmtrain.data import REGISTRY, DataModule
+
+    what, names, takes_class = [], [], False
+    members = typing.get_args(hint) if typing.get_origin(hint) is typing.Union else (hint,)
+    for member in members:
+        if member is type(None):
+            continue
+        if typing.get_origin(member) is typing.Literal:
+            literals = [str(value) for value in typing.get_args(member)]
+            names += literals
+            what.append(literals[0] if len(literals) == 1 else f"one of {', '.join(literals)}")
+        elif member in (int, float, bool):
+            what.append({int: "an integer", float: "a number", bool: "true or false"}[member])
+        elif isinstance(member, type) and issubclass(member, DataModule):
+            names += list(REGISTRY)
+            takes_class = True
+            what.append(f"a data module ({', '.join(REGISTRY)}, or an import path package.module.Class)")
+        else:
+            return None
+    return (what, names, takes_class) if what else None
+
+
 def _parser_class():
     """jsonargparse's parser, but a rejected command line raises :class:`CommandLineError` (one paragraph)
     instead of printing the whole usage and exiting."""
+    import argparse
+
     from jsonargparse import ArgumentParser
 
+    class DebugFlag(argparse.Action):
+        """``--debug`` in every command's --help; main() takes the flag off the command line before parsing."""
+
+        def __init__(self, option_strings: Sequence[str], dest: str, **kwargs) -> None:
+            super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0,
+                             help=DEBUG_HELP)
+
+        def __call__(self, parser, namespace, values, option_string=None) -> None:
+            os.environ[DEBUG_ENV] = "1"
+
     class Parser(ArgumentParser):
+        def __init__(self, *args, **kwargs) -> None:
+            # NOTE: an abbreviation would take a misspelled flag (--train.max_step) for the flag it begins.
+            super().__init__(*args, **{**kwargs, "allow_abbrev": False})
+
+        def parse_args(self, *args, **kwargs):
+            _add_debug_flag(self)  # to the parser of every command, which exist now (and not to a type's parser)
+            return super().parse_args(*args, **kwargs)
+
         def error(self, message: str, ex: Optional[Exception] = None):
             if not self.exit_on_error:  # jsonargparse trying alternatives internally
                 return super().error(message, ex)
@@ -206,11 +331,20 @@ def _parser_class():
             command = parser.prog.replace(" [options]", "").replace("__main__.py", "llmtrain")
             command = "llmtrain" + command.split("llmtrain", 1)[-1] if "llmtrain" in command else command
             text = " ".join(line.strip() for line in str(message).splitlines() if line.strip())
-            text = _plain(text)
+            text = _bad_value(text, parser._option_string_actions) or _plain(text)
             raise CommandLineError(_suggest(text, list(parser._option_string_actions)), command) from ex
+
+    def _add_debug_flag(parser) -> None:
+        if "--debug" not in parser._option_string_actions:
+            parser.add_argument("--debug", action=DebugFlag)
+        subcommands = getattr(parser, "_subcommands_action", None)
+        for subparser in (subcommands._name_parser_map.values() if subcommands else ()):
+            _add_debug_flag(subparser)
 
     return Parser
 
+
+DEBUG_HELP = "On an error, show its traceback instead of one line (also in the workers of a launched run)."
 
 QUIET_RANK_EXIT_DELAY_S = 10.0
 """How long a rank other than 0 waits before it exits on an input error that rank 0 reports (see main())."""

@@ -9,7 +9,7 @@ A told error's message says what is wrong and what to do; its traceback would on
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 USER_ERRORS = (ValueError, OSError)
 """Errors that mean "this input is wrong" (OSError covers missing files, permissions and disk space): exit 2."""
@@ -30,3 +30,17 @@ def told_status(error: BaseException) -> Optional[int]:
 def debugging() -> bool:
     """Whether ``--debug`` asked for tracebacks."""
     return os.environ.get(DEBUG_ENV) == "1"
+
+
+def close_matches(given: str, choices: Sequence[str], n: int = 3) -> list[str]:
+    """The choices ``given`` most likely meant, for a "did you mean ...?": the same name in another case alone, else
+    the choices it begins, then those difflib finds alike (case ignored)."""
+    import difflib
+
+    lowered = {choice.lower(): choice for choice in reversed(list(choices))}
+    key = given.lower()
+    if key in lowered:
+        return [lowered[key]]
+    found = [choice for choice in choices if len(key) >= 3 and choice.lower().startswith(key)]
+    found += [lowered[close] for close in difflib.get_close_matches(key, list(lowered), n=n, cutoff=0.6)]
+    return list(dict.fromkeys(found))[:n]

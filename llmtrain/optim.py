@@ -7,6 +7,8 @@ from typing import Callable, Iterable, Union
 
 import torch
 
+from llmtrain.errors import close_matches
+
 OptimizerArg = Union[str, Callable[[Iterable], torch.optim.Optimizer]]
 
 
@@ -43,5 +45,8 @@ def optimizer_class(name: str) -> type:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         choices = sorted(n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
                          and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer")
-        raise ValueError(f"--optimizer {name!r} is not a torch.optim optimizer; choose one of {', '.join(choices)}")
+        close = close_matches(name.rpartition(".")[2], choices)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise ValueError(f"--optimizer {name!r} is not a torch.optim optimizer; {hint}choose one of "
+                         f"{', '.join(choices)}")
     return cls

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from llmtrain.checkpoint import layout
+from llmtrain.checkpoint.resume import resolve_resume
 from llmtrain.config import Config
 
 
@@ -64,3 +65,11 @@ def check_seq_len(train: Any, config: Config) -> int:
         raise ValueError(f"--train.max_seq_length {seq_len} exceeds the block_size {config.block_size} of "
                          f"{config.name or 'the model'}; lower it to at most {config.block_size}")
     return seq_len
+
+
+def resume_checkpoint(flags: dict[str, Any], initial_checkpoint_dir: Optional[Path]) -> Optional[Path]:
+    """The checkpoint ``--resume`` continues from (``checkpoint.resume.resolve_resume``), or None. A dry run checks
+    the one it names as a run would, and plans whatever ``--out_dir`` holds when it resumes nothing."""
+    if flags["dry_run"].requested and flags["resume"] in (False, None):
+        return None
+    return resolve_resume(flags["resume"], flags["out_dir"], initial_checkpoint_dir)

@@ -18,7 +18,6 @@ from llmtrain.data import BuiltinInstruct
 from llmtrain.lora import LoRAArgs
 from llmtrain.model_dir import check_model_dir, merge_lora_checkpoint
 from llmtrain.plan.memory import lora_trainable_parameters
-from llmtrain.checkpoint.resume import resolve_resume
 from llmtrain.recipes import checks, hparams
 from llmtrain.recipes.flags import shared_flags, with_defaults
 from llmtrain.recipes.prepare import prepare
@@ -159,12 +158,11 @@ def _finetune(recipe: str, checkpoint_dir: Path, prompt_style: Optional[str], fl
         config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
     checks.check_out_dir(flags["out_dir"])
     checks.check_logger(flags["logger_name"])
-    resume_from = None
-    if not flags["dry_run"].requested:
-        resume_from = resolve_resume(flags["resume"], flags["out_dir"], None)
+    resume_from = checks.resume_checkpoint(flags, None)
     return prepare(recipe, flags, config=config, resume_from=resume_from, initial_checkpoint_dir=checkpoint_dir,
-            lora=lora, quantize=quantize, prompt_style=prompt_style, hyperparameters=hyperparameters,
-            batch_defaults=FINETUNE_BATCH, trainable_parameters=None if lora is None else lora_trainable_parameters(config, lora))
+                   lora=lora, quantize=quantize, prompt_style=prompt_style, hyperparameters=hyperparameters,
+                   batch_defaults=FINETUNE_BATCH,
+                   trainable_parameters=None if lora is None else lora_trainable_parameters(config, lora))
 
 
 def merge_lora(checkpoint_dir: Path, out_dir: Optional[Path] = None) -> Path:

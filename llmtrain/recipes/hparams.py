@@ -63,7 +63,7 @@ def optimizer_spec(spec: OptimizerArg) -> dict:
     try:
         probe = build_optimizer(spec, [torch.nn.Parameter(torch.zeros(1))])
     except ValueError as error:  # e.g. torch's "Invalid learning rate: -1.0"
-        raise ValueError(f"--optimizer: {error}") from None
+        raise ValueError(error if str(error).startswith("--optimizer") else f"--optimizer: {error}") from None
     cls = type(probe)
     accepted = inspect.signature(cls.__init__).parameters
     # NOTE: some optimizers keep arguments outside `defaults` (bitsandbytes' min_8bit_size): the command line's

@@ -62,6 +62,9 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
                                   trainable_parameters=trainable_parameters, quantize=quantize)
     train = _with_batch(flags["train"], plan)
     optimizer = _check_schedule(flags, train, seq_len)
+    flags["data"].validate()  # its files, and the tokenizer's: a dry run checks them too, as cheap as they are
+    if tokenizer_dir is not None:  # a prepared folder's tokenizer is checked here, not after launch on every rank
+        flags["data"].validate_tokenizer(Tokenizer(tokenizer_dir))
     if dry.requested:
         _dry_run(recipe, flags, config=config, plan=plan, train=train, seq_len=seq_len, lora=lora, quantize=quantize,
                  trainable_parameters=trainable_parameters)
@@ -76,9 +79,6 @@ def prepare(recipe: str, flags: dict[str, Any], *, config: Config, resume_from: 
                       lora=lora, quantize=quantize, optimizer=optimizer)
     check_disk_space(flags["out_dir"], config, plan.precision, trainable_parameters=trainable_parameters,
                      separate_final=final_is_separate(flags["fsdp"].state_dict_type, plan))
-    flags["data"].validate()
-    if tokenizer_dir is not None:  # a prepared folder's tokenizer is checked here, not after launch on every rank
-        flags["data"].validate_tokenizer(Tokenizer(tokenizer_dir))
     spec = RunSpec(recipe=recipe, config=config, out_dir=Path(flags["out_dir"]), plan=plan, data=flags["data"],
                    train=train, eval=flags["eval"], optimizer=flags["optimizer"], seq_len=seq_len,
                    hyperparameters=hyperparameters, fsdp=flags["fsdp"], seed=flags["seed"], compile=flags["compile"],

@@ -8,7 +8,6 @@ from typing import Any, Optional
 from llmtrain.config import Config
 from llmtrain.convert.hf import ensure_model_dir
 from llmtrain.data import BuiltinStories
-from llmtrain.checkpoint.resume import resolve_resume
 from llmtrain.recipes import checks, hparams
 from llmtrain.recipes.flags import shared_flags, with_defaults
 from llmtrain.recipes.hub import pretrain_batch_defaults, with_default_length
@@ -48,9 +47,7 @@ def setup(
     # Everything cheap is checked before any process, tokenizer or model is created.
     checks.check_out_dir(flags["out_dir"])
     checks.check_logger(flags["logger_name"])
-    resume_from = None
-    if not flags["dry_run"].requested:
-        resume_from = resolve_resume(flags["resume"], flags["out_dir"], initial_checkpoint_dir)
+    resume_from = checks.resume_checkpoint(flags, initial_checkpoint_dir)
     if initial_checkpoint_dir is not None:
         initial_checkpoint_dir = ensure_model_dir(Path(initial_checkpoint_dir), flag="--initial_checkpoint_dir")  # a transformers folder works too
     config = checks.resolve_model_config(model_name, model_config, initial_checkpoint_dir)

@@ -86,3 +86,20 @@ def test_an_alias_prints_its_canonical_name_and_an_ambiguous_one_lists_the_candi
     assert errors == ["error: The model name 'qwen2.5' is ambiguous: it may mean Qwen2.5-0.5B, Qwen2.5-1.5B, Qwen2.5-3B, "
                       "Qwen2.5-7B, Qwen2.5-14B, Qwen2.5-32B, Qwen2.5-72B; pass one of them"], done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_every_commands_help_lists_debug(capsys):
+    """`--debug` (main() takes it off the command line) is in the top level's help and in every command's."""
+    from llmtrain.cli import commands, run_cli
+
+    def command_lines(tree: dict, prefix: tuple = ()) -> list[tuple]:
+        return [prefix] + [line for name, value in tree.items() for line in (
+            command_lines(value, (*prefix, name)) if isinstance(value, dict) else [(*prefix, name)])]
+
+    lines = command_lines(commands())
+    assert ("pretrain",) in lines and ("convert", "to_hf") in lines
+    for line in lines:
+        with pytest.raises(SystemExit):
+            run_cli([*line, "--help"])
+        assert re.search(r"^  --debug +On an error, show its traceback instead of one line", capsys.readouterr().out,
+                         re.M), line

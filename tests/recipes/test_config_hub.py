@@ -157,9 +157,10 @@ QLORA_RECIPES = [recipe for recipe in RECIPES if recipe.name == "qlora.yaml" and
 
 
 @pytest.mark.parametrize("recipe", QLORA_RECIPES, ids=lambda p: p.parent.name)
-def test_a_qlora_recipe_quotes_the_memory_its_dry_run_estimates(recipe, capsys, tmp_path):
+def test_a_qlora_recipe_quotes_the_memory_its_dry_run_estimates(recipe, capsys, tmp_path, monkeypatch):
     """The comment's two figures, as written and with activation checkpointing, are what `--dry_run` prints for
-    the recipe on a stand-in folder of its model (the dry run reads only the architecture)."""
+    the recipe on a stand-in folder of its model (the dry run reads only the architecture) and stand-in data (it
+    checks that the file exists)."""
     from llmtrain.checkpoint.layout import CONFIG_FILE
 
     comment = " ".join(line[2:] for line in recipe.read_text().splitlines() if line.startswith("# "))
@@ -170,9 +171,13 @@ def test_a_qlora_recipe_quotes_the_memory_its_dry_run_estimates(recipe, capsys, 
     base_model_of(yaml.safe_load(recipe.read_text())["checkpoint_dir"]).save(model_dir / CONFIG_FILE)
     for name in ("model.safetensors", "tokenizer.json"):
         (model_dir / name).write_bytes(b"")
+    data = yaml.safe_load(recipe.read_text())["data"]["init_args"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / (data.get("json_path") or data["path"])).write_text("[]")  # the file the recipe names
     for stated, extra in ((written, []), (checkpointed, ["--fsdp.activation_checkpointing", "true"])):
-        main(["finetune_lora", "--config", str(recipe), str(model_dir), "--out_dir", str(tmp_path / "out"), *extra,
-              "--dry_run"])
+        main(["finetune_lora", "--config", str(recipe.resolve()), str(model_dir), "--out_dir", str(tmp_path / "out"),
+              *extra, "--dry_run"])
         (total,) = re.findall(r"^memory {7}per device \(estimate.*\| total ([\d.]+) GiB$", capsys.readouterr().out,
                               re.M)
         assert total == stated, (recipe, extra, total, stated)
