@@ -1,7 +1,7 @@
 """Many `python -m llmtrain ARGS` command lines, each as its own process, for a fraction of the start-up cost.
 
 One fresh interpreter imports what ``python -m llmtrain`` imports before it reads a flag, then forks one
-child per command line (two at a time), which runs ``llmtrain/__main__.py`` as ``python -m llmtrain`` would.
+child per command line (two at a time by default), which runs ``llmtrain/__main__.py`` as ``python -m llmtrain`` would.
 A fresh interpreter per command would spend about two seconds each importing torch. Use it for command lines
 that fail or finish in the launching process; one that starts workers still works (they are new processes).
 
@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Optional
 
 # Runs in a fresh interpreter: it imports what `python -m llmtrain` imports before it parses a command line
-# (llmtrain.cli, every subcommand's module, the data modules, jsonargparse), then forks one child per case,
+# (llmtrain.cli, every subcommand's module, the data modules, jsonargparse) and torch._dynamo, which the first
+# optimizer a command builds imports (the recipes' check of --optimizer does, before any run starts), then forks one child per case,
 # `at_once` at a time; each child runs llmtrain/__main__.py as `python -m llmtrain ARGS` does, with its stdout and
 # stderr in files, and exits as that interpreter would. Prints the exit codes (negative: a signal), as JSON, and
 # writes them to the `codes` file. With a `barrier` (a folder; under a launcher), it then waits until every rank's
@@ -26,6 +27,7 @@ from typing import Optional
 _FORK_EACH = """
 import atexit, json, os, resource, runpy, sys, time, traceback
 import jsonargparse, llmtrain.cli, llmtrain.data
+import torch._dynamo  # what building an optimizer imports (torch.optim's add_param_group), 1.5 s each otherwise
 llmtrain.cli.commands()
 settings = json.loads(open(sys.argv[1]).read())
 commands = settings["commands"]
@@ -106,11 +108,12 @@ def forked_results(workdir: Path) -> list[subprocess.CompletedProcess]:
 
 
 def run_forked(argvs: list[list[str]], workdir: Path, env: dict, timeout_s: float = 1200,
-               memory_limit: Optional[int] = None) -> list[subprocess.CompletedProcess]:
+               memory_limit: Optional[int] = None, at_once: int = 2) -> list[subprocess.CompletedProcess]:
     """Each command line's exit code (negative: a signal), stdout and stderr, in order.
 
-    ``memory_limit``: bytes of address space each command may take (RLIMIT_AS); None: no limit."""
-    driver = subprocess.run(forked_driver(argvs, workdir, memory_limit), capture_output=True, text=True,
+    ``memory_limit``: bytes of address space each command may take (RLIMIT_AS); None: no limit. ``at_once``: how
+    many run side by side (1: each starts once the one before it has ended, for commands that build on each other)."""
+    driver = subprocess.run(forked_driver(argvs, workdir, memory_limit, at_once), capture_output=True, text=True,
                             timeout=timeout_s, env=env)
     assert driver.returncode == 0, f"the driver failed:\n{driver.stdout}{driver.stderr}"
     return forked_results(workdir)
