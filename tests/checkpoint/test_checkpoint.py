@@ -294,15 +294,12 @@ def test_resume_refuses_adapters_other_than_this_runs_lora_settings(tmp_path):
     """Without the check, --lora_query false resumed silently without the trained query adapters, --quantize
     resumed LoRA adapters on a 4-bit base they were not trained on, and finetune_full resuming a LoRA checkpoint
     failed in the optimizer load with a traceback. The command lines run as real ``python -m llmtrain`` processes
-    forked from one interpreter per stage (tests/helpers/forked_cli.py): the base, its LoRA run, then the four
-    refused resumes (each refused before it writes, so side by side they resume the same checkpoint)."""
+    forked one after the other from one interpreter (tests/helpers/forked_cli.py): the base, its LoRA run, then the
+    four refused resumes (each refused before it writes, so each resumes the same checkpoint)."""
     os.environ.setdefault("LLMTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     model_file = tmp_path / "tiny-128.yaml"  # instructions need a longer context
     model_file.write_text(yaml.safe_dump({**TINY, "block_size": 128}))
-    [base] = run_forked([_pretrain_argv(model_file, tmp_path / "base", "--train.max_steps", "2")],
-                        tmp_path / "logs-base", env, timeout_s=300)
-    assert base.returncode == 0, base.stderr
     out_dir = tmp_path / "lora"
 
     def finetune(recipe: str, *extra: str) -> list[str]:
@@ -311,9 +308,6 @@ def test_resume_refuses_adapters_other_than_this_runs_lora_settings(tmp_path):
                 "--train.global_batch_size", "4", "--train.micro_batch_size", "2",
                 "--train.max_seq_length", "128", "--eval.max_iters", "1", "--train.save_interval", "2", *extra]
 
-    [done] = run_forked([finetune("finetune_lora", "--train.max_steps", "2")], tmp_path / "logs-lora", env,
-                        timeout_s=300)
-    assert done.returncode == 0, done.stderr
     step = out_dir / "step-00000002"
     cases = (
         ("finetune_lora", ["--lora_query", "false"], "holds other adapters than this run's (checkpoint vs run: "
@@ -322,8 +316,14 @@ def test_resume_refuses_adapters_other_than_this_runs_lora_settings(tmp_path):
         # QLoRA's adapters went on training against the full-precision base (and final/ merged them into it).
         ("finetune_lora", ["--quantize", "bnb.nf4"], "(checkpoint vs run: no --quantize vs --quantize bnb.nf4)"),
         ("finetune_full", [], "holds LoRA adapters"))
-    resumes = run_forked([finetune(recipe, "--train.max_steps", "4", "--resume", "auto", *extra)
-                          for recipe, extra, _ in cases], tmp_path / "logs-resumes", env, timeout_s=600)
+    # One after the other, from one interpreter: each command starts once the one before it has ended.
+    base, done, *resumes = run_forked([_pretrain_argv(model_file, tmp_path / "base", "--train.max_steps", "2"),
+                                       finetune("finetune_lora", "--train.max_steps", "2"),
+                                       *[finetune(recipe, "--train.max_steps", "4", "--resume", "auto", *extra)
+                                         for recipe, extra, _ in cases]],
+                                      tmp_path / "logs", env, timeout_s=900, at_once=1)
+    assert base.returncode == 0, base.stderr
+    assert done.returncode == 0, done.stderr
     for (recipe, extra, expected), resumed in zip(cases, resumes):
         assert resumed.returncode == 2, resumed.stdout + resumed.stderr
         message = resumed.stderr.strip()

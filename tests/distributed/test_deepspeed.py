@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO (extensions/deepspeed): parity with FSDP, crash safety, fine-tuning, conversion and bad input.
 
 One 2-process launch (tests/helpers/ds_worker.py) trains the tiny model under FSDP and then under every
-``--strategy deepspeed_*`` in the same process group; the other multi-process tests run the real command line
+``--strategy deepspeed_*`` in the same process group, in fp32 and in bf16, and in the same ranks streams final/'s
+weights and writes the checkpoints that other numbers of ranks load (TWO_RANK_SUITES); the other multi-process tests run the real command line
 (``llmtrain ... --devices 2 --strategy deepspeed_stage_N``) and share one uninterrupted run. Bad input goes through
 the console script in one process per batch of command lines (ds_worker.run_command_lines), which stops any that
 gets as far as starting workers.
@@ -62,10 +63,38 @@ def model_file(tmp_path_factory) -> Path:
 
 
 # ------------------------------------------------------------------------------- parity with FSDP
+TWO_RANK_SUITES = ("final_stream", "universal_save", "parity_bf16", "parity", "zero3_build")
+"""The 2-rank suites of ds_worker, run one after the other by the same two ranks (one start-up of torch and
+DeepSpeed for all): parity after the others that train, as it changes dist_worker's samples and the attention path
+for itself, and zero3_build (which trains nothing) last, as it changes dist_worker's global batch."""
+THREE_RANK_SUITES = ("zero3_build", "universal_load")
+"""The same for three ranks (universal_load sets the global batch it needs itself)."""
+
+
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory) -> dict:
-    workdir = tmp_path_factory.mktemp("ds-parity")
-    return launch(2, "parity", workdir, timeout_s=500, script=HELPERS / "ds_worker.py")
+def two_rank_suites(tmp_path_factory) -> tuple[Path, dict]:
+    """The workdir (where universal_save's checkpoints are) and each suite's results."""
+    workdir = tmp_path_factory.mktemp("ds-two-ranks")
+    return workdir, launch(2, "+".join(TWO_RANK_SUITES), workdir, timeout_s=900, script=HELPERS / "ds_worker.py")
+
+
+@pytest.fixture(scope="module")
+def three_rank_suites(two_rank_suites) -> dict:
+    """Each suite's results, in the 2-rank launch's workdir (universal_load loads universal_save's checkpoints there;
+    zero3_build writes its model folders anew)."""
+    return launch(3, "+".join(THREE_RANK_SUITES), two_rank_suites[0], timeout_s=900, script=HELPERS / "ds_worker.py")
+
+
+def suites_of(world_size: int, request) -> dict:
+    """The results of the suites that ``world_size`` ranks ran together."""
+    if world_size == 2:
+        return request.getfixturevalue("two_rank_suites")[1]
+    return request.getfixturevalue("three_rank_suites")
+
+
+@pytest.fixture(scope="module")
+def parity(two_rank_suites) -> dict:
+    return two_rank_suites[1]["parity"]
 
 
 @needs_deepspeed
@@ -91,9 +120,8 @@ def test_every_zero_stage_matches_fsdp(parity, strategy):
 
 
 @pytest.fixture(scope="module")
-def parity_bf16(tmp_path_factory) -> dict:
-    workdir = tmp_path_factory.mktemp("ds-parity-bf16")
-    return launch(2, "parity_bf16", workdir, timeout_s=500, script=HELPERS / "ds_worker.py")
+def parity_bf16(two_rank_suites) -> dict:
+    return two_rank_suites[1]["parity_bf16"]
 
 
 @needs_deepspeed
@@ -138,7 +166,7 @@ def test_bf16_training_under_each_zero_stage_follows_fsdp(parity_bf16, strategy)
 @needs_deepspeed
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_a_stage_3_model_is_built_partitioned_with_the_weights_of_every_other_strategy(world_size, tmp_path):
+def test_a_stage_3_model_is_built_partitioned_with_the_weights_of_every_other_strategy(world_size, request):
     """Under deepspeed.zero.Init each rank holds 1/world of the parameters right after the build (with the padding
     of each parameter to an even split: on 3 ranks partitions start inside rows), and the weights gathered whole
     equal, bit for bit, those that
@@ -151,7 +179,7 @@ def test_a_stage_3_model_is_built_partitioned_with_the_weights_of_every_other_st
     from llmtrain.lora import LoRAArgs, apply_lora, reset_lora_parameters
     from llmtrain.model import GPT
 
-    zero3_build = launch(world_size, "zero3_build", tmp_path, timeout_s=300, script=HELPERS / "ds_worker.py")
+    zero3_build = suites_of(world_size, request)["zero3_build"]
 
     def reference(config, lora=None) -> dict:
         with torch.device("meta"):
@@ -189,11 +217,11 @@ def test_a_stage_3_model_is_built_partitioned_with_the_weights_of_every_other_st
 
 @needs_deepspeed
 @pytest.mark.multiproc
-def test_final_weights_stream_one_tensor_at_a_time_on_rank_0(tmp_path):
+def test_final_weights_stream_one_tensor_at_a_time_on_rank_0(two_rank_suites):
     """final/'s weights come to rank 0's writer one at a time: the fp32 master of every parameter, gathered from
     both ranks' partitions (stage 3 in fp32; stage 2 in bf16, where the module holds bf16 and final/ must hold the
     fp32 masters, after one step), and no earlier tensor is kept alive by the stream while the next is written."""
-    streams = launch(2, "final_stream", tmp_path, timeout_s=300, script=HELPERS / "ds_worker.py")
+    streams = two_rank_suites[1]["final_stream"]
     for strategy, stream in streams.items():
         assert stream["streamed"].keys() == stream["weights"].keys(), strategy
         for name, tensor in stream["weights"].items():
@@ -206,20 +234,22 @@ def test_final_weights_stream_one_tensor_at_a_time_on_rank_0(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def universal_saved(tmp_path_factory) -> tuple[Path, dict]:
-    workdir = tmp_path_factory.mktemp("ds-universal")
-    return workdir, launch(2, "universal_save", workdir, timeout_s=300, script=HELPERS / "ds_worker.py")
+def universal_saved(two_rank_suites) -> tuple[Path, dict]:
+    workdir, results = two_rank_suites
+    return workdir, results["universal_save"]
 
 
 @needs_deepspeed
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_zero_3_and_bf16_zero_1_checkpoints_of_2_ranks_load_on_another_number_exactly(universal_saved, world_size):
+def test_zero_3_and_bf16_zero_1_checkpoints_of_2_ranks_load_on_another_number_exactly(universal_saved, world_size,
+                                                                                      request):
     """ZeRO 3's partitioned files (fp32) and ZeRO 1's in bf16 (DeepSpeed's BF16_Optimizer), written by 2 ranks after
     two AdamW steps, loaded by 1 and by 3 through the universal checkpoint: every parameter's fp32 master and both
     Adam moments come back bit for bit, and the converted folder is gone."""
     workdir, saved = universal_saved
-    loaded = launch(world_size, "universal_load", workdir, timeout_s=300, script=HELPERS / "ds_worker.py")
+    loaded = (suites_of(world_size, request)["universal_load"] if world_size == 3 else
+              launch(world_size, "universal_load", workdir, timeout_s=300, script=HELPERS / "ds_worker.py"))
     for strategy, before in saved.items():
         after = loaded[strategy]
         for key in ("weights", "exp_avg", "exp_avg_sq"):

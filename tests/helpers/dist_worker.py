@@ -356,15 +356,16 @@ SUITES = {"two": suite_two, "four": suite_four, "memory": suite_memory}
 
 
 def worker_main(suite: str, workdir: Path, suites: Optional[dict] = None) -> None:
-    """One rank: run the suite (of ``suites``, default SUITES), save rank 0's results, then leave without the
-    interpreter's teardown."""
+    """One rank: run the suite (of ``suites``, default SUITES; "a+b": a then b, in one process group), save rank 0's
+    results of each, then leave without the interpreter's teardown."""
     code = 0
     try:
         torch.set_num_threads(1)
         runtime = Runtime.from_env("cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
-        results = (suites or SUITES)[suite](runtime, workdir)
-        if runtime.is_main:
-            torch.save(results, workdir / f"{suite}.pt")
+        for name in suite.split("+"):
+            results = (suites or SUITES)[name](runtime, workdir)
+            if runtime.is_main:
+                torch.save(results, workdir / f"{name}.pt")
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     except BaseException:
@@ -379,6 +380,7 @@ def worker_main(suite: str, workdir: Path, suites: Optional[dict] = None) -> Non
 # ------------------------------------------------------------------------------------ launcher
 def launch(world_size: int, suite: str, workdir: Path, timeout_s: float = 900.0, script: Optional[Path] = None) -> dict:
     """Run ``suite`` on ``world_size`` local ranks; fail fast when any rank fails, and after timeout_s at most.
+    Several suites "a+b" run one after the other in the same ranks (one start-up): {name: results} of each.
 
     ``script``: the worker to start (default this file), called as ``script SUITE WORKDIR``."""
     workdir = Path(workdir)
@@ -412,6 +414,8 @@ def launch(world_size: int, suite: str, workdir: Path, timeout_s: float = 900.0,
     if failure is not None:
         tails = "\n".join(f"--- rank {rank} ---\n{log.read_text()[-3000:]}" for rank, log in enumerate(logs))
         raise RuntimeError(f"{world_size}-rank suite {suite!r}: {failure}\n{tails}")
+    if "+" in suite:
+        return {name: torch.load(workdir / f"{name}.pt", weights_only=False) for name in suite.split("+")}
     return torch.load(workdir / f"{suite}.pt", weights_only=False)
 
 

@@ -16,8 +16,8 @@ import yaml
 from llmtrain.args import FSDPArgs, TrainArgs
 from llmtrain.distributed.parallel_plan import ParallelPlan
 
-from conftest import LAUNCHER_PREFIXES, LAUNCHER_VARS
-from forked_cli import run_forked
+from conftest import LAUNCHER_PREFIXES, LAUNCHER_VARS, free_port_number
+from forked_cli import forked_driver, forked_results, run_forked
 from refusals import DEBUG, HANG_GUARD_S, assert_one_message
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,9 +51,10 @@ BAD_ON_ONE_PROCESS = [
     (["--strategy", "ddp"], "--strategy ddp needs several processes"),
 ]
 
-# Under torchrun each rank checks its own flags against what the launcher started. Each case costs two torchrun
-# agents (two nodes) of one rank each: a rank's checks read the launcher's variables (WORLD_SIZE, LOCAL_WORLD_SIZE),
-# which two nodes of one process set as two of two do (the usage-line test below runs two nodes of two processes).
+# Under torchrun each rank checks its own flags against what the launcher started. The cases share two torchrun
+# agents (two nodes) of one rank each, whose rank runs every case as a command of its own (under_torchrun): a rank's
+# checks read the launcher's variables (WORLD_SIZE, LOCAL_WORLD_SIZE), which two nodes of one process set as two of
+# two do (the usage-line test below runs two nodes of two processes).
 # The table keeps the mistakes only a launcher can reveal, plus two of the single-node table's (a batch and a model
 # check) to show the per-rank checks refuse there too; the single-node table above runs the same checks
 # (ParallelPlan) for every other flag.
@@ -69,17 +70,22 @@ BAD_UNDER_TORCHRUN = [
 ]
 
 
+def launch_env() -> dict[str, str]:
+    """This process's environment for launched commands: no launcher variables, gloo on loopback, one thread each."""
+    env = {name: value for name, value in os.environ.items()
+           if name not in LAUNCHER_VARS and not name.startswith(LAUNCHER_PREFIXES)}
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
 @pytest.fixture(scope="module")
 def refused(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """Every single-node case's command line, each its own process (forked_cli), by table and index."""
     root = tmp_path_factory.mktemp("plan-refusals")
-    env = {name: value for name, value in os.environ.items()
-           if name not in LAUNCHER_VARS and not name.startswith(LAUNCHER_PREFIXES)}
-    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cases = [(f"two-{index}", [*DEBUG, "--devices", "2", *flags]) for index, (flags, _) in enumerate(BAD_ON_TWO_DEVICES)]
     cases += [(f"one-{index}", [*DEBUG, *flags]) for index, (flags, _) in enumerate(BAD_ON_ONE_PROCESS)]
     argvs = [[*argv, "--out_dir", str(root / name / "o")] for name, argv in cases]
-    done = run_forked(argvs, root / "logs", env, timeout_s=HANG_GUARD_S * 4)
+    done = run_forked(argvs, root / "logs", launch_env(), timeout_s=HANG_GUARD_S * 4)
     return {name: (result, root / name / "o") for (name, _), result in zip(cases, done)}
 
 
@@ -101,24 +107,47 @@ def test_flag_that_needs_several_processes_is_refused_with_one(index, refused):
     assert not out_dir.exists()
 
 
-@pytest.mark.multiproc
-@pytest.mark.parametrize("flags, expected", BAD_UNDER_TORCHRUN, ids=[" ".join(f) for f, _ in BAD_UNDER_TORCHRUN])
-def test_bad_combination_under_two_torchrun_nodes(flags, expected, tmp_path, dist_env, free_port):
-    """Rank 0 prints the one message; every rank exits 2 (or is stopped by torchrun once a sibling has)."""
-    port = str(free_port())
+@pytest.fixture(scope="module")
+def under_torchrun(tmp_path_factory) -> tuple[list[int], list[str], list[list[subprocess.CompletedProcess]], Path]:
+    """Every case of BAD_UNDER_TORCHRUN under one pair of torchrun commands (two nodes of one process each): each
+    node's process is a forked_cli driver, which forks one `python -m llmtrain` per case, all at once (a rank other
+    than 0 waits before it exits 2), with that rank's launcher variables; once both drivers are done, each exits
+    as its cases did. The nodes' exit codes and outputs, each node's results by case, and the cases' out_dir root."""
+    root = tmp_path_factory.mktemp("torchrun-refusals")
+    argvs = [[*DEBUG, "--devices", "1", "--num_nodes", "2", *flags, "--out_dir", str(root / "out" / str(index))]
+             for index, (flags, _) in enumerate(BAD_UNDER_TORCHRUN)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-                "--master_addr", "127.0.0.1", "--master_port", port, "--rdzv_conf", "timeout=60"]
-    nodes = [subprocess.Popen([*torchrun, "--node_rank", str(node), "-m", "llmtrain", *DEBUG, "--devices", "1",
-                               "--num_nodes", "2", *flags, "--out_dir", str(tmp_path / "o")],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dist_env)
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port_number()), "--rdzv_conf", "timeout=60",
+                "--no-python"]
+    nodes = [subprocess.Popen([*torchrun, "--node_rank", str(node),
+                               *forked_driver(argvs, root / f"node{node}", at_once=len(argvs), barrier=root / "done")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=launch_env())
              for node in (0, 1)]
     outputs = [node.communicate(timeout=HANG_GUARD_S)[0] for node in nodes]
-    assert all(node.returncode != 0 for node in nodes), outputs
-    assert_one_message("\n".join(outputs), expected)
+    results = [forked_results(root / f"node{node}") for node in (0, 1)]
+    return [node.returncode for node in nodes], outputs, results, root / "out"
+
+
+@pytest.mark.multiproc
+def test_torchrun_sees_the_refusing_ranks_exit_2(under_torchrun):
+    """Both torchrun commands fail, each reporting its rank's exit code 2 (or -15: stopped by torchrun once the
+    other node's rank had failed)."""
+    returncodes, outputs, _, _ = under_torchrun
+    assert all(code != 0 for code in returncodes), outputs
     exit_codes = [int(code) for output in outputs for code in re.findall(r"exitcode\s*:\s*(-?\d+)", output)]
-    assert exit_codes and all(code in (2, -15) for code in exit_codes), outputs  # -15: stopped by torchrun
+    assert exit_codes and all(code in (2, -15) for code in exit_codes), outputs
     assert 2 in exit_codes
-    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("index", range(len(BAD_UNDER_TORCHRUN)), ids=[" ".join(f) for f, _ in BAD_UNDER_TORCHRUN])
+def test_bad_combination_under_two_torchrun_nodes(index, under_torchrun):
+    """Rank 0 prints the one message; every rank exits 2; nothing is written."""
+    _, _, results, out_root = under_torchrun
+    done = [node_results[index] for node_results in results]
+    assert [result.returncode for result in done] == [2, 2], done
+    assert_one_message("\n".join(result.stdout + result.stderr for result in done), BAD_UNDER_TORCHRUN[index][1])
+    assert not (out_root / str(index)).exists()
 
 
 @pytest.mark.multiproc

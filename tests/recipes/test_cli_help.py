@@ -1,18 +1,43 @@
 """`--help` documents every flag, in groups, with its default."""
 
+import os
 import re
 import subprocess
-import sys
 
 import pytest
 
+from forked_cli import run_forked
+
 ENTRY = re.compile(r"^  (-[-\w.]+)(.*)$")
+
+# The command lines this module reads, run together from one forked_cli driver on first use, each as its own
+# `python -m llmtrain` process (a fresh interpreter each would import torch and llmtrain again: 2 s of CPU apiece).
+BATCH = [*[[recipe, "--help"] for recipe in ("pretrain", "finetune_lora", "finetune_full")], ["pretrain", "list"]]
+_FORKED: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_workdir(tmp_path_factory):
+    """Where this module's command lines keep their outputs (llmtrain_each)."""
+    _FORKED.update(workdir=tmp_path_factory.mktemp("cli"), done={})
+    yield
+    _FORKED.clear()
+
+
+def llmtrain_each(*argvs: list[str]) -> list[subprocess.CompletedProcess]:
+    """Each `python -m llmtrain ARGV`'s result, the ones not run yet (and BATCH's) from one driver."""
+    done = _FORKED["done"]
+    pending = [argv for argv in [*argvs, *BATCH] if tuple(argv) not in done]
+    pending = [argv for index, argv in enumerate(pending) if argv not in pending[:index]]
+    if pending:
+        results = run_forked(pending, _FORKED["workdir"] / str(len(done)), dict(os.environ), timeout_s=300)
+        done.update(zip(map(tuple, pending), results))
+    return [done[tuple(argv)] for argv in argvs]
 
 
 def help_entries(command: list[str]) -> dict[str, str]:
     """Each option of `llmtrain COMMAND --help` with its help text (the lines up to the next option)."""
-    done = subprocess.run([sys.executable, "-m", "llmtrain", *command, "--help"], capture_output=True, text=True,
-                          timeout=300)
+    [done] = llmtrain_each([*command, "--help"])
     assert done.returncode == 0, done.stderr
     entries: dict[str, str] = {}
     current = None
@@ -46,8 +71,7 @@ def test_every_flag_has_help_and_its_default(command):
 
 def test_flags_are_grouped_by_their_dataclass():
     """The fields of --train, --eval, --fsdp, --dry_run and --profile each sit under a heading of their own."""
-    done = subprocess.run([sys.executable, "-m", "llmtrain", "pretrain", "--help"], capture_output=True, text=True,
-                          timeout=300)
+    [done] = llmtrain_each(["pretrain", "--help"])
     heading, headings = None, {}
     for line in done.stdout.splitlines():
         if line and not line.startswith(" ") and line.endswith(":"):
@@ -62,8 +86,7 @@ def test_flags_are_grouped_by_their_dataclass():
 
 
 def test_pretrain_list_shows_the_zoo_with_parameter_counts_and_aliases():
-    done = subprocess.run([sys.executable, "-m", "llmtrain", "pretrain", "list"], capture_output=True, text=True,
-                          timeout=300)
+    [done] = llmtrain_each(["pretrain", "list"])
     rows = {line.split()[0]: line.split(None, 3)[1:] for line in done.stdout.splitlines()[1:]}
     assert rows["tiny-llama-1.1b"][:2] == ["1100.0M", "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T"]
     assert rows["tiny-llama-1.1b"][2].split(", ") == ["tiny-llama", "tinyllama", "tinyllama-1.1b"]
@@ -73,14 +96,13 @@ def test_pretrain_list_shows_the_zoo_with_parameter_counts_and_aliases():
 
 
 def test_an_alias_prints_its_canonical_name_and_an_ambiguous_one_lists_the_candidates(tmp_path):
-    command = [sys.executable, "-m", "llmtrain", "pretrain", "tiny-llama", "--devices", "8", "--num_nodes", "4",
-               "--dry_run", "--out_dir", str(tmp_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    command = ["pretrain", "tiny-llama", "--devices", "8", "--num_nodes", "4", "--dry_run", "--out_dir", str(tmp_path)]
+    done, ambiguous = llmtrain_each(command, [*command[:1], "qwen2.5", *command[2:]])
     assert done.returncode == 0, done.stderr
     assert "model        tiny-llama-1.1b: 1,100.0M parameters" in done.stdout
     assert "8 devices × 4 nodes = 32 ranks" in done.stdout
     assert "global 512 sequences" in done.stdout and "config_hub/pretrain/tinyllama.yaml" in done.stdout
-    done = subprocess.run([*command[:4], "qwen2.5", *command[5:]], capture_output=True, text=True, timeout=300)
+    done = ambiguous
     assert done.returncode == 2
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert errors == ["error: The model name 'qwen2.5' is ambiguous: it may mean Qwen2.5-0.5B, Qwen2.5-1.5B, Qwen2.5-3B, "

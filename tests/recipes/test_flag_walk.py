@@ -107,21 +107,32 @@ CASES = [(recipe, flag, annotation, default) for recipe, fn in RECIPES.items()
 
 @pytest.fixture(scope="module")
 def base_runs(model_dir) -> dict[str, tuple[list[str], Any]]:
-    """Per recipe: the command without any of the walked flags, and what it launches (computed once: each
-    case compares against it). The run is never launched, so the shared --out_dir must stay empty: a file
-    there could change what a later case's command does."""
+    """Per recipe (and per recipe on ONE_MICRO_BATCH): the command without any of the walked flags, and what it
+    launches (computed once: each case compares against it). The run is never launched, so the shared --out_dir
+    must stay empty: a file there could change what a later case's command does."""
     runs: dict[str, tuple[list[str], Any]] = {}
     yield runs
-    written = [str(path) for recipe in runs for path in (model_dir.parent / f"out-{recipe}").rglob("*")]
+    recipes = {key.split()[0] for key in runs}
+    written = [str(path) for recipe in recipes for path in (model_dir.parent / f"out-{recipe}").rglob("*")]
     assert not written, f"a case wrote into the shared --out_dir: {written}"
 
 
-def base_run(recipe, model_dir, base_runs, monkeypatch, capsys) -> tuple[list[str], Any]:
-    if recipe not in base_runs:
+ONE_MICRO_BATCH = ("--train.micro_batch_size", "1", "--train.global_batch_size", "1")
+"""Added to the base command (and so to its reference) of the flags in ON_ONE_MICRO_BATCH."""
+ON_ONE_MICRO_BATCH = {"--dry_run.simulate"}
+"""Flags whose run steps through every micro-batch of a step: --dry_run.simulate's rank costs about 0.4 s of CPU per
+micro-batch (16 of them a step in fine-tuning's default batch); what the flag changes does not depend on how many."""
+
+
+def base_run(recipe, model_dir, base_runs, monkeypatch, capsys, flag: str = "") -> tuple[list[str], Any]:
+    key = f"{recipe} one micro-batch" if flag in ON_ONE_MICRO_BATCH else recipe
+    if key not in base_runs:
         head = [recipe, "llama-debug"] if recipe == "pretrain" else [recipe, str(model_dir)]
         base = [*head, "--out_dir", str(model_dir.parent / f"out-{recipe}"), "--train.max_steps", "10"]
-        base_runs[recipe] = base, outcome(base, monkeypatch, capsys)
-    return base_runs[recipe]
+        if flag in ON_ONE_MICRO_BATCH:
+            base += ONE_MICRO_BATCH
+        base_runs[key] = base, outcome(base, monkeypatch, capsys)
+    return base_runs[key]
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -135,7 +146,7 @@ def test_the_base_run_launches_and_is_the_same_every_time(recipe, model_dir, bas
 @pytest.mark.parametrize("recipe, flag, annotation, default", CASES, ids=[f"{c[0]} {c[1]}" for c in CASES])
 def test_every_flag_changes_the_run_or_is_refused(recipe, flag, annotation, default, model_dir, base_runs, tmp_path,
                                                   monkeypatch, capsys):
-    base, reference = base_run(recipe, model_dir, base_runs, monkeypatch, capsys)
+    base, reference = base_run(recipe, model_dir, base_runs, monkeypatch, capsys, flag)
     assert reference[0] == "launched", reference
     value = other_value(annotation, default, tmp_path)
     if flag == "--optimizer":

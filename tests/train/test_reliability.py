@@ -261,15 +261,29 @@ def test_fp16_overflow_is_the_loss_scalers_business(tmp_path, model_file):
     assert [int(r["step"]) for r in rows if r["skipped"] == "1"] == [2, 3, 4]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["finetune_full", "finetune_lora"])
-def test_fine_tuning_resumed_ends_with_bit_identical_weights(tmp_path, model_file, recipe):
+_BASE: dict = {}
+
+
+@pytest.fixture
+def base_model(tmp_path_factory) -> Path:
+    """A 2-step pretraining run of the tiny model with room for instructions (made once for the module)."""
     from llmtrain.cli import main
 
-    base = tmp_path / "base"
-    longer = tmp_path / "tiny-128.yaml"  # instructions need a longer context
-    write_tiny_model(longer, block_size=128)
-    main([*resumable_args(longer, base), "--train.max_steps", "2", "--train.global_batch_size", "4"])
+    if not _BASE:
+        base = tmp_path_factory.mktemp("finetune-base") / "base"
+        longer = base.parent / "tiny-128.yaml"  # instructions need a longer context
+        write_tiny_model(longer, block_size=128)
+        main([*resumable_args(longer, base), "--train.max_steps", "2", "--train.global_batch_size", "4"])
+        _BASE["out_dir"] = base
+    return _BASE["out_dir"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["finetune_full", "finetune_lora"])
+def test_fine_tuning_resumed_ends_with_bit_identical_weights(tmp_path, base_model, recipe):
+    from llmtrain.cli import main
+
+    base = base_model
 
     def finetune(out_dir: Path, *extra: str) -> None:
         main([recipe, str(base / "final"), "--out_dir", str(out_dir), "--data", "BuiltinInstruct", "--data.num_train",
