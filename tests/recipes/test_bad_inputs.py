@@ -163,6 +163,12 @@ CASES = [
          ["convert", "to_hf", "{in}/evil-run/step-00000001", "{out}"], [".metadata", "will not unpickle"]),
     Case("generate from a missing folder", ["generate", "{in}/no-such-model", "--prompt", "hi"],
          ["no-such-model"]),
+    Case("evaluate a missing folder", ["evaluate", "{in}/no-such-model", "--tasks", "hellaswag"], ["no-such-model"]),
+    Case("evaluate with --batch_size 0", ["evaluate", "{in}/run/final", "--tasks", "hellaswag", "--batch_size", "0"],
+         ["--batch_size", "at least 1"]),
+    Case("evaluate with task YAMLs from a missing folder",
+         ["evaluate", "{in}/run/final", "--tasks", "my_task", "--include_path", "{in}/no-such-tasks"],
+         ["--include_path", "no-such-tasks", "not a folder"]),
     # data at scale: prepare_data, Prepared, Mixture
     Case("prepare_data of an empty folder", ["prepare_data", "--data", "TextFiles", "--data.train_data_path",
                                              "{in}/empty-texts", "--tokenizer_dir", "{in}/tok", "--out_dir", "{out}"],

@@ -1,0 +1,162 @@
+"""`llmtrain evaluate` through the command line on local lm-eval tasks, against lm-eval's own HFLM.
+
+A tiny model trained for a few steps on the built-in stories is scored on three local tasks, one per kind of request
+(multiple choice: loglikelihood; perplexity: rolling loglikelihood over several windows; exact match:
+generate_until), by `llmtrain evaluate` and by lm-eval's HFLM on the folder `convert to_hf` makes of the same model:
+every metric must agree. The generation task's targets are, for every other document, the greedy answer that
+`llmtrain.generate.generate` (one prompt at a time) gives, so its exact match is 0.5 only when the batched
+generation of the evaluation reproduces it. Nothing reaches the network: the data are local jsonl files, the
+hub and `datasets` are offline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmtrain.cli import main
+from llmtrain.convert.hf import to_hf
+from llmtrain.data.stories import generate_stories
+from llmtrain.generate import generate, generate_batch, load_model_dir
+
+from conftest import write_tiny_model
+
+pytest.importorskip("lm_eval")
+
+TASKS = "story_choice,story_perplexity,story_next_words"
+MAX_GEN_TOKS = 6
+PERPLEXITY_RTOL = 1e-4  # fp32: two implementations of the same model sum the same log-probabilities in other orders
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline(tmp_path_factory):
+    """No hub, no dataset downloads, and datasets' cache in this module's own folder."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("HF_HUB_OFFLINE", "1")
+    patch.setenv("HF_DATASETS_OFFLINE", "1")
+    patch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-datasets")))
+    patch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path_factory.mktemp("eval-cache")))
+    yield
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, offline) -> Path:
+    """A tiny model pretrained for a few steps on the built-in stories (block_size 64: a story is several windows)."""
+    root = tmp_path_factory.mktemp("eval-model")
+    model_file = write_tiny_model(root / "tiny.yaml")
+    main(["pretrain", "--model_config", str(model_file), "--out_dir", str(root / "run"), "--data", "BuiltinStories",
+          "--data.num_documents", "300", "--data.num_val_documents", "20", "--train.global_batch_size", "4",
+          "--train.micro_batch_size", "4", "--train.max_seq_length", "64", "--train.max_steps", "8",
+          "--train.lr_warmup_steps", "1", "--eval.max_iters", "1", "--optimizer", "AdamW", "--optimizer.lr", "0.01"])
+    return root / "run" / "final"
+
+
+def _write_task(folder: Path, name: str, rows: list[dict], body: str) -> None:
+    data = folder / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (folder / f"{name}.yaml").write_text(
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        + body)
+
+
+def greedy_answer(model, tokenizer, context: str) -> str:
+    """llmtrain's own greedy continuation of `context`, one prompt alone, cut as lm-eval cuts answers."""
+    prompt = torch.tensor(tokenizer.encode(context))
+    new_ids = generate(model, prompt, MAX_GEN_TOKS, temperature=0.0, eos_id=tokenizer.eos_id)[len(prompt):]
+    return tokenizer.decode(new_ids.tolist(), skip_special_tokens=True).split(".")[0]
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory, model_dir) -> Path:
+    """Three local tasks on held-out stories: multiple choice, perplexity, generation."""
+    folder = tmp_path_factory.mktemp("tasks")
+    stories = list(generate_stories(7, "val", 12))
+    rng = random.Random(0)
+    words = sorted({word for story in stories for word in story.split()})
+    choice_rows = []
+    for story in stories[:8]:
+        cut = story.split()
+        at = rng.randrange(4, 20)
+        right = cut[at]
+        wrong = rng.sample([word for word in words if word != right], 3)
+        choices = [" " + word for word in [right, *wrong]]
+        rng.shuffle(choices)
+        choice_rows.append({"context": " ".join(cut[:at]), "choices": choices, "label": choices.index(" " + right)})
+    _write_task(folder, "story_choice", choice_rows,
+                "output_type: multiple_choice\ndoc_to_text: '{{context}}'\ndoc_to_choice: '{{choices}}'\n"
+                "doc_to_target: label\ntarget_delimiter: ''\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n")
+    _write_task(folder, "story_perplexity", [{"text": story} for story in stories[8:12]],
+                "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\nmetric_list:\n"
+                "  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n")
+    model, _, tokenizer, _ = load_model_dir(model_dir)
+    generation_rows = []
+    for index, story in enumerate(stories[:8]):
+        context = " ".join(story.split()[:3 + index])
+        answer = greedy_answer(model, tokenizer, context) if index % 2 == 0 else " a wrong answer"
+        generation_rows.append({"context": context, "answer": answer})
+    _write_task(folder, "story_next_words", generation_rows,
+                "output_type: generate_until\ndoc_to_text: '{{context}}'\ndoc_to_target: '{{answer}}'\n"
+                f"generation_kwargs:\n  until: ['.']\n  max_gen_toks: {MAX_GEN_TOKS}\n  do_sample: false\n"
+                "metric_list:\n  - metric: exact_match\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def ours(tmp_path_factory, model_dir, task_dir) -> dict:
+    """`llmtrain evaluate` on the three tasks, batch 3 (batches of unequal lengths), its results JSON."""
+    out_dir = tmp_path_factory.mktemp("eval-out")
+    main(["evaluate", str(model_dir), "--tasks", TASKS, "--include_path", str(task_dir), "--batch_size", "3",
+          "--out_dir", str(out_dir), "--accelerator", "cpu", "--precision", "32-true"])
+    return json.loads((out_dir / "results.json").read_text())
+
+
+def test_scores_equal_lm_evals_hflm_on_the_converted_folder(ours, model_dir, task_dir, tmp_path):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    hf_dir = to_hf(model_dir, tmp_path / "hf")
+    theirs = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={hf_dir},dtype=float32", tasks=TASKS.split(","), batch_size=2,
+        device="cpu", task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
+        random_seed=1234, numpy_random_seed=1234, torch_random_seed=1234, fewshot_random_seed=1234)
+    assert set(ours["results"]) == set(theirs["results"]) == set(TASKS.split(","))
+    for task, metrics in theirs["results"].items():
+        for key, expected in metrics.items():
+            if key == "alias" or key.endswith("_stderr,none") and expected == "N/A":
+                continue
+            actual = ours["results"][task][key]
+            if "perplexity" in key or "bits_per_byte" in key:
+                assert math.isclose(actual, expected, rel_tol=PERPLEXITY_RTOL), (task, key, actual, expected)
+            else:
+                assert actual == expected, (task, key, actual, expected)
+    assert ours["results"]["story_next_words"]["exact_match,none"] == 0.5  # the greedy answers, reproduced
+    assert 0 < ours["results"]["story_choice"]["acc,none"] < 1
+    assert ours["n-samples"]["story_choice"]["effective"] == 8 and ours["config"]["model"] == "llmtrain"
+
+
+def test_batched_generation_equals_one_prompt_at_a_time(model_dir):
+    """Prompts of different lengths padded on the left and decoded together give each one's own greedy answer."""
+    model, _, tokenizer, _ = load_model_dir(model_dir)
+    prompts = [tokenizer.encode(text) for text in ("Once", "One sunny morning, Lily and her", "Tom saw a big red")]
+    batched = generate_batch(model, prompts, 10, temperature=0.0)
+    assert batched == [generate(model, torch.tensor(p), 10, temperature=0.0)[len(p):].tolist() for p in prompts]
+
+
+def test_without_tasks_it_lists_them_with_the_included_ones(model_dir, task_dir, capsys):
+    main(["evaluate", str(model_dir), "--include_path", str(task_dir)])
+    out = capsys.readouterr().out
+    assert out.index("story_perplexity") < out.index("hellaswag")  # the folder's own first, then lm-eval's
+    assert "\n  arc_easy\n" in out and "\n  mmlu\n" in out
+
+
+def test_an_unknown_task_is_refused_with_the_closest_names(model_dir, task_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"no task, group or tag 'hellaswg'; did you mean hellaswag"):
+        main(["evaluate", str(model_dir), "--tasks", "story_choice,hellaswg", "--include_path", str(task_dir),
+              "--out_dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
