@@ -160,3 +160,47 @@ def test_an_unknown_task_is_refused_with_the_closest_names(model_dir, task_dir, 
         main(["evaluate", str(model_dir), "--tasks", "story_choice,hellaswg", "--include_path", str(task_dir),
               "--out_dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def test_requests_with_a_tokenizer_that_adds_bos_get_hflms_answers(sentencepiece_style_tokenizer, tmp_path):
+    """Llama-style tokenizers put <s> in front: each kind of request, with and without a context, and a text that
+    brings its own <s>, answered as HFLM answers them on the converted folder (block_size 32: several windows)."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from llmtrain.checkpoint.files import write_model_dir
+    from llmtrain.evaluate.harness import LLMtrainLM
+    from llmtrain.generate import load_for_generation
+    from llmtrain.model import GPT
+
+    from conftest import tiny_config
+
+    tokenizer = sentencepiece_style_tokenizer
+    config = tiny_config("llama-debug", n_layer=2, block_size=32, vocab_size=tokenizer.vocab_size)
+    torch.manual_seed(0)
+    model = GPT(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.05)
+    model_dir = write_model_dir(tmp_path / "bos", state_dict=model.state_dict(), model_config=config,
+                                hyperparameters=None, tokenizer=tokenizer)
+    ours = LLMtrainLM(load_for_generation(model_dir, precision="32-true", accelerator="cpu"), batch_size=3)
+    theirs = HFLM(pretrained=str(to_hf(model_dir, tmp_path / "hf")), dtype="float32", batch_size=3, device="cpu")
+    assert ours.tok_encode("The cat")[0] == tokenizer.bos_id == theirs.tok_encode("The cat")[0]
+
+    def requests(kind, arguments):
+        return [Instance(kind, {}, args, index) for index, args in enumerate(arguments)]
+
+    # NOTE: this BPE has no pre-tokenizer, so a token may span words: none of these continuations merges into the
+    # end of its context, which would leave it no tokens of its own (lm-eval refuses those, HFLM too).
+    pairs = requests("loglikelihood", [("The dog", " ran to the box."), ("", "A quick brown fox"),
+                                       ("The lazy fox", " jumps on the cat."), ("<s>The dog", " ran")])
+    for (logprob, greedy), (expected, expected_greedy) in zip(ours.loglikelihood(pairs), theirs.loglikelihood(pairs)):
+        assert math.isclose(logprob, expected, rel_tol=1e-5) and greedy == expected_greedy, (logprob, expected)
+    texts = requests("loglikelihood_rolling", [("Tom ate a big red apple. " * 3,), ("A quick brown fox.",)])
+    for logprob, expected in zip(ours.loglikelihood_rolling(texts), theirs.loglikelihood_rolling(texts)):
+        assert math.isclose(logprob, expected, rel_tol=1e-5), (logprob, expected)
+    settings = {"until": ["."], "max_gen_toks": 8, "do_sample": False}
+    prompts = requests("generate_until", [("The dog", settings), ("A quick brown fox jumps", settings), ("Tom ate a", settings)])
+    answers = ours.generate_until(prompts)
+    assert answers == theirs.generate_until(prompts) and all(answers), answers
