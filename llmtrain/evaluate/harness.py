@@ -84,9 +84,13 @@ class LLMtrainLM(TemplateLM):
     def _loglikelihood_tokens(self, requests: list[tuple[Optional[tuple[str, str]], list[int], list[int]]],
                               disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(log-probability of the continuation, whether greedy decoding gives it) for each (key, context ids,
-        continuation ids); longest first, ``batch_size`` at a time, cut on the left to max_length."""
+        continuation ids); longest first, ``batch_size`` at a time, cut on the left to max_length.
+
+        Requests that differ only in their last token (the choices of a multiple-choice question, one token each)
+        share one forward: the logits of the longest serve them all, as in HFLM."""
         collator = Collator(requests, sort_fn=lambda request: (-len(request[1] + request[2]),
-                                                               tuple(request[1] + request[2])))
+                                                               tuple(request[1] + request[2])),
+                            group_by="contexts", group_fn=lambda request: request[1] + request[2][:-1])
         answers = []
         for chunk in collator.get_batched(n=self.batch_size):
             inputs = []
@@ -101,13 +105,17 @@ class LLMtrainLM(TemplateLM):
                 idx[row, :len(ids)] = torch.tensor(ids)
             with self.precision.autocast(self.device):
                 logits = self.model(idx.to(self.device))  # (B, T, V)
-            for row, ((key, _, continuation), ids) in enumerate(zip(chunk, inputs)):
-                scores = logits[row, len(ids) - len(continuation):len(ids)].float().log_softmax(dim=-1)  # (C, V)
-                target = torch.tensor(continuation, device=scores.device)
-                answer = (float(scores.gather(-1, target[:, None]).sum()), bool((scores.argmax(-1) == target).all()))
-                answers.append(answer)
-                if key is not None:
-                    self.cache_hook.add_partial("loglikelihood", key, answer)
+            for row, ((key, context, continuation), ids) in enumerate(zip(chunk, inputs)):
+                window = logits[row, len(ids) - len(continuation):len(ids)].float().log_softmax(dim=-1)  # (C, V)
+                for key, continuation, scores in collator.get_cache(req_str=key, cxt_toks=context,
+                                                                    cont_toks=continuation, logits=window[None]):
+                    scores = scores[0, -len(continuation):]
+                    target = torch.tensor(continuation, device=scores.device)
+                    answer = (float(scores.gather(-1, target[:, None]).sum()),
+                              bool((scores.argmax(-1) == target).all()))
+                    answers.append(answer)
+                    if key is not None:
+                        self.cache_hook.add_partial("loglikelihood", key, answer)
         return collator.get_original(answers)
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:

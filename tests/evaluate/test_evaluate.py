@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from llmtrain.data.stories import generate_stories
 from llmtrain.generate import generate, generate_batch, load_model_dir
 
 from conftest import write_tiny_model
+from local_tasks import write_story_tasks, write_task
 
 pytest.importorskip("lm_eval")
 
@@ -57,14 +57,6 @@ def model_dir(tmp_path_factory, offline) -> Path:
     return root / "run" / "final"
 
 
-def _write_task(folder: Path, name: str, rows: list[dict], body: str) -> None:
-    data = folder / f"{name}.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    (folder / f"{name}.yaml").write_text(
-        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
-        + body)
-
-
 def greedy_answer(model, tokenizer, context: str) -> str:
     """llmtrain's own greedy continuation of `context`, one prompt alone, cut as lm-eval cuts answers."""
     prompt = torch.tensor(tokenizer.encode(context))
@@ -76,34 +68,17 @@ def greedy_answer(model, tokenizer, context: str) -> str:
 def task_dir(tmp_path_factory, model_dir) -> Path:
     """Three local tasks on held-out stories: multiple choice, perplexity, generation."""
     folder = tmp_path_factory.mktemp("tasks")
-    stories = list(generate_stories(7, "val", 12))
-    rng = random.Random(0)
-    words = sorted({word for story in stories for word in story.split()})
-    choice_rows = []
-    for story in stories[:8]:
-        cut = story.split()
-        at = rng.randrange(4, 20)
-        right = cut[at]
-        wrong = rng.sample([word for word in words if word != right], 3)
-        choices = [" " + word for word in [right, *wrong]]
-        rng.shuffle(choices)
-        choice_rows.append({"context": " ".join(cut[:at]), "choices": choices, "label": choices.index(" " + right)})
-    _write_task(folder, "story_choice", choice_rows,
-                "output_type: multiple_choice\ndoc_to_text: '{{context}}'\ndoc_to_choice: '{{choices}}'\n"
-                "doc_to_target: label\ntarget_delimiter: ''\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n")
-    _write_task(folder, "story_perplexity", [{"text": story} for story in stories[8:12]],
-                "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\nmetric_list:\n"
-                "  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n")
+    write_story_tasks(folder)
     model, _, tokenizer, _ = load_model_dir(model_dir)
     generation_rows = []
-    for index, story in enumerate(stories[:8]):
+    for index, story in enumerate(generate_stories(7, "val", 8)):
         context = " ".join(story.split()[:3 + index])
         answer = greedy_answer(model, tokenizer, context) if index % 2 == 0 else " a wrong answer"
         generation_rows.append({"context": context, "answer": answer})
-    _write_task(folder, "story_next_words", generation_rows,
-                "output_type: generate_until\ndoc_to_text: '{{context}}'\ndoc_to_target: '{{answer}}'\n"
-                f"generation_kwargs:\n  until: ['.']\n  max_gen_toks: {MAX_GEN_TOKS}\n  do_sample: false\n"
-                "metric_list:\n  - metric: exact_match\n")
+    write_task(folder, "story_next_words", generation_rows,
+               "output_type: generate_until\ndoc_to_text: '{{context}}'\ndoc_to_target: '{{answer}}'\n"
+               f"generation_kwargs:\n  until: ['.']\n  max_gen_toks: {MAX_GEN_TOKS}\n  do_sample: false\n"
+               "metric_list:\n  - metric: exact_match\n")
     return folder
 
 
