@@ -115,12 +115,27 @@ def test_scores_equal_lm_evals_hflm_on_the_converted_folder(ours, model_dir, tas
     assert ours["n-samples"]["story_choice"]["effective"] == 8 and ours["config"]["model"] == "llmtrain"
 
 
-def test_batched_generation_equals_one_prompt_at_a_time(model_dir):
-    """Prompts of different lengths padded on the left and decoded together give each one's own greedy answer."""
-    model, _, tokenizer, _ = load_model_dir(model_dir)
-    prompts = [tokenizer.encode(text) for text in ("Once", "One sunny morning, Lily and her", "Tom saw a big red")]
-    batched = generate_batch(model, prompts, 10, temperature=0.0)
-    assert batched == [generate(model, torch.tensor(p), 10, temperature=0.0)[len(p):].tolist() for p in prompts]
+@pytest.mark.parametrize("name, overrides", [("llama-debug", {}), ("gpt-neox-debug", {}), ("phi-debug", {}),
+                                             ("gemma-debug", {}), ("mistral-debug", {"sliding_window": 5})])
+def test_batched_generation_equals_one_prompt_at_a_time(name, overrides):
+    """Prompts of different lengths padded on the left and decoded together give each one's own greedy answer, in
+    every family (partial rotary, parallel residual, a sliding window shorter than the prompts)."""
+    from llmtrain.model import GPT
+
+    from conftest import tiny_config
+
+    torch.manual_seed(0)
+    model = GPT(tiny_config(name, n_layer=2, **overrides)).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.1)
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [9, 9, 9, 9]]
+    batched = generate_batch(model, prompts, 12, temperature=0.0)
+    assert batched == [generate(model, torch.tensor(p), 12, temperature=0.0)[len(p):].tolist() for p in prompts]
+    stop = batched[1][2]  # a row ends at its first stop id, and the others go on
+    stopped = generate_batch(model, prompts, 12, temperature=0.0, stop_ids=[stop])
+    assert all(row == full[:full.index(stop) + 1] if stop in full else row == full
+               for row, full in zip(stopped, batched))
 
 
 def test_without_tasks_it_lists_them_with_the_included_ones(model_dir, task_dir, capsys):
