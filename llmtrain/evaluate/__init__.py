@@ -67,7 +67,7 @@ def setup(
             that supports it, else 32-true.
         accelerator: Where to run: auto (GPU if there is one), cpu or cuda.
     """
-    check_model_dir(checkpoint_dir)  # before anything loads: the flags' errors, then the model's
+    # Before anything loads: the flags' errors, then the model directory's, then lm-eval's tasks.
     if num_fewshot is not None and num_fewshot < 0:
         raise ValueError(f"--num_fewshot must be 0 or more examples, got {num_fewshot}")
     if limit is not None and limit <= 0:
@@ -78,6 +78,7 @@ def setup(
         raise FileNotFoundError(f"--include_path {include_path} is not a folder; pass a folder of task YAMLs")
     if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise FileExistsError(f"--out_dir {out_dir} is a file; pass a folder for {RESULTS_FILE}")
+    check_model_dir(checkpoint_dir)
     names = [name.strip() for name in (tasks or "").split(",") if name.strip()]
     require_lm_eval()
     if not names:
