@@ -19,7 +19,7 @@ POSITIONAL = {"pretrain": "--model_name"}
 
 def commands() -> dict[str, Callable]:
     """Every subcommand, in one place. Imported lazily so `--help` stays fast."""
-    from llmtrain import chat, generate, plot, serve
+    from llmtrain import chat, evaluate, generate, plot, serve
     from llmtrain.download import download
     from llmtrain.benchmark.command import benchmark
     from llmtrain.convert.hf import convert_from_hf, convert_to_hf
@@ -27,7 +27,8 @@ def commands() -> dict[str, Callable]:
 
     return {"pretrain": pretrain.setup, "finetune_full": finetune.setup_full, "finetune_lora": finetune.setup_lora,
             "finetune": finetune.setup_lora, "merge_lora": finetune.merge_lora, "generate": generate.setup,
-            "chat": chat.setup, "convert": {"to_hf": convert_to_hf, "from_hf": convert_from_hf}, "plot": plot.plot,
+            "chat": chat.setup, "evaluate": evaluate.setup,
+            "convert": {"to_hf": convert_to_hf, "from_hf": convert_from_hf}, "plot": plot.plot,
             "benchmark": benchmark, "prepare_data": prepare_data.setup,
             "serve": serve.setup, "download": download}
 

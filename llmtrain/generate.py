@@ -4,6 +4,7 @@ The pieces, each usable alone:
 
 - `sample`: one token from the logits (greedy, temperature, top-k, top-p).
 - `generate`: token ids in, token ids out; one prefill of the prompt, then one token per step.
+- `generate_batch`: the same for several prompts at once, padded on the left (`llmtrain evaluate`'s).
 - `load_model_dir` (from llmtrain.model_dir): model, config, tokenizer and prompt style.
 - `load_for_generation`: the same on the device and in the precision the flags ask for (also `llmtrain chat`'s).
 - `generate_text`: a prompt string in, the completion out (what fine-tuning prints during validation).
@@ -244,6 +245,67 @@ def generate(
     finally:
         model.clear_kv_cache()
     return torch.cat((prompt, torch.stack(new_tokens).to(prompt.dtype)))
+
+
+@torch.inference_mode()
+def generate_batch(
+    model: GPT,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+    stop_ids: Sequence[int] = (),
+    done: Optional[Callable[[int, list[int]], bool]] = None,
+    generator: Optional[torch.Generator] = None,
+) -> list[list[int]]:
+    """Continue several prompts together; returns each one's new tokens (a stop id it ended with kept).
+
+    The prompts are padded on the left to the longest, prefilled in one forward and decoded one token per step for
+    all rows at once, with one KV cache; the padding is masked (`GPT.forward`'s ``padding``), and a row's positions
+    are shifted by its padding, which RoPE's relative positions do not see. A row ends after one of `stop_ids`,
+    when ``done(row, new_ids)`` says so, or after `max_new_tokens` (fewer if the longest prompt reaches the
+    model's max_seq_length first); the batch ends when every row has.
+    """
+    model = unwrap(model)
+    check_sampling(temperature, top_k, top_p)
+    if not prompts or any(len(prompt) == 0 for prompt in prompts):
+        raise ValueError("generate_batch takes one or more non-empty prompts")
+    longest, limit = max(map(len, prompts)), model.max_seq_length
+    check_prompt_fits(longest, model.config, limit)
+    max_new_tokens = min(max_new_tokens, limit - longest)
+    if max_new_tokens <= 0:
+        return [[] for _ in prompts]
+    device = model.wte.weight.device
+    batch, cache_length = len(prompts), longest + max_new_tokens - 1
+    idx = torch.zeros(batch, longest, dtype=torch.long, device=device)
+    padding = torch.zeros(batch, cache_length, dtype=torch.bool, device=device)
+    for row, prompt in enumerate(prompts):
+        idx[row, longest - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long, device=device)
+        padding[row, :longest - len(prompt)] = True
+    stops = set(stop_ids)
+    new_ids: list[list[int]] = [[] for _ in prompts]
+    finished = [False] * batch
+    model.set_kv_cache(batch_size=batch, max_seq_length=cache_length, device=device)
+    try:
+        input_pos = torch.arange(longest, device=device)
+        logits = model(idx, input_pos=input_pos, padding=padding)[:, -1]  # (B, V)
+        while True:
+            tokens = sample(logits, temperature, top_k, top_p, generator)  # (B,)
+            for row, token in enumerate(tokens.tolist()):
+                if finished[row]:
+                    continue
+                new_ids[row].append(token)
+                finished[row] = (token in stops or len(new_ids[row]) == max_new_tokens
+                                 or (done is not None and done(row, new_ids[row])))
+            if all(finished):
+                break
+            input_pos = input_pos[-1:] + 1
+            logits = model(tokens.view(batch, 1), input_pos=input_pos, padding=padding)[:, -1]
+    finally:
+        model.clear_kv_cache()
+    return new_ids
 
 
 def check_prompt_fits(prompt_length: int, config: Config, limit: int) -> None:

@@ -65,11 +65,13 @@ class GPT(nn.Module):
         self.reset_rope_cache()
 
     def forward(self, idx: torch.Tensor, input_pos: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None, padding: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, padded_vocab_size).
 
         input_pos: None for training (positions 0..T-1, no cache). Otherwise the positions (T,) of the
         tokens in `idx`, for decoding with the cache allocated by `set_kv_cache`.
+        padding: With input_pos, a boolean (B, S) over the cache's S positions, True where a row holds padding
+            (a batch of prompts of different lengths, padded on the left): no other position attends to it.
         labels: Targets (B, T). Given, the forward returns the summed cross-entropy (fp32, IGNORE_INDEX
         targets skipped) instead of the logits, computed in chunks (see `head_loss_sum`).
         """
@@ -90,6 +92,8 @@ class GPT(nn.Module):
             cache_length = self._check_kv_cache(B, T, input_pos)
             cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # (T, rope_n_elem)
             mask = build_kv_cache_mask(input_pos, cache_length, self.config.sliding_window)  # (T, S)
+            if padding is not None:
+                mask = mask_padding(mask, padding, input_pos)  # (B, 1, T, S)
         for block in self.blocks:
             x = block(x, cos, sin, mask, input_pos)
         if labels is not None:
@@ -464,7 +468,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention of q (B, nh, T, hs) over grouped k, v (B, ng, S, hs) with a boolean mask (T, S).
+    """Attention of q (B, nh, T, hs) over grouped k, v (B, ng, S, hs) with a boolean mask (T, S) or (B, 1, T, S).
 
     NOTE: the query heads that share a key/value group are stacked along the query axis rather
     than copying the cache once per head, which would cost nh/ng times the cache in memory traffic.
@@ -474,7 +478,9 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     repeats = n_head // n_query_groups
     # Head h belongs to group h // repeats, as in repeat_interleave.
     q = q.reshape(B, n_query_groups, repeats * T, head_size)  # (B, ng, rep * T, hs)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(repeats, 1))  # (B, ng, rep * T, hs)
+    # (T, S) or per row (B, 1, T, S): repeated along the query axis as the heads are stacked
+    mask = mask.repeat(*(1,) * (mask.dim() - 2), repeats, 1)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, ng, rep * T, hs)
     return y.view(B, n_head, T, head_size)  # (B, nh, T, hs)
 
 
@@ -700,3 +706,16 @@ def build_kv_cache_mask(input_pos: torch.Tensor, cache_length: int, sliding_wind
     if sliding_window is not None:
         mask &= query_pos - key_pos < sliding_window
     return mask
+
+
+def mask_padding(mask: torch.Tensor, padding: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    """The cache mask (T, S) for each row of a batch whose positions ``padding`` (B, S) marks as padding: (B, 1, T, S).
+
+    NOTE: a padding position still attends to itself: a query with every key masked would come out of SDPA as NaN,
+    which its keys and values would carry into the cache, and 0 × NaN is NaN even where the mask hides them.
+    """
+    if padding.dim() != 2 or padding.size(1) != mask.size(1):
+        raise ValueError(f"padding must have shape (batch, {mask.size(1)}) over the KV cache, "
+                         f"got {tuple(padding.shape)}")
+    own = torch.arange(mask.size(1), device=mask.device) == input_pos.unsqueeze(1)  # (T, S)
+    return (mask & ~padding[:, None, None, :]) | own

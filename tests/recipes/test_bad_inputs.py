@@ -201,6 +201,12 @@ CASES = [
     Case("serve a run folder that is no model directory", ["serve", "{in}/run"],
          ["is not a model directory", "model_config.yaml"]),
     Case("serve on a port out of range", ["serve", "{in}/run/final", "--port", "70000"], ["--port", "65535"]),
+    Case("evaluate a missing folder", ["evaluate", "{in}/no-such-model", "--tasks", "hellaswag"], ["no-such-model"]),
+    Case("evaluate with --batch_size 0", ["evaluate", "{in}/run/final", "--tasks", "hellaswag", "--batch_size", "0"],
+         ["--batch_size", "at least 1"]),
+    Case("evaluate with task YAMLs from a missing folder",
+         ["evaluate", "{in}/run/final", "--tasks", "my_task", "--include_path", "{in}/no-such-tasks"],
+         ["--include_path", "no-such-tasks", "not a folder"]),
     # data at scale: prepare_data, Prepared, Mixture
     Case("prepare_data of an empty folder", ["prepare_data", "--data", "TextFiles", "--data.train_data_path",
                                              "{in}/empty-texts", "--tokenizer_dir", "{in}/tok", "--out_dir", "{out}"],
