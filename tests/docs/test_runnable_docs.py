@@ -20,6 +20,7 @@ import re
 import shlex
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ def _stories(count: int) -> list[str]:
     return list(generate_stories(7, "train", count))
 
 
-def _given_texts(folder: Path) -> None:
+def _given_texts(folder: Path, stack: ExitStack) -> None:
     stories = _stories(200)
     for index in range(0, len(stories), 50):
         sub = folder / "my_texts" / f"part{index // 50}"
@@ -50,15 +51,31 @@ def _given_texts(folder: Path) -> None:
         (sub / "stories.txt").write_text("\n\n".join(stories[index:index + 50]), encoding="utf-8")
 
 
-def _given_records(folder: Path) -> None:
+def _given_records(folder: Path, stack: ExitStack) -> None:
     records = [{"instruction": f"What is {a} + {b}?", "output": str(a + b)} for a in range(8) for b in range(8)]
     (folder / "my_data.json").write_text(json.dumps(records))
+
+
+HUB_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The repository from_the_hub.md downloads: a tiny random Llama under its name, on a Hub on 127.0.0.1."""
+
+
+def _given_hub(folder: Path, stack: ExitStack) -> dict[str, str | None]:
+    """The Hub the reader downloads from, for as long as the document runs: HF_ENDPOINT points at it, online, with
+    no token or cache of this machine's."""
+    from local_hub import local_hub, write_tiny_llama
+
+    repo = folder.parent / "hub" / HUB_REPO
+    repo.mkdir(parents=True)
+    hub = stack.enter_context(local_hub({HUB_REPO: write_tiny_llama(repo)}))
+    return {"HF_ENDPOINT": hub.url, "HF_HOME": str(folder.parent / "hf_home"), "HF_HUB_OFFLINE": None,
+            "HF_TOKEN": None}
 
 
 GIVEN = {"pretrain_on_your_own_text.md": [_given_texts], "finetune_on_your_own_json.md": [_given_records],
          "convert_to_and_from_hf.md": [_given_records], "out_of_memory.md": [], "multi_gpu_and_multi_node.md": [],
          "parallelism.md": [],
-         "README.md": [], "deepspeed.md": [], "data_at_scale.md": [_given_texts]}
+         "README.md": [], "deepspeed.md": [], "data_at_scale.md": [_given_texts], "from_the_hub.md": [_given_hub]}
 DOCS = {name: (ROOT / "tutorials" / name if name != "README.md" else ROOT / name) for name in GIVEN}
 
 
@@ -127,6 +144,7 @@ def test_a_resumed_run_keeps_the_settings_of_the_run_it_continues(name, tmp_path
     first: dict[str, dict] = {}
     for lang, body, save_as in runnable_blocks(DOCS[name].read_text()):
         if save_as:
+            (tmp_path / save_as).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / save_as).write_text(body)
             continue
         if lang != "bash":
@@ -155,6 +173,26 @@ def test_every_listed_document_has_runnable_blocks():
         assert runnable_blocks(path.read_text()), f"{name} marks no block runnable"
 
 
+NOT_RUN = {"llmtrain evaluate out/smol-lora/final --tasks hellaswag": "lm-eval's datasets come from the Hub"}
+"""README commands of the Hub path that no test runs, and why."""
+
+
+def test_the_readmes_hub_path_is_run_by_the_tutorial():
+    """Each command of the README's Hub path starts a line of a runnable block of from_the_hub.md (which the test
+    above runs), or is in NOT_RUN with the reason."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### From a model on the Hub"):]
+    block = section[section.index("```bash\n") + 8:].split("```", 1)[0].replace("\\\n", " ")
+    commands = [" ".join(shlex.split(line, comments=True)) for line in block.splitlines() if line.strip()]
+    ran = [" ".join(shlex.split(line, comments=True)) for _, body, _ in
+           runnable_blocks(DOCS["from_the_hub.md"].read_text()) for line in body.replace("\\\n", " ").splitlines()
+           if line.startswith("llmtrain ")]
+    assert len(commands) == 5
+    for command in commands:
+        assert any(line.startswith(command) for line in ran) or any(command.startswith(skip) for skip in NOT_RUN), (
+            f"README's `{command}` is run by no runnable block of tutorials/from_the_hub.md")
+
+
 def test_tiny_overrides_training_commands_only():
     body = "llmtrain pretrain --config x.yaml \\\n    --train.max_steps 300  # long\nllmtrain generate out --prompt hi\n"
     shrunk = tiny(body)
@@ -168,24 +206,29 @@ def test_document_runs_verbatim(name, tmp_path, tmp_path_factory):
     folder = tmp_path / "work"
     folder.mkdir()
     (folder / "config_hub").symlink_to(ROOT / "config_hub")
+    stack = ExitStack()  # what a given keeps running (a Hub) while the document runs
+    changes: dict[str, str | None] = {}
     for give in GIVEN[name]:
-        give(folder)
+        changes.update(give(folder, stack) or {})
     # OMP_NUM_THREADS stays this process's: under pytest-xdist, conftest gave it this worker's share of the cores (a
     # fixed 2 beside the other worker, times 2 for a `--devices 2` block's workers, made every OpenMP thread wait for
     # the others: a tiny pretraining took 5x the CPU time of one thread); alone, the document's commands choose theirs.
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "GLOO_SOCKET_IFNAME": "lo", "LLMTRAIN_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "shared-cache"),
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    for number, (lang, body, save_as) in enumerate(runnable_blocks(DOCS[name].read_text()), start=1):
-        if save_as:
-            (folder / save_as).write_text(body)
-            continue
-        if lang == "bash":
-            command = ["bash", "-e", "-o", "pipefail", "-c", tiny(body)]
-        elif lang == "python":
-            command = [sys.executable, "-c", body]
-        else:
-            raise AssertionError(f"{name} block {number}: cannot run a ```{lang} block")
-        done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, (f"{name} block {number} failed:\n{body}\n--- stdout\n{done.stdout[-3000:]}\n"
-                                      f"--- stderr\n{done.stderr[-3000:]}")
+    env = {key: value for key, value in {**env, **changes}.items() if value is not None}
+    with stack:
+        for number, (lang, body, save_as) in enumerate(runnable_blocks(DOCS[name].read_text()), start=1):
+            if save_as:
+                (folder / save_as).parent.mkdir(parents=True, exist_ok=True)
+                (folder / save_as).write_text(body)
+                continue
+            if lang == "bash":
+                command = ["bash", "-e", "-o", "pipefail", "-c", tiny(body)]
+            elif lang == "python":
+                command = [sys.executable, "-c", body]
+            else:
+                raise AssertionError(f"{name} block {number}: cannot run a ```{lang} block")
+            done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
+            assert done.returncode == 0, (f"{name} block {number} failed:\n{body}\n--- stdout\n"
+                                          f"{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}")

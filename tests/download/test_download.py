@@ -21,11 +21,10 @@ import torch
 
 from llmtrain.cli import main
 from llmtrain.errors import told_status
-from llmtrain.tokenizer import train_bpe_tokenizer
 
 from conftest import free_port_number
 from forked_cli import run_forked
-from local_hub import local_hub
+from local_hub import local_hub, write_tiny_llama
 
 REPO = "tiny-org/tiny-llama"
 READ = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -37,19 +36,7 @@ HANG_GUARD_S = 120
 def _write_repo(root: Path) -> Path:
     """A transformers folder as the Hub holds it: safetensors weights, tokenizer, chat template, and files llmtrain
     does not read (pickled weights, a README, a subfolder of original weights)."""
-    import transformers
-
-    tokenizer = train_bpe_tokenizer(iter(["the cat sat on the mat. a dog ran far away."] * 50), vocab_size=300,
-                                    out_dir=root)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                                      bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
-    model = transformers.LlamaForCausalLM(config)
-    model.save_pretrained(root, safe_serialization=True)
-    (root / "chat_template.jinja").write_text(
-        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    write_tiny_llama(root)
     torch.save({"lm_head.weight": torch.zeros(2)}, root / "pytorch_model.bin")
     (root / "README.md").write_text("# tiny llama\n")
     (root / "original").mkdir()

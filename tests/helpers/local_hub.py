@@ -21,6 +21,9 @@ No Xet headers are sent, so the client downloads over plain HTTP. The switches:
   when one is waiting): a download to interrupt at a known point.
 
 An unknown repository answers 404 with ``X-Error-Code: RepoNotFound``, a missing file 404 ``EntryNotFound``.
+
+``write_tiny_llama(folder)`` writes what such a repository holds for a model: a random 2-layer Llama saved by
+transformers (safetensors), a byte-level BPE tokenizer and a chat template.
 """
 
 from __future__ import annotations
@@ -209,3 +212,24 @@ def local_hub(repos: dict[str, Path], *, gated: Iterable[str] = (), tokens: Iter
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+def write_tiny_llama(root: Path) -> Path:
+    """A transformers folder as the Hub holds one: a random 2-layer Llama (safetensors, config.json,
+    generation_config.json), a tokenizer trained on a line of text, and a chat template."""
+    import torch
+    import transformers
+
+    from llmtrain.tokenizer import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(iter(["the cat sat on the mat. a dog ran far away."] * 50), vocab_size=300,
+                                    out_dir=root)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                                      bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+    transformers.LlamaForCausalLM(config).save_pretrained(root, safe_serialization=True)
+    (root / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return root
