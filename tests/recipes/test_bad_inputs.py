@@ -73,6 +73,11 @@ CASES = [
          ["n_head", "n_embd"]),
     Case("missing --config recipe", ["pretrain", "--config", "{in}/nope.yaml"], ["nope.yaml"]),
     Case("recipe YAML that does not parse", ["pretrain", "--config", "{in}/broken.yaml"], ["broken.yaml"]),
+    Case("positional model and --checkpoint_dir disagree",
+         ["finetune_lora", "{in}/run/final", "--checkpoint_dir", "{in}/empty-texts", "--out_dir", "{out}"],
+         ["finetune_lora got checkpoint_dir twice", "--checkpoint_dir", "give one of them"]),
+    Case("positional zoo name and --model_name disagree", ["pretrain", "pythia-14m", "--model_name", "llama-debug"],
+         ["pretrain got model_name twice", "pythia-14m", "--model_name llama-debug"]),
     # flags
     Case("misspelled flag", _pretrain("--train.max_stepz", "3"), ["max_stepz", "did you mean --train.max_steps"]),
     Case("misspelled key in a --config recipe", ["pretrain", "--config", "{in}/misspelled.yaml", "--out_dir", "{out}"],
