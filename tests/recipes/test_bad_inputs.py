@@ -168,6 +168,8 @@ CASES = [
          ["convert", "to_hf", "{in}/evil-run/step-00000001", "{out}"], [".metadata", "will not unpickle"]),
     Case("generate from a missing folder", ["generate", "{in}/no-such-model", "--prompt", "hi"],
          ["no-such-model"]),
+    Case("merge_lora of a step the run never reached", ["merge_lora", "{in}/run/step-00000009"],
+         ["step-00000009 does not exist", "holds final, step-00000001, step-00000002"]),
     # data at scale: prepare_data, Prepared, Mixture
     Case("prepare_data of an empty folder", ["prepare_data", "--data", "TextFiles", "--data.train_data_path",
                                              "{in}/empty-texts", "--tokenizer_dir", "{in}/tok", "--out_dir", "{out}"],
