@@ -41,7 +41,8 @@ class TrainArgs:
     """Stop after this many training tokens (input tokens, summed over all ranks)."""
     max_steps: Optional[int] = None
     """Stop after this many optimizer steps. Without max_steps, max_tokens and epochs, pretraining takes the zoo
-    model's config_hub recipe's length, else one epoch."""
+    model's config_hub recipe's length, else one epoch; fine-tuning one epoch. Given together, the first to come
+    ends the run (the start says which)."""
     max_time: Optional[float] = None
     """Stop after this many seconds of training (a checkpoint is written first)."""
     max_seq_length: Optional[int] = None

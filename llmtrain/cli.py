@@ -66,11 +66,68 @@ def _drop_launcher_local_rank(argv: list[str]) -> list[str]:
     return out
 
 
-def _positional_to_flag(argv: list[str]) -> list[str]:
-    """Rewrite ``pretrain NAME ...`` to ``pretrain --model_name NAME ...``."""
-    if len(argv) >= 2 and argv[0] in POSITIONAL and not argv[1].startswith("-"):
-        return [argv[0], POSITIONAL[argv[0]], argv[1], *argv[2:]]
-    return argv
+def _positionals_after_config(argv: list[str], table: dict[str, Any]) -> list[str]:
+    """A command's positional arguments win over ``--config``, whatever their order.
+
+    jsonargparse applies the command line in order, so ``finetune_lora MY_MODEL --config recipe.yaml`` trained the
+    recipe's ``checkpoint_dir``: the positionals move to just after the last ``--config`` (a command-line positional
+    is more specific than a recipe file). ``pretrain NAME`` becomes ``--model_name NAME`` (:data:`POSITIONAL`), and
+    ``--checkpoint_dir X`` (LitGPT's older spelling) is the positional; the same argument given both ways, with two
+    values, is refused.
+    """
+    import inspect
+
+    depth, target = 1, table.get(argv[0]) if argv else None
+    if isinstance(target, dict):  # `convert to_hf ...`
+        depth, target = 2, target.get(argv[1]) if len(argv) > 1 else None
+    if target is None:
+        return argv
+    sugar = POSITIONAL.get(argv[0])
+    names = [sugar[2:]] if sugar else [name for name, parameter in inspect.signature(target).parameters.items()
+                                       if parameter.default is parameter.empty
+                                       and parameter.kind is parameter.POSITIONAL_OR_KEYWORD]
+    units: list[list[str]] = []  # each flag with its value, each positional alone, in order
+    positional_units: list[int] = []
+    named: dict[str, str] = {}
+    rest, index = argv[depth:], 0
+    while index < len(rest):
+        arg = rest[index]
+        if not arg.startswith("-") or arg == "-":
+            positional_units.append(len(units))
+            units.append([arg])
+            index += 1
+            continue
+        flag, equals, value = arg.partition("=")
+        # A flag takes the next word as its value, unless that is another flag (--print_config, --help, ...).
+        alone = equals or flag in ("-h", "--help") or index + 1 == len(rest) or rest[index + 1].startswith("--")
+        width = 1 if alone else 2
+        name = flag[2:] if flag.startswith("--") else ""
+        if name in names and (equals or index + 1 < len(rest)):
+            named[name] = value if equals else rest[index + 1]
+            positional_units.append(len(units))
+            units.append([])  # the positional's place; its value is placed below
+        else:
+            units.append(rest[index:index + width])
+        index += width
+    given = [units[i][0] for i in positional_units if units[i]]
+    for name, value in named.items():
+        position = names.index(name)
+        if position < len(given) and given[position] != value:
+            raise ValueError(f"{' '.join(argv[:depth])} got {name} twice: {given[position]} (the positional argument) "
+                             f"and --{name} {value}; give one of them")
+    values = list(given)
+    for name, value in named.items():
+        if names.index(name) >= len(values):
+            values.append(value)
+    positional = [[value] for value in values]
+    if sugar and values:
+        positional[0] = [sugar, values[0]]  # a second positional stays one, for the parser to refuse
+    kept = [unit for i, unit in enumerate(units) if i not in positional_units]
+    configs = [i for i, unit in enumerate(kept) if unit[0] == "--config" or unit[0].startswith("--config=")]
+    # After the last --config; without one, where the first positional was (its order among flags is immaterial).
+    at = configs[-1] + 1 if configs else positional_units[0] if positional_units else 0
+    ordered = kept[:at] + positional + kept[at:]
+    return argv[:depth] + [token for unit in ordered for token in unit]
 
 
 def _zoo_model_with_overrides(argv: list[str]) -> list[str]:
@@ -437,8 +494,9 @@ def dispatch(args: list[str]) -> Any:
     configure_process()
     # Field docstrings of the argument dataclasses become the flags' help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    args = _positional_to_flag(_drop_launcher_local_rank(args))
-    args = _qualify_optimizer(_bare_switches(_zoo_model_with_overrides(args)))
+    # NOTE: bare switches first: `--dry_run MY_MODEL` is a switch and a positional, not a flag and its value.
+    args = _positionals_after_config(_bare_switches(_drop_launcher_local_rank(args)), commands())
+    args = _qualify_optimizer(_zoo_model_with_overrides(args))
     _check_config_files(args)
     return CLI(commands(), args=args, description="Pretrain and fine-tune GPT-style language models.",
                parser_class=_parser_class())

@@ -35,11 +35,26 @@ def read_lora_settings(checkpoint_dir: Path) -> tuple[LoRAArgs, Path, Optional[s
     """The adapters' settings, their base model directory and its quantization, from the ``lora.yaml`` of a
     checkpoint whose adapters can be merged (it holds them in ``lora.safetensors``)."""
     checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise FileNotFoundError(_missing_checkpoint(checkpoint_dir))
     for name in (layout.LORA_FILE, layout.LORA_SETTINGS_FILE, layout.CONFIG_FILE):
         if not (checkpoint_dir / name).is_file():
             raise FileNotFoundError(f"{checkpoint_dir} has no {name}: it is not a finetune_lora checkpoint, so there "
                                     "are no adapters to merge")
     return lora_settings(checkpoint_dir / layout.LORA_SETTINGS_FILE)
+
+
+def _missing_checkpoint(checkpoint_dir: Path) -> str:
+    """A checkpoint folder that does not exist, with the checkpoints its parent holds (a run that ended earlier than
+    the step asked for)."""
+    where = "" if checkpoint_dir.is_absolute() else f" (relative to {Path.cwd()})"
+    parent = checkpoint_dir.parent
+    if not parent.is_dir():
+        return f"{checkpoint_dir} does not exist{where}, nor does {parent}: pass a finetune_lora checkpoint folder"
+    held = sorted(child.name for child in parent.iterdir()
+                  if child.is_dir() and (layout.STEP_DIR.match(child.name) or child.name == layout.FINAL_DIR))
+    listed = f"{parent} holds {', '.join(held)}" if held else f"{parent} holds no step-* or final checkpoint"
+    return f"{checkpoint_dir} does not exist{where}; {listed}"
 
 
 def lora_settings(path: Path) -> tuple[LoRAArgs, Path, Optional[str]]:

@@ -20,7 +20,7 @@ import numpy as np
 from llmtrain.data import manifest as layout
 from llmtrain.data.base import DataModule, PermutationOrder, SampleOrder, TrainLoader, ValLoader
 from llmtrain.data.prepared import (MIXTURE_PERMUTATION, PreparedSplits, ShardOrder, SpanWindows, check_windows,
-                                    read_prepared, shard_check, split_spans)
+                                    read_prepared, say_no_validation, shard_check, split_spans)
 from llmtrain.tokenizer import Tokenizer
 
 BLOCK = 10_000
@@ -171,6 +171,8 @@ class Mixture(DataModule):
             raise ValueError(f"--data.val_split_fraction {self.val_split_fraction:g} holds out the end of the sources "
                              "without a val split, but every source has a val split of its own: drop "
                              "--data.val_split_fraction")
+        if self.val_split_fraction == 0 and not any("val" in manifest.splits for manifest in self._manifests):
+            say_no_validation("no --data.sources folder has a validation split")
         first = self._manifests[0]
         for index, manifest in enumerate(self._manifests[1:], start=1):
             if manifest.tokenizer != first.tokenizer:

@@ -222,6 +222,8 @@ class Prepared(DataModule):
         self._manifest = read_prepared(self.path, "--data.path")
         if self.val_split_fraction > 0 and "val" in self._manifest.splits:
             raise ValueError(f"--data.path {self.path} has a validation split of its own: drop --data.val_split_fraction")
+        if self.val_split_fraction == 0 and "val" not in self._manifest.splits:
+            say_no_validation(f"--data.path {self.path} has no validation split")
 
     def validate_tokenizer(self, tokenizer: Tokenizer) -> None:
         layout.check_tokenizer(self.path, self._read(), tokenizer.fingerprint, tokenizer.checkpoint_dir, "--data.path")
@@ -270,6 +272,18 @@ class Prepared(DataModule):
         if self._splits is None:
             raise RuntimeError("Prepared.setup() must be called before the dataloaders")
         return self._splits
+
+
+def say_no_validation(why: str) -> None:
+    """One line at the start of a run on prepared folders that will not validate, and how to make it validate.
+
+    NOTE: said, not refused, even when --eval.interval is given: a config_hub recipe sets it for its own data, and
+    the data module cannot tell a flag the user typed from a recipe's value; a run without validation still trains.
+    """
+    if is_first_process():
+        print(f"{why}: validation is off (no validation loss). To validate, pass --data.val_split_fraction 0.05 "
+              "(the last 5% of the training tokens), or prepare the folder with a validation split "
+              "(prepare_data --data TextFiles --data.val_data_path DIR ...)")
 
 
 def shard_check(verify: bool) -> str:

@@ -20,6 +20,7 @@ from llmtrain.model_dir import check_model_dir, merge_lora_checkpoint
 from llmtrain.plan.memory import lora_trainable_parameters
 from llmtrain.recipes import checks, hparams
 from llmtrain.recipes.flags import shared_flags, with_defaults
+from llmtrain.recipes.hub import with_default_length
 from llmtrain.recipes.prepare import prepare
 from llmtrain.distributed.parallel_plan import resolve_device_type
 from llmtrain.precision import Precision, resolve_precision
@@ -27,7 +28,9 @@ from llmtrain.precision import Precision, resolve_precision
 QuantizeName = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8-training"]
 
 FINETUNE_BATCH = BatchDefaults(global_batch_size=16, micro_batch_size=1, source="fine-tuning's defaults")
-FINETUNE_TRAIN = TrainArgs(epochs=1.0, lr_warmup_steps=100,
+# No length here: one epoch is the default only of a run whose flags give none (_finetune), so that an explicit
+# --train.max_steps is not capped by it.
+FINETUNE_TRAIN = TrainArgs(lr_warmup_steps=100,
                            save_interval=1000, log_interval=1, min_lr=6e-5)
 FINETUNE_EVAL = EvalArgs(interval=100, max_iters=100)
 FINETUNE_DEFAULTS = {"train": FINETUNE_TRAIN, "eval": FINETUNE_EVAL, "seed": 1337}
@@ -149,6 +152,7 @@ def _finetune(recipe: str, checkpoint_dir: Path, prompt_style: Optional[str], fl
     if lora is not None:
         arguments.update(quantize=quantize, **dataclasses.asdict(lora))  # the fields are the lora_* flags
     hyperparameters = hparams.hyperparameters(arguments)
+    flags["train"] = with_default_length(flags["train"], model_name=None)  # one epoch, where the flags set no length
     checkpoint_dir = Path(checkpoint_dir)
     config = hf_folder_config(checkpoint_dir) if flags["dry_run"].requested else None
     if config is None:

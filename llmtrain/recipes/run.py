@@ -236,6 +236,7 @@ def _describe(spec: RunSpec, runtime: Runtime, built: _Built, horizon: Horizon, 
     say(f"{spec.recipe}: model {spec.config.name or 'custom'}, {built.parameters / 1e6:.2f}M parameters "
         f"({built.trainable / 1e6:.2f}M trainable), built in {time.perf_counter() - built.started:.1f}s, "
         f"{horizon.total_steps} steps of seq {spec.seq_len}{', compiled blocks' if built.compiled.enabled else ''}")
+    say(horizon.describe())
     if spec.compile == "auto":
         say(built.compiled.reason)
     say(f"layout: {plan.describe()} | device {runtime.device}")

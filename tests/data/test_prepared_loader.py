@@ -304,6 +304,20 @@ def test_pretrain_on_a_prepared_folder_and_on_a_mixture(folders, tokenizers, tmp
         assert text + code == int(row["tokens"]) == int(row["step"]) * 4 * 32 and text > 0 and code > 0
 
 
+def test_a_folder_without_a_validation_split_says_at_start_that_validation_is_off(folders, tokenizers, tmp_path,
+                                                                                  capsys) -> None:
+    model = write_tiny_model(tmp_path / "tiny.yaml", vocab_size=tokenizers[0].vocab_size)
+    main(pretrain_args(model, tmp_path / "out", tokenizers[0], "--data", "Prepared", "--data.path",
+                       str(folders["code"])))
+    out = capsys.readouterr().out
+    assert (f"--data.path {folders['code']} has no validation split: validation is off (no validation loss). To "
+            "validate, pass --data.val_split_fraction 0.05") in out
+    assert out.index("validation is off") < out.index("training 6 steps")  # said before the run, once
+    assert out.count("validation is off") == 1
+    with open(tmp_path / "out" / "metrics.csv") as handle:
+        assert not any(row.get("val_loss") for row in csv.DictReader(handle))
+
+
 def test_pretrain_refuses_the_wrong_tokenizers_before_launch(folders, tokenizers, tmp_path) -> None:
     """Exit 2 with one message naming both tokenizers, before any process starts or out_dir is made."""
     model = write_tiny_model(tmp_path / "tiny.yaml", vocab_size=tokenizers[0].vocab_size)

@@ -1,4 +1,5 @@
-"""The README and the tutorials, followed verbatim: every block marked runnable is run, in order.
+"""The README and the tutorials, followed verbatim: every block marked runnable is run, in order (the README's
+first command before them, as its reader runs it).
 
 A block is runnable when the line before its fence is ``<!-- runnable -->`` (```bash blocks run in
 bash, ```python blocks in Python), or ``<!-- runnable: save as NAME -->`` (the block's text is saved to
@@ -84,6 +85,17 @@ def runnable_blocks(markdown: str) -> list[tuple[str, str, str]]:
     return [(m["lang"], m["body"], m["save"] or "") for m in MARKED_BLOCK.finditer(markdown)]
 
 
+FIRST_COMMAND = re.compile(r"\.venv/bin/(llmtrain pretrain\b.*)$", re.M)
+
+
+def reader_blocks(name: str) -> list[tuple[str, str, str]]:
+    """What a reader runs, in order: the README's first command (its first `.venv/bin/llmtrain pretrain`, in the
+    folder where the runnable blocks then run, as a reader runs it before reading on), then the runnable blocks."""
+    markdown = DOCS[name].read_text()
+    first = [("bash", FIRST_COMMAND.search(markdown)[1] + "\n", "")] if name == "README.md" else []
+    return first + runnable_blocks(markdown)
+
+
 def tiny(body: str) -> str:
     """Join continued lines, append TINY to each training command (before any trailing comment)."""
     body = body.replace("\\\n", " ")
@@ -133,16 +145,36 @@ def _differences(written: dict, resumed: dict) -> list[str]:
             if _setting(written, key) != _setting(resumed, key)]
 
 
+NAMED_STEP = re.compile(r"(\S+)/step-(\d{8})\b")
+
+
+def _check_named_steps(name: str, line: str, latest: dict[str, dict]) -> None:
+    """A step checkpoint that a command names exists once the run before it, as written (no TINY), ran: that run is
+    sized in steps (an epoch's steps depend on the data), reaches the step, and saves there."""
+    for out_dir, step in NAMED_STEP.findall(line):
+        if out_dir not in latest:
+            continue
+        train, step = latest[out_dir]["train"], int(step)
+        ends, interval = train["max_steps"], train["save_interval"]
+        saved = ends is not None and step <= ends and (step == ends or bool(interval) and step % interval == 0)
+        assert train["epochs"] is None and train["max_tokens"] is None and saved, (
+            f"{name}: `{line.strip()}` names {out_dir}/step-{step:08d}, which the run that wrote {out_dir} may not "
+            f"write: max_steps {ends}, save_interval {interval}, epochs {train['epochs']}, max_tokens "
+            f"{train['max_tokens']} (an epoch's steps depend on the data's size)")
+
+
 @pytest.mark.parametrize("name", list(DOCS))
 def test_a_resumed_run_keeps_the_settings_of_the_run_it_continues(name, tmp_path, monkeypatch):
     """Every `--resume` training command of a document's runnable blocks, as written (no TINY), resolves to the
     settings of the command that first wrote its out_dir: another sequence length, batch or data is refused by the
-    resume, or changes the run that the text says continues unchanged. Nothing is trained: the settings are what
-    --print_config prints, and a `--print_config > FILE` line writes FILE for the commands after it."""
+    resume, or changes the run that the text says continues unchanged; and a command without --resume never starts in an
+    out_dir that an earlier one wrote (it would stop with "already holds checkpoints"). Nothing is trained: the settings
+    are what --print_config prints, and a `--print_config > FILE` line writes FILE for the commands after it."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "config_hub").symlink_to(ROOT / "config_hub")
     first: dict[str, dict] = {}
-    for lang, body, save_as in runnable_blocks(DOCS[name].read_text()):
+    latest: dict[str, dict] = {}  # the settings of the last run that wrote each out_dir
+    for lang, body, save_as in reader_blocks(name):
         if save_as:
             (tmp_path / save_as).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / save_as).write_text(body)
@@ -151,6 +183,7 @@ def test_a_resumed_run_keeps_the_settings_of_the_run_it_continues(name, tmp_path
             continue
         for line in body.replace("\\\n", " ").splitlines():
             if not TRAINING.match(line):
+                _check_named_steps(name, line, latest)
                 continue
             words = shlex.split(line, comments=True)[1:]
             target = None
@@ -159,13 +192,19 @@ def test_a_resumed_run_keeps_the_settings_of_the_run_it_continues(name, tmp_path
             settings = _settings([word for word in words if word != "--print_config"])
             if target is not None:
                 (tmp_path / target).write_text(yaml.safe_dump(settings, sort_keys=False))
+            if target is not None or settings["dry_run"]["enabled"]:
+                continue  # a plan writes nothing
             elif settings["resume"] is False:
-                first.setdefault(settings["out_dir"], settings)
+                # A fresh run into an out_dir that an earlier command wrote stops with "already holds checkpoints".
+                assert settings["out_dir"] not in first, (f"{name}: `{line.strip()}` starts a fresh run in "
+                                                          f"{settings['out_dir']}, which an earlier command wrote")
+                first[settings["out_dir"]] = settings
             else:
                 assert settings["out_dir"] in first, f"{name}: `{line.strip()}` resumes a run the document never starts"
                 changed = _differences(first[settings["out_dir"]], settings)
                 assert not changed, (f"{name}: `{' '.join(words)}` resumes {settings['out_dir']} with other settings "
                                      f"than the run that wrote it: {'; '.join(changed)}")
+            latest[settings["out_dir"]] = settings
 
 
 def test_every_listed_document_has_runnable_blocks():
@@ -218,7 +257,7 @@ def test_document_runs_verbatim(name, tmp_path, tmp_path_factory):
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     env = {key: value for key, value in {**env, **changes}.items() if value is not None}
     with stack:
-        for number, (lang, body, save_as) in enumerate(runnable_blocks(DOCS[name].read_text()), start=1):
+        for number, (lang, body, save_as) in enumerate(reader_blocks(name), start=1):
             if save_as:
                 (folder / save_as).parent.mkdir(parents=True, exist_ok=True)
                 (folder / save_as).write_text(body)

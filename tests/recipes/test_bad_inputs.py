@@ -82,6 +82,11 @@ CASES = [
          ["nope-org/nope-model does not exist", "`llmtrain download nope-org/nope-model`"]),
     Case("chat with a zoo name", ["chat", "Llama-3.2-1B"],
          ["Llama-3.2-1B does not exist", "`llmtrain download meta-llama/Llama-3.2-1B`"]),
+    Case("positional model and --checkpoint_dir disagree",
+         ["finetune_lora", "{in}/run/final", "--checkpoint_dir", "{in}/empty-texts", "--out_dir", "{out}"],
+         ["finetune_lora got checkpoint_dir twice", "--checkpoint_dir", "give one of them"]),
+    Case("positional zoo name and --model_name disagree", ["pretrain", "pythia-14m", "--model_name", "llama-debug"],
+         ["pretrain got model_name twice", "pythia-14m", "--model_name llama-debug"]),
     # flags
     Case("misspelled flag", _pretrain("--train.max_stepz", "3"), ["max_stepz", "did you mean --train.max_steps"]),
     Case("misspelled key in a --config recipe", ["pretrain", "--config", "{in}/misspelled.yaml", "--out_dir", "{out}"],
@@ -207,6 +212,8 @@ CASES = [
     Case("evaluate with task YAMLs from a missing folder",
          ["evaluate", "{in}/run/final", "--tasks", "my_task", "--include_path", "{in}/no-such-tasks"],
          ["--include_path", "no-such-tasks", "not a folder"]),
+    Case("merge_lora of a step the run never reached", ["merge_lora", "{in}/run/step-00000009"],
+         ["step-00000009 does not exist", "holds final, step-00000001, step-00000002"]),
     # data at scale: prepare_data, Prepared, Mixture
     Case("prepare_data of an empty folder", ["prepare_data", "--data", "TextFiles", "--data.train_data_path",
                                              "{in}/empty-texts", "--tokenizer_dir", "{in}/tok", "--out_dir", "{out}"],

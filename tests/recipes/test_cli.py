@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from llmtrain.cli import CommandLineError, run_cli
@@ -36,3 +38,50 @@ def test_a_flag_is_never_abbreviated_and_a_misspelled_one_is_named_with_the_flag
         run_cli([*argv, "--out_dir", str(tmp_path / "out"), "--dry_run"] if "pretrain" in argv else argv)
     assert f"did you mean {meant}" in str(refused.value), str(refused.value)
     assert not (tmp_path / "out").exists()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def pythia_dir(tmp_path_factory):
+    """A model directory of pythia-14m's shape: the dry run reads its config and nothing else."""
+    from llmtrain.checkpoint.layout import CONFIG_FILE
+    from llmtrain.config import Config
+
+    model_dir = tmp_path_factory.mktemp("pythia")
+    Config.from_name("pythia-14m").save(model_dir / CONFIG_FILE)
+    for name in ("model.safetensors", "tokenizer.json"):
+        (model_dir / name).write_bytes(b"")
+    return model_dir
+
+
+@pytest.mark.parametrize("order", ["positional first", "config first", "--checkpoint_dir"])
+def test_the_positional_model_wins_over_the_config_recipes(order, pythia_dir, tmp_path, capsys):
+    """The debug LoRA recipe names out/pretrain/debug/final (absent here); the model on the command line is trained,
+    whether it comes before or after --config."""
+    from llmtrain.cli import main
+
+    recipe = ["--config", str(ROOT / "config_hub/finetune/debug/lora.yaml")]
+    model = {"positional first": [str(pythia_dir)], "config first": [str(pythia_dir)],
+             "--checkpoint_dir": ["--checkpoint_dir", str(pythia_dir)]}[order]
+    words = [*recipe, *model] if order == "config first" else [*model, *recipe]
+    main(["finetune_lora", *words, "--out_dir", str(tmp_path / "o"), "--dry_run"])
+    assert "model        pythia-14m:" in capsys.readouterr().out
+
+
+def test_the_positional_zoo_name_wins_over_the_config_recipes(capsys):
+    from llmtrain.cli import main
+
+    main(["pretrain", "pythia-14m", "--config", str(ROOT / "config_hub/pretrain/debug.yaml"), "--dry_run"])
+    assert "model        pythia-14m:" in capsys.readouterr().out  # not the recipe's llama-debug
+
+
+def test_moving_the_positional_keeps_a_flag_without_a_value_and_the_flags_after_it():
+    """``--print_config`` takes no value here: the flag after it, and that flag's value, stay where they were."""
+    from llmtrain.cli import _positionals_after_config, commands
+
+    argv = ["pretrain", "--model_config", "m.yaml", "--print_config", "--train.max_steps", "2"]
+    assert _positionals_after_config(argv, commands()) == argv
+    assert _positionals_after_config(["pretrain", "NAME", "--config", "c.yaml", "--print_config"], commands()) == [
+        "pretrain", "--config", "c.yaml", "--model_name", "NAME", "--print_config"]

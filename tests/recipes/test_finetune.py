@@ -157,6 +157,23 @@ def test_no_validation_set_trains_without_validating(tmp_path, base_model):
         assert not any(row.get("val_loss") for row in csv.DictReader(handle))
 
 
+def test_an_explicit_max_steps_is_not_capped_by_the_epoch_default(tmp_path, base_model, capsys):
+    """12 samples in batches of 4 are 3 steps an epoch. --train.max_steps 5 runs 5 steps (fine-tuning's one epoch is
+    a default for a run whose flags give no length), so the step-4 checkpoint a tutorial names exists, and the start
+    says how long the run is (given together with --train.epochs, the first limit ends it: test_schedule.py)."""
+    out_dir = tmp_path / "steps"
+    main(finetune_args("finetune_lora", base_model, out_dir, "--data.num_train", "12", "--train.save_interval", "4",
+                       "--train.max_steps", "5"))
+    assert sorted(losses(out_dir)) == [1, 2, 3, 4, 5]
+    assert "training 5 steps = 1.67 epochs of 12 samples (--train.max_steps 5)" in capsys.readouterr().out
+    main(["merge_lora", str(out_dir / "step-00000004"), "--out_dir", str(tmp_path / "merged")])
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
+    # A step the run never reached: merge_lora says the folder is missing, and which checkpoints the run wrote.
+    with pytest.raises(FileNotFoundError, match=r"step-00000008 does not exist; .*steps holds final, step-00000004, "
+                                                r"step-00000005$"):
+        main(["merge_lora", str(out_dir / "step-00000008")])
+
+
 @pytest.mark.parametrize("quantize", ["bnb.nf4", "bnb.int8-training"])
 def test_qlora_on_one_device_and_merge_dequantizes(tmp_path, base_model, quantize):
     out_dir = tmp_path / "qlora"

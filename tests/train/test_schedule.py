@@ -69,6 +69,15 @@ def test_each_limit_is_named_by_its_flag():
     assert plan_horizon(train, 128, samples_per_epoch=64 * 1000).set_by == "--train.max_tokens 12800"
 
 
+def test_the_run_says_its_length_and_the_limits_it_will_not_reach():
+    both = TrainArgs(max_steps=5, epochs=1.0, global_batch_size=4, micro_batch_size=2, lr_warmup_steps=0)
+    assert plan_horizon(both, 4 * 128, samples_per_epoch=12).describe() == (
+        "training 3 steps = 1 epoch of 12 samples (--train.epochs 1, which ends it before --train.max_steps 5 (step 5))")
+    streamed = TrainArgs(max_steps=400, max_time=60.0, global_batch_size=16, micro_batch_size=8, lr_warmup_steps=0)
+    assert plan_horizon(streamed, 16 * 256, samples_per_epoch=None).describe() == (
+        "training 400 steps = 1,638,400 tokens (--train.max_steps 400; --train.max_time 60s may stop it sooner)")
+
+
 def test_horizon_needs_a_sizeable_limit():
     with pytest.raises(ValueError, match="--train.max_time alone"):
         plan_horizon(TrainArgs(max_time=60.0), 1024, 100)
