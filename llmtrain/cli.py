@@ -498,7 +498,11 @@ def dispatch(args: list[str]) -> Any:
     args = _positionals_after_config(_bare_switches(_drop_launcher_local_rank(args)), commands())
     args = _qualify_optimizer(_zoo_model_with_overrides(args))
     _check_config_files(args)
-    return CLI(commands(), args=args, description="Pretrain and fine-tune GPT-style language models.",
+    table = commands()
+    # Only the named subcommand's parser is built: building all of them costs every command about a second.
+    if args and args[0] in table:
+        table = {args[0]: table[args[0]]}
+    return CLI(table, args=args, description="Pretrain and fine-tune GPT-style language models.",
                parser_class=_parser_class())
 
 
