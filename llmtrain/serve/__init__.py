@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Literal, Optional
 
+from llmtrain.convert.hf import ensure_model_dir
 from llmtrain.model_dir import check_model_dir
 from llmtrain.precision import PrecisionName
 from llmtrain.quantize import QuantizeMode
@@ -49,7 +50,8 @@ def setup(
     Prints "serving MODEL at http://HOST:PORT/v1" on stderr once it answers.
 
     Args:
-        checkpoint_dir: Model directory with model.safetensors, model_config.yaml and tokenizer.json.
+        checkpoint_dir: Model directory with model.safetensors, model_config.yaml and tokenizer.json, or a
+            transformers folder (e.g. from `llmtrain download`).
         host: Address to listen on: 127.0.0.1 (this machine only) or 0.0.0.0 (every interface).
         port: Port to listen on; 0 picks a free one (the line "serving ... at" says which).
         model_name: The model's id in the API (the requests' "model"). Default: the directory's name.
@@ -60,12 +62,14 @@ def setup(
             that supports it, else 32-true.
         accelerator: Where to run: auto (GPU if there is one), cpu or cuda.
     """
-    checkpoint_dir = check_model_dir(checkpoint_dir)
+    given = Path(checkpoint_dir)
     if max_new_tokens < 1:
         raise ValueError(f"--max_new_tokens must be at least 1, got {max_new_tokens}")
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be in [0, 65535] (0: any free port), got {port}")
-    name = model_name if model_name is not None else checkpoint_dir.resolve().name
+    # A transformers folder (a download) is converted once and cached; the API names it by the folder given.
+    checkpoint_dir = check_model_dir(ensure_model_dir(given))
+    name = model_name if model_name is not None else given.resolve().name
     if not name.strip():
         raise ValueError("--model_name must not be empty; leave it out to use the directory's name")
     missing = [package for package in ("fastapi", "uvicorn") if importlib.util.find_spec(package) is None]

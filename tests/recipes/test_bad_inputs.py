@@ -204,7 +204,7 @@ CASES = [
          ["no-such-model"]),
     Case("serve a missing folder", ["serve", "{in}/no-such-model"], ["no-such-model", "does not exist"]),
     Case("serve a run folder that is no model directory", ["serve", "{in}/run"],
-         ["is not a model directory", "model_config.yaml"]),
+         ["is neither a llmtrain model directory", "model_config.yaml", "nor a transformers folder"]),
     Case("serve on a port out of range", ["serve", "{in}/run/final", "--port", "70000"], ["--port", "65535"]),
     Case("evaluate a missing folder", ["evaluate", "{in}/no-such-model", "--tasks", "hellaswag"], ["no-such-model"]),
     Case("evaluate with --batch_size 0", ["evaluate", "{in}/run/final", "--tasks", "hellaswag", "--batch_size", "0"],

@@ -296,6 +296,27 @@ def test_a_taken_port_is_refused_before_loading(server, model_dir):
         main(["serve", str(model_dir), "--port", port])
 
 
+def test_a_transformers_folder_is_served_under_its_own_name(model_dir, loaded, tmp_path, monkeypatch):
+    """A download is a transformers folder: served as it is (converted once), named after the folder given."""
+    from llmtrain.convert.hf import convert_to_hf
+
+    monkeypatch.setenv("LLMTRAIN_CACHE_DIR", str(tmp_path / "cache"))  # the server's conversion goes there
+
+    folder = tmp_path / "tiny-hf"
+    convert_to_hf(model_dir, folder)
+    other = Server(folder)
+    try:
+        client = openai.OpenAI(base_url=other.url, api_key="x", timeout=HANG_GUARD_S, max_retries=0)
+        assert [model.id for model in client.models.list()] == ["tiny-hf"]
+        answer = client.completions.create(model="tiny-hf", prompt=PROMPTS[1], max_tokens=MAX_NEW_TOKENS,
+                                           temperature=0)
+        assert answer.choices[0].text == raw_completion(loaded, PROMPTS[1])[0]
+        assert other.stop() == 0
+    finally:
+        if other.process.poll() is None:
+            other.process.kill()
+
+
 # ---- last: the module's server stops --------------------------------------------------------------
 
 
