@@ -13,7 +13,6 @@ BENCHMARKS.md, "Evaluate".
 
 from __future__ import annotations
 
-import difflib
 import functools
 import json
 import sys
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Literal, Optional
 import torch
 
 from llmtrain.convert.hf import ensure_model_dir
+from llmtrain.errors import close_matches
 from llmtrain.model_dir import check_model_dir
 from llmtrain.precision import PrecisionName
 
@@ -129,7 +129,7 @@ def task_manager(names: list[str], include_path: Optional[Path]) -> TaskManager:
     manager = _task_manager(None if include_path is None else str(include_path), include_defaults=True)
     for name in names:
         if not pattern_match([name], manager.all_tasks) and not (name.endswith(".yaml") and Path(name).is_file()):
-            close = difflib.get_close_matches(name, manager.all_tasks, n=3, cutoff=0.6)
+            close = close_matches(name, manager.all_tasks)
             hint = f"did you mean {' or '.join(close)}? " if close else ""
             raise ValueError(f"--tasks: lm-eval has no task, group or tag {name!r}; {hint}`llmtrain evaluate "
                              "CHECKPOINT` without --tasks lists them, and --include_path adds a folder of your own "
