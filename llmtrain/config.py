@@ -14,11 +14,13 @@ import yaml
 NormClassName = Literal["LayerNorm", "RMSNorm"]
 MLPClassName = Literal["GptNeoxMLP", "LLaMAMLP", "GemmaMLP"]
 GeluApproximate = Literal["none", "tanh"]
+RouterScore = Literal["softmax", "sigmoid"]
 
 _CHOICES = {
     "norm_class_name": ("LayerNorm", "RMSNorm"),
     "mlp_class_name": ("GptNeoxMLP", "LLaMAMLP", "GemmaMLP"),
     "gelu_approximate": ("none", "tanh"),
+    "router_score": ("softmax", "sigmoid"),
 }
 _ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")
 
@@ -83,6 +85,26 @@ class Config:
     """Multiply token embeddings by sqrt(n_embd) (Gemma)."""
     sliding_window: Optional[int] = None
     """Each token attends to at most this many tokens, itself included (Mistral v0.1). None: no limit."""
+    n_expert: int = 0
+    """Routed experts of each block's mixture-of-experts MLP (Mixtral 8, Qwen3-30B-A3B 128). 0: a dense MLP."""
+    n_expert_per_token: int = 0
+    """Experts each token is routed to (top-k): Mixtral 2, Qwen3-MoE and OLMoE 8."""
+    moe_intermediate_size: Optional[int] = None
+    """Hidden width of one expert (and of one shared expert). None: intermediate_size."""
+    n_shared_expert: int = 0
+    """Experts every token passes through besides its routed ones (DeepSeek); their outputs are added unweighted."""
+    router_score: RouterScore = "softmax"
+    """How the router turns its logits into scores: softmax over the experts (Mixtral, Qwen3-MoE, OLMoE) or a
+    sigmoid per expert (DeepSeek-V3)."""
+    norm_topk_prob: bool = True
+    """Renormalise the k chosen scores to sum to 1 (Mixtral, Qwen3-MoE); False keeps them as scored (OLMoE)."""
+    router_aux_loss_coef: float = 0.0
+    """Training only: weight of the Switch/Mixtral load-balancing loss added to the loss (Mixtral 0.02). 0: off."""
+    router_z_loss_coef: float = 0.0
+    """Training only: weight of the router z-loss, the mean squared log-sum-exp of the router's logits. 0: off."""
+    router_bias_update_rate: float = 0.0
+    """Training only: DeepSeek's auxiliary-loss-free balancing. After each optimizer step each expert's selection
+    bias moves by this rate towards the mean load (down when overloaded, up when underloaded). 0: off."""
 
     def __post_init__(self) -> None:
         self._fill_derived_sizes()
@@ -102,6 +124,8 @@ class Config:
             self.head_size = self.n_embd // self.n_head
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.n_embd
+        if self.moe_intermediate_size is None and self.n_expert > 0:
+            self.moe_intermediate_size = self.intermediate_size
 
     def _validate(self) -> None:
         where = f"Config {self.name!r}"
@@ -143,6 +167,36 @@ class Config:
             raise ValueError(f"{where}: norm_unit_offset only applies to norm_class_name='RMSNorm'")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"{where}: sliding_window must be positive or None, got {self.sliding_window}")
+        self._validate_moe(where)
+
+    def _validate_moe(self, where: str) -> None:
+        for name in ("n_expert", "n_expert_per_token", "n_shared_expert", "router_aux_loss_coef",
+                     "router_z_loss_coef", "router_bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{where}: {name} must be 0 or more, got {getattr(self, name)}")
+        if self.n_expert == 0:
+            moe_only = [name for name in ("n_expert_per_token", "n_shared_expert", "moe_intermediate_size",
+                                          "router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate")
+                        if getattr(self, name)]
+            if moe_only:
+                raise ValueError(f"{where}: {', '.join(moe_only)} only apply to a mixture of experts; "
+                                 "set n_expert above 0 or leave them unset")
+            return
+        if not 1 <= self.n_expert_per_token <= self.n_expert:
+            raise ValueError(f"{where}: n_expert_per_token must be between 1 and n_expert ({self.n_expert}), "
+                             f"got {self.n_expert_per_token}")
+        if self.moe_intermediate_size <= 0:
+            raise ValueError(f"{where}: moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+        if self.mlp_class_name == "GptNeoxMLP":
+            raise ValueError(f"{where}: the experts of a mixture of experts are gated MLPs; set mlp_class_name to "
+                             "LLaMAMLP (SwiGLU) or GemmaMLP (GeGLU)")
+        if self.bias:
+            raise ValueError(f"{where}: experts without biases only; a mixture of experts needs bias=False")
+
+    @property
+    def is_moe(self) -> bool:
+        """Each block's MLP is a mixture of experts."""
+        return self.n_expert > 0
 
     @property
     def rope_n_elem(self) -> int:
@@ -405,6 +459,10 @@ _DEBUG = [
          attn_bias=True, tie_embeddings=True, norm_eps=1e-6, rope_base=1000000.0, **_DEBUG_COMMON),
     dict(name="mistral-debug", n_layer=2, n_embd=128, n_head=4, n_query_groups=2, intermediate_size=384,
          sliding_window=128, **_DEBUG_COMMON),
+    # llama-debug's attention with 8 experts of width 320, 2 per token: the same active parameters (2 x 320 = 640,
+    # llama-debug's MLP width, plus the router), 4.4x the MLP weights. The MoE recipe and tests use it.
+    dict(name="moe-debug", n_layer=4, n_embd=256, n_head=4, n_query_groups=2, intermediate_size=640, n_expert=8,
+         n_expert_per_token=2, moe_intermediate_size=320, router_aux_loss_coef=0.01, **_DEBUG_COMMON),
 ]
 
 # Small models of our own (no hub checkpoint) for benchmarks and CPU experiments.
@@ -507,8 +565,12 @@ def aliases_of(name: str) -> list[str]:
     return sorted(key for key, names in ALIASES.items() if names == (name,) and key != name.lower())
 
 
+TRAINING_FIELDS = ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate")
+"""Config fields that change only how a model trains (the router's balancing), not its weights or outputs."""
+
 ARCHITECTURE_FIELDS = tuple(f.name for f in fields(Config)
-                            if f.name not in ("name", "hf_config", "vocab_size", "padding_multiple", "block_size"))
+                            if f.name not in ("name", "hf_config", "vocab_size", "padding_multiple", "block_size",
+                                              *TRAINING_FIELDS))
 """Config fields that decide the weights and the computation; two configs that agree on them are one model."""
 
 

@@ -1,6 +1,7 @@
 """A GPT-style decoder in plain PyTorch.
 
-One `GPT` class covers every family in the zoo (Llama, Mistral, Qwen2, Gemma, Phi, GPT-NeoX);
+One `GPT` class covers every family in the zoo (Llama, Mistral, Qwen2, Gemma, Phi, GPT-NeoX, and mixtures of
+experts, whose MLP is `moe.MoE`);
 `Config` switches the parts. This module knows nothing about parallelism, precision or LoRA:
 `parallelize()` wraps each `Block` from outside.
 
@@ -27,6 +28,7 @@ from llmtrain.config import Config
 from llmtrain.kernel_device import kernel_device_type
 from llmtrain.fused import fusable, gated_product, gating_activation, may_overwrite_gating, qkv_attention
 from llmtrain.loss import head_loss_sum
+from llmtrain.moe import MoE, GroupedExperts
 
 # Output projections that write into the residual stream; their init is scaled by 1/sqrt(2 n_layer).
 RESIDUAL_PROJECTIONS = ("o_proj", "down_proj", "proj")
@@ -218,6 +220,10 @@ def init_gpt_weights(model: nn.Module, config: Config, scheme: Optional[str] = N
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, (RMSNorm, nn.LayerNorm)):
                 module.reset_parameters()
+            elif isinstance(module, GroupedExperts):
+                module.init_weights(std, residual_std)
+            elif isinstance(module, MoE):
+                module.expert_bias.zero_()
 
 
 def _cuda_devices(model: nn.Module) -> list[torch.device]:
@@ -630,6 +636,8 @@ def build_norm(config: Config) -> nn.Module:
 
 
 def build_mlp(config: Config) -> nn.Module:
+    if config.is_moe:
+        return MoE(config)
     mlp_classes = {"GptNeoxMLP": GptNeoxMLP, "LLaMAMLP": LLaMAMLP, "GemmaMLP": GemmaMLP}
     return mlp_classes[config.mlp_class_name](config)
 
