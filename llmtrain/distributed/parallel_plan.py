@@ -92,6 +92,10 @@ class ParallelPlan:
     """Tensor-parallel degree (``--tp_size``): ranks one block's heads and MLP are split over."""
     pp: int = 1
     """Pipeline stages' ranks (``--pp_size``)."""
+    ep: int = 1
+    """Expert-parallel degree (``--ep_size``): each MoE block's routed experts are split over ``ep`` ranks, taken
+    from the data-parallel shard (``ep`` divides ``dp_shard``), with an all-to-all that sends each token to its
+    experts' rank. Non-expert weights stay sharded over ``dp_shard``; expert weights over ``dp_shard / ep``."""
     sequence_parallel: bool = False
     """Under tensor parallelism, norms and the residual stream are split over the sequence."""
     pp_schedule: Optional[str] = None
