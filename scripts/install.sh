@@ -11,4 +11,4 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check \
-    -c constraints.txt -e ".[test,deepspeed,serve,eval]"
+    -c constraints.txt -e ".[test,deepspeed,serve,eval,float8]"

@@ -110,6 +110,8 @@ class ParallelPlan:
     """Gradients are reduced only after the last micro-batch of a step (only with a wrapper and accumulation)."""
     zero: Optional[ZeroSettings] = None
     """DeepSpeed's ZeRO settings when the wrapper is ``deepspeed`` (llmtrain_deepspeed), else None."""
+    float8: Optional[str] = None
+    """``--float8``: tensorwise or rowwise float8 training of the blocks' linear layers (llmtrain.float8), or None."""
     batch_problem: Optional[str] = None
     """Why the batch does not divide (only a dry run's plan, resolved with ``strict_batch=False``, has one)."""
 
@@ -229,7 +231,8 @@ class ParallelPlan:
                                             if self.pp_virtual_stages > 1 else ""), self.pp > 1),
                                         (f"activation checkpointing {self.activation_checkpointing}",
                                          self.activation_checkpointing),
-                                        ("CPU offload", self.cpu_offload)) if on]
+                                        ("CPU offload", self.cpu_offload),
+                                        (f"float8 {self.float8}", self.float8)) if on]
         batch = (f"micro batch {self.batch.micro_batch_size}, global batch {self.batch.global_batch_size}, "
                  f"grad accumulation {self.batch.grad_accum_steps}" if self.batch_problem is None else
                  "batch does not divide")
@@ -244,7 +247,8 @@ class ParallelPlan:
                 device_type: Optional[DeviceType] = None, strict_batch: bool = True,
                 batch_defaults: BatchDefaults = BatchDefaults(), gpu: Optional[str] = None, tp: int = 1,
                 pp: int = 1, sequence_parallel: Optional[bool] = None, pp_schedule: Optional[str] = None,
-                pp_virtual_stages: Optional[int] = None, zero: Optional[ZeroSettings] = None) -> "ParallelPlan":
+                pp_virtual_stages: Optional[int] = None, zero: Optional[ZeroSettings] = None,
+                float8: Optional[str] = None) -> "ParallelPlan":
         """Check the flags against each other and lay the run out; a bad combination raises ``ValueError``.
 
         ``device_type`` overrides what ``accelerator`` resolves to on this machine (the dry run plans for
@@ -254,6 +258,7 @@ class ParallelPlan:
         ``sequence_parallel``, ``pp_schedule`` and ``pp_virtual_stages`` are ``--tp_size``,
         ``--tp_sequence_parallel``, ``--pp_size``, ``--pp_schedule`` and ``--pp_virtual_stages``. ``zero``: the
         ZeRO settings a ``--deepspeed.config`` file holds (which a named ``deepspeed_*`` strategy must agree with).
+        ``float8``: ``--float8``, checked against the device, the precision and the layout.
         """
         fsdp = fsdp or FSDPArgs()
         if devices < 1 or num_nodes < 1:
@@ -264,6 +269,7 @@ class ParallelPlan:
         if not isinstance(precision, Precision):
             precision = resolve_precision(precision, device_type, gpu=gpu)
         world = devices * num_nodes
+        _check_float8(float8, device_type=device_type, precision=precision, gpu=gpu, strategy=strategy, tp=tp)
         split = _model_split(tp, pp, sequence_parallel, pp_schedule, pp_virtual_stages, devices, world)
         if strategy.startswith("deepspeed"):
             return cls._resolve_deepspeed(strategy, zero, devices=devices, num_nodes=num_nodes, train=train,
@@ -283,7 +289,7 @@ class ParallelPlan:
         plan = cls(devices=devices, num_nodes=num_nodes, dp_replicate=dp_replicate, dp_shard=dp_shard,
                    wrapper=wrapper, sharding_strategy=sharding, batch=batch, precision=precision,
                    device_type=device_type, activation_checkpointing=fsdp.activation_checkpointing,
-                   cpu_offload=fsdp.cpu_offload, batch_problem=batch_problem, **split)
+                   cpu_offload=fsdp.cpu_offload, batch_problem=batch_problem, float8=float8, **split)
         plan.check_mesh()
         return plan._with_pipeline_and_sync(pp_schedule, fsdp, strict_batch)
 
@@ -501,6 +507,26 @@ def _check_single_process_flags(wrapper: Wrapper, fsdp: FSDPArgs, strategy: str,
         raise ValueError(f"{', '.join(ignored)} needs --devices 2 or more: one process uses no data-parallel wrapper, "
                          "so it would do nothing. Or pass --strategy fsdp to run FSDP on one device (e.g. to offload "
                          "to the CPU on a GPU), or drop the flag")
+
+
+def _check_float8(float8: Optional[str], *, device_type: str, precision: Precision, gpu: Optional[str],
+                  strategy: str, tp: int) -> None:
+    """``--float8`` against the device (float8 tensor cores), the precision (bf16 underneath) and the layout."""
+    if float8 is None:
+        return
+    from llmtrain.float8 import float8_problem
+
+    here = device_type == "cuda" and gpu is None and torch.cuda.is_available()
+    problem = float8_problem(float8, device_type=device_type, precision=precision.name, gpu=gpu,
+                             capability=torch.cuda.get_device_capability() if here else None)
+    if problem is None and strategy.startswith("deepspeed"):
+        problem = (f"--float8 {float8} converts the linear layers before FSDP wraps them; DeepSpeed's engine is not "
+                   "wired for it: use --strategy fsdp, or drop --float8")
+    if problem is None and tp > 1:
+        problem = (f"--float8 {float8} with --tp_size {tp}: float8 tensor-parallel layers are not wired; drop "
+                   "--tp_size (use FSDP or --pp_size) or --float8")
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _model_split(tp: int, pp: int, sequence_parallel: Optional[bool], schedule: Optional[str],

@@ -43,6 +43,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from llmtrain.args import canonical_checkpointing, checkpointed_every
 from llmtrain.distributed.parallel_plan import ParallelPlan, data_parallel_mesh
 from llmtrain.distributed.tensor_parallel import apply_tensor_parallel
+from llmtrain.float8 import convert_to_float8
 from llmtrain.kernel_device import kernel_device_type
 from llmtrain.model import transformer_blocks
 from llmtrain.precision import Precision
@@ -63,6 +64,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device, c
         mesh = plan.build_mesh()
     if plan.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=plan.sequence_parallel)
+    if plan.float8:
+        convert_to_float8(model, plan.float8, fsdp_float8_all_gather=float8_all_gather(plan))
     if plan.activation_checkpointing:
         apply_activation_checkpointing(model, plan.activation_checkpointing)
     if compile:
@@ -73,7 +76,14 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device, c
         return apply_ddp(model, device)
     apply_fsdp(model, data_parallel_mesh(mesh), reshard_after_forward=plan.reshard_after_forward,
                precision=plan.precision, cpu_offload=plan.cpu_offload, one_host=plan.num_nodes == 1)
+    model.gathers_float8_weights = float8_all_gather(plan)  # read by the strategy after each optimizer step
     return model
+
+
+def float8_all_gather(plan: ParallelPlan) -> bool:
+    """Whether FSDP gathers float8 weights in float8 (tensorwise scaling with sharded parameters): then the step
+    computes their scales after each optimizer step (llmtrain.float8.precompute_scales)."""
+    return plan.float8 == "tensorwise" and plan.wrapper == "fsdp" and plan.shard_size > 1
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> None:

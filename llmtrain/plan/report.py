@@ -72,7 +72,8 @@ def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_
         f"{f'; activation checkpointing {plan.activation_checkpointing}' if plan.activation_checkpointing else ''}"
         f"{'; CPU offload' if plan.cpu_offload else ''}",
         f"precision    {precision.name} (weights {precision.param_dtype}, compute {precision.compute_dtype})"
-        f"{f'; auto: {precision.chosen_because}' if precision.chosen_because else ''}",
+        f"{f'; auto: {precision.chosen_because}' if precision.chosen_because else ''}"
+        f"{_describe_float8(plan)}",
         _describe_batch(plan, seq_len),
         f"tokens/step  {tokens_per_step:,}",
         f"length       {_describe_length(steps, tokens_per_step, train)}",
@@ -98,6 +99,12 @@ def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_
     print("\n".join(lines))
     if plan.batch_problem is not None:
         raise ValueError(f"this plan would not start: {plan.batch_problem}")
+
+
+def _describe_float8(plan: ParallelPlan) -> str:
+    if not plan.float8:
+        return ""
+    return f"; float8 {plan.float8} products in the blocks (torchao; the time below is at the bf16 peak)"
 
 
 def _describe_layout(plan: ParallelPlan) -> str:

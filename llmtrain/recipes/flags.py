@@ -19,6 +19,7 @@ from llmtrain.data.base import DataModule
 from llmtrain.distributed.parallel_plan import PipelineSchedule, StrategyName
 from llmtrain.optim import OptimizerArg
 from llmtrain.compiling import CompileSetting
+from llmtrain.float8 import Float8Recipe
 from llmtrain.precision import PrecisionName
 
 ResumeArg = Union[bool, Literal["auto"], Path]
@@ -78,6 +79,10 @@ SHARED_FLAGS = (
          "wraps it): 10 to 30 s of compilation at start, then faster steps (1.33x on an H200, 1.05-1.20x on 2-core "
          "CPUs, BENCHMARKS.md). auto (the default) compiles a pretraining run whose FLOPs need at least 10 "
          "minutes at the device's peak matmul rate, and says why at start; true or false decides outright."),
+    Flag("float8", Optional[Float8Recipe], None, "Float8 training of the blocks' linear layers with torchao (pip "
+         "install 'llmtrain[float8]'): tensorwise or rowwise scaling, on top of --precision bf16-mixed or bf16-true. "
+         "Needs float8 tensor cores (H100, H200, L40S, L4, RTX 4090); under FSDP, tensorwise gathers the weights in "
+         "float8."),
     Flag("logger_name", LoggerName, "csv", "Metrics go to out_dir/metrics.csv always; `tensorboard` adds "
          "TensorBoard logs, `wandb` a Weights & Biases run in out_dir/wandb (offline unless WANDB_MODE=online)."),
     Flag("seed", int, 42, "Seed for weight init, data order and dropout."),

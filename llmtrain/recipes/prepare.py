@@ -100,7 +100,7 @@ def _resolve_plan(flags: dict[str, Any], dry: DryRunArgs, batch_defaults: BatchD
                   pp=flags["pp_size"], sequence_parallel=flags["tp_sequence_parallel"],
                   pp_schedule=flags["pp_schedule"], pp_virtual_stages=flags["pp_virtual_stages"],
                   zero=engine(flags["deepspeed"].config is not None).zero_settings(flags),
-                  accelerator=flags["accelerator"])
+                  accelerator=flags["accelerator"], float8=flags["float8"])
     if dry.requested:
         return ParallelPlan.resolve(**layout, device_type=dry.device_type or
                                     resolve_device_type(flags["accelerator"], here=False), gpu=dry.gpu,
@@ -137,6 +137,9 @@ def _check_model_split(plan: ParallelPlan, config: Config, seq_len: int, *, lora
         raise ValueError(f"--quantize {quantize} (QLoRA) keeps each 4-bit or int8 weight whole on one device, so it "
                          "cannot be split by --tp_size or --pp_size: drop --quantize (plain LoRA), or use data "
                          "parallelism alone")
+    if lora is not None and plan.float8:
+        raise ValueError(f"--float8 {plan.float8} converts trained linear layers; finetune_lora's are frozen and "
+                         "carry adapters: drop --float8 (or use finetune_full)")
     if lora is not None and plan.splits_model:
         raise ValueError("finetune_lora trains with data parallelism only: drop --tp_size and --pp_size (the "
                          "frozen base model can be sharded with --strategy fsdp instead), or use finetune_full")

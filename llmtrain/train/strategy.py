@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from llmtrain.distributed.grad_norm import clip_grad_norm_
+from llmtrain.float8 import precompute_scales
 from llmtrain.train.nonfinite import NonFiniteSteps, SkipOnDevice
 
 if TYPE_CHECKING:
@@ -74,6 +75,8 @@ class TorchStrategy(Strategy):
         in_optimizer = job.optimizer if isinstance(self.skips, SkipOnDevice) else None
         grad_norm = clip_grad_norm_(self.params, self.max_norm, pp_mesh=job.pp_mesh, optimizer=in_optimizer)
         stepped = self.skips.step(grad_norm)
+        if getattr(job.model, "gathers_float8_weights", False):  # parallelize: FSDP all-gathers them in float8
+            precompute_scales(job.model)
         job.optimizer.zero_grad(set_to_none=True)
         return grad_norm.detach(), stepped
 

@@ -132,6 +132,17 @@ CASES = [
     Case("micro batch larger than global batch", _pretrain("--train.global_batch_size", "2",
                                                            "--train.micro_batch_size", "4"),
          ["global_batch_size", "micro_batch_size"]),
+    # float8: tensor cores it needs, bf16 underneath, a layout it is wired for
+    Case("float8 on a CPU", _pretrain("--float8", "rowwise"), ["--float8 rowwise", "float8 tensor cores", "cpu"]),
+    Case("float8 planned for an A100", _pretrain("--float8", "tensorwise", "--dry_run", "--dry_run.gpu", "A100"),
+         ["--float8 tensorwise", "A100", "has none"]),
+    Case("float8 without bf16", _pretrain("--float8", "rowwise", "--dry_run", "--dry_run.gpu", "H100",
+                                          "--precision", "32-true"), ["--float8 rowwise", "--precision bf16-mixed"]),
+    Case("float8 with tensor parallelism", _pretrain("--float8", "rowwise", "--dry_run", "--dry_run.gpu", "H100",
+                                                     "--precision", "bf16-mixed", "--devices", "2", "--tp_size", "2"),
+         ["--float8 rowwise", "--tp_size 2"]),
+    Case("float8 for LoRA", _lora("--float8", "rowwise", "--dry_run", "--dry_run.gpu", "H100", "--precision",
+                                  "bf16-true"), ["--float8 rowwise", "finetune_lora", "drop --float8"]),
     # contradictions
     Case("resume with an initial checkpoint", _pretrain("--resume", "auto", "--initial_checkpoint_dir",
                                                         "{in}/run/final"), ["--resume", "--initial_checkpoint_dir"]),
