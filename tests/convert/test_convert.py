@@ -69,6 +69,14 @@ HF_CASES = {
     "gpt-neox-sequential-residual": lambda: transformers.GPTNeoXConfig(
         **COMMON, rope_parameters=rope(20000.0, partial_rotary_factor=0.5), hidden_act="gelu_new",
         use_parallel_residual=False),
+    # Mixtures of experts: 4 experts, 2 per token; renormalised (Mixtral, Qwen3-MoE here) or not (OLMoE).
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4,
+                                                  num_experts_per_tok=2, rope_parameters=rope(1000000.0)),
+    "qwen3-moe-qk-norm-per-head": lambda: transformers.Qwen3MoeConfig(
+        **COMMON, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        norm_topk_prob=True, rope_parameters=rope(1000000.0)),
+    "olmoe-qk-norm-whole": lambda: transformers.OlmoeConfig(**COMMON, num_key_value_heads=2, num_experts=4,
+                                                            num_experts_per_tok=2, rope_parameters=rope()),
     # The sizes of the zoo's gpt-neox-debug, so that from_hf finds it in the zoo.
     "gpt-neox": lambda: transformers.GPTNeoXConfig(
         vocab_size=4096, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
