@@ -652,7 +652,8 @@ def adapter_for_config(config: Config) -> Adapter:
             return adapter
     if fitting:
         return fitting[0]
-    closest = min(ADAPTERS.values(), key=lambda adapter: len(adapter.mismatches(config)))
+    same_kind = [adapter for adapter in ADAPTERS.values() if adapter.needs_moe == config.is_moe]  # dense or MoE
+    closest = min(same_kind, key=lambda adapter: len(adapter.mismatches(config)))
     raise ValueError(
         f"Model config {config.name or '(custom)'} matches no transformers architecture that llmtrain converts "
         f"to ({', '.join(a.architecture for a in ADAPTERS.values())}). Closest is {closest.architecture}, "
