@@ -500,7 +500,9 @@ def _moe_fields(hf: HFConfig, width_key: str) -> dict[str, Any]:
     """The experts' fields of a config.json: their number, how many per token, their width (under `width_key`) and
     the load-balancing loss's weight."""
     # NOTE: transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute_map), the Hub num_experts.
-    n_expert = hf.values.get("num_experts") or hf.values.get("num_local_experts") or hf.get("num_experts")
+    keys = ("num_experts", "num_local_experts")
+    n_expert = next((hf.values[key] for key in keys if hf.values.get(key)), None) or next(
+        (hf.get(key) for key in keys if hf.get(key)), None)
     if not n_expert:
         raise ValueError(f"{hf.path}: num_experts is {n_expert!r}; a {hf.get('architectures')} config needs experts")
     return dict(n_expert=n_expert, n_expert_per_token=hf.require("num_experts_per_tok"),

@@ -322,7 +322,8 @@ def _write_biased_moe(directory: Path) -> None:
     from llmtrain.model import GPT
 
     config = Config.from_name("moe-debug", n_layer=1, n_embd=32, n_head=2, n_query_groups=1, n_expert=4,
-                              moe_intermediate_size=16, vocab_size=128, router_bias_update_rate=1e-3)
+                              intermediate_size=16, moe_intermediate_size=16, vocab_size=128,
+                              router_bias_update_rate=1e-3)
     state = GPT(config).state_dict()
     state["blocks.0.mlp.expert_bias"][0] = 0.5
     write_model_dir(directory, state_dict=state, model_config=config, hyperparameters=None, tokenizer=None)

@@ -112,6 +112,7 @@ def test_derived_sizes():
         (dict(n_head=8, n_query_groups=3), "n_head 8 is not divisible by n_query_groups 3"),
         (dict(n_embd=100, n_head=8), "n_embd 100 is not divisible by n_head 8"),
         (dict(norm_class_name="BatchNorm"), "norm_class_name must be one of"),
+        (dict(qk_norm="layer"), r"qk_norm must be one of \('none', 'head', 'full'\)"),
         (dict(vocab_size=100, padded_vocab_size=64), "padded_vocab_size 64 is smaller than vocab_size 100"),
         (dict(shared_attention_norm=True), "shared_attention_norm needs parallel_residual"),
         (dict(rope_scaling={"factor": 8.0}), "rope_scaling is missing"),
