@@ -15,12 +15,14 @@ NormClassName = Literal["LayerNorm", "RMSNorm"]
 MLPClassName = Literal["GptNeoxMLP", "LLaMAMLP", "GemmaMLP"]
 GeluApproximate = Literal["none", "tanh"]
 RouterScore = Literal["softmax", "sigmoid"]
+QKNorm = Literal["none", "head", "full"]
 
 _CHOICES = {
     "norm_class_name": ("LayerNorm", "RMSNorm"),
     "mlp_class_name": ("GptNeoxMLP", "LLaMAMLP", "GemmaMLP"),
     "gelu_approximate": ("none", "tanh"),
     "router_score": ("softmax", "sigmoid"),
+    "qk_norm": ("none", "head", "full"),
 }
 _ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")
 
@@ -85,6 +87,10 @@ class Config:
     """Multiply token embeddings by sqrt(n_embd) (Gemma)."""
     sliding_window: Optional[int] = None
     """Each token attends to at most this many tokens, itself included (Mistral v0.1). None: no limit."""
+    qk_norm: QKNorm = "none"
+    """An RMSNorm on the queries and keys before RoPE: "head" normalises each head (a weight of head_size, shared
+    by the heads; Qwen3), "full" the whole query and the whole key projection (weights of n_head * head_size and
+    n_query_groups * head_size; OLMoE). "none": no such norm."""
     n_expert: int = 0
     """Routed experts of each block's mixture-of-experts MLP (Mixtral 8, Qwen3-30B-A3B 128). 0: a dense MLP."""
     n_expert_per_token: int = 0
@@ -267,12 +273,14 @@ def _llama(name: str, org: str, hf_name: Optional[str] = None, **fields: Any) ->
                 mlp_class_name="LLaMAMLP", **fields)
 
 
-def _with_variants(base: dict, *suffixes: str, **variant_fields: Any) -> list[dict]:
+def _with_variants(base: dict, *suffixes: str, suffix_before: str = "", **variant_fields: Any) -> list[dict]:
     """The base model plus fine-tuned variants with the same architecture (e.g. `-Instruct`);
-    `variant_fields` are those whose published values differ in the variants' config.json."""
+    `variant_fields` are those whose published values differ in the variants' config.json. `suffix_before`: the
+    suffix goes before this ending of the base name (Mixtral-8x7B-v0.1 -> Mixtral-8x7B-Instruct-v0.1)."""
     variants = [base]
+    stem = base["name"].removesuffix(suffix_before) if suffix_before else base["name"]
     for suffix in suffixes:
-        name = base["name"] + suffix
+        name = stem + suffix + suffix_before
         variants.append({**base, **variant_fields, "name": name, "hf_config": _hf(base["hf_config"]["org"], name)})
     return variants
 
@@ -441,6 +449,66 @@ _SMOLLM2 = [
     )
 ]
 
+# ---- mixtures of experts -----------------------------------------------------------------------------
+# Each family's router as its config.json and transformers' model say: softmax scores, the top k renormalised
+# (Mixtral always, Qwen3-MoE by norm_topk_prob: true) or not (OLMoE), and its router_aux_loss_coef.
+
+# Mixtral: Mistral's attention (no sliding window) and 8 SwiGLU experts of intermediate_size, 2 per token.
+# https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json (and -Instruct-v0.1: the same)
+# https://huggingface.co/mistralai/Mixtral-8x22B-v0.1/blob/main/config.json (and -Instruct-v0.1: the same;
+# both have the 32768-token vocabulary of Mistral's v3 tokenizer)
+_MIXTRAL_COMMON = dict(padding_multiple=64, n_query_groups=8, rope_base=1000000.0, norm_eps=1e-5, n_expert=8,
+                       n_expert_per_token=2, norm_topk_prob=True)
+_MIXTRAL = [
+    *_with_variants(
+        _llama("Mixtral-8x7B-v0.1", "mistralai", block_size=32768, vocab_size=32000, n_layer=32, n_embd=4096,
+               n_head=32, intermediate_size=14336, router_aux_loss_coef=0.02, **_MIXTRAL_COMMON),
+        "-Instruct", suffix_before="-v0.1",
+    ),
+    *_with_variants(
+        _llama("Mixtral-8x22B-v0.1", "mistralai", block_size=65536, vocab_size=32768, n_layer=56, n_embd=6144,
+               n_head=48, intermediate_size=16384, router_aux_loss_coef=0.001, **_MIXTRAL_COMMON),
+        "-Instruct", suffix_before="-v0.1",
+    ),
+]
+
+# Qwen3-MoE: Qwen3's attention (RMSNorm per head on q and k, head_size 128, no biases) and 128 SwiGLU experts of
+# moe_intermediate_size, 8 per token, renormalised (norm_topk_prob: true). intermediate_size is config.json's
+# (the width of a dense layer, which these models have none of). The 2507 releases raise the RoPE base and context.
+# https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json (and -Base: the same)
+# https://huggingface.co/Qwen/Qwen3-30B-A3B-Instruct-2507/blob/main/config.json
+# https://huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json
+# https://huggingface.co/Qwen/Qwen3-235B-A22B-Instruct-2507/blob/main/config.json
+_QWEN3_MOE_COMMON = dict(vocab_size=151936, padding_multiple=64, n_query_groups=4, head_size=128, norm_eps=1e-6,
+                         qk_norm="head", n_expert=128, n_expert_per_token=8, norm_topk_prob=True,
+                         router_aux_loss_coef=0.001)
+_QWEN3_MOE_SHAPES = {
+    "30B-A3B": dict(n_layer=48, n_embd=2048, n_head=32, intermediate_size=6144, moe_intermediate_size=768),
+    "235B-A22B": dict(n_layer=94, n_embd=4096, n_head=64, intermediate_size=12288, moe_intermediate_size=1536),
+}
+_QWEN3_MOE_2507_ROPE = {"30B-A3B": 10000000.0, "235B-A22B": 5000000.0}
+_QWEN3_MOE = [
+    entry
+    for size, shape in _QWEN3_MOE_SHAPES.items()
+    for entry in (
+        *_with_variants(_llama(f"Qwen3-{size}", "Qwen", block_size=40960, rope_base=1000000.0,
+                               **_QWEN3_MOE_COMMON, **shape),
+                        *(("-Base",) if size == "30B-A3B" else ())),
+        _llama(f"Qwen3-{size}-Instruct-2507", "Qwen", block_size=262144, rope_base=_QWEN3_MOE_2507_ROPE[size],
+               **_QWEN3_MOE_COMMON, **shape),
+    )
+]
+
+# OLMoE: RMSNorm over the whole q and k projections (not per head), 64 SwiGLU experts of intermediate_size, 8 per
+# token, not renormalised (norm_topk_prob: false).
+# https://huggingface.co/allenai/OLMoE-1B-7B-0924/blob/main/config.json (and -Instruct: the same)
+_OLMOE = _with_variants(
+    _llama("OLMoE-1B-7B-0924", "allenai", block_size=4096, vocab_size=50304, padding_multiple=64, n_layer=16,
+           n_embd=2048, n_head=16, intermediate_size=1024, norm_eps=1e-5, qk_norm="full", n_expert=64,
+           n_expert_per_token=8, norm_topk_prob=False, router_aux_loss_coef=0.01),
+    "-Instruct",
+)
+
 # Tiny debug sizes, one per family, for tests and CPU smoke runs.
 _DEBUG_COMMON = dict(block_size=512, vocab_size=4096, padding_multiple=64)
 _DEBUG = [
@@ -475,7 +543,7 @@ LOCAL_MODELS = tuple(entry["name"] for entry in _LOCAL)
 
 MODEL_ZOO: list[dict[str, Any]] = [
     *_TINY_LLAMA, *_LLAMA_2, *_LLAMA_3, *_LLAMA_31, *_LLAMA_32, *_MISTRAL, *_QWEN_25, *_GEMMA, *_PHI,
-    *_PYTHIA, *_SMOLLM2, *_DEBUG, *_LOCAL,
+    *_PYTHIA, *_SMOLLM2, *_MIXTRAL, *_QWEN3_MOE, *_OLMOE, *_DEBUG, *_LOCAL,
 ]
 """Every named architecture, as keyword arguments of `Config`. Add new models here."""
 
@@ -497,13 +565,20 @@ _SHORT_NAMES: dict[str, tuple[str, ...]] = {
     "mistral-7b": ("Mistral-7B-v0.3",),
     "mistral-7b-instruct": ("Mistral-7B-Instruct-v0.3",),
     "phi": ("phi-2",),
+    "mixtral-8x7b": ("Mixtral-8x7B-v0.1",),
+    "mixtral-8x7b-instruct": ("Mixtral-8x7B-Instruct-v0.1",),
+    "mixtral-8x22b": ("Mixtral-8x22B-v0.1",),
+    "mixtral-8x22b-instruct": ("Mixtral-8x22B-Instruct-v0.1",),
+    "olmoe-1b-7b": ("OLMoE-1B-7B-0924",),
+    "olmoe-1b-7b-instruct": ("OLMoE-1B-7B-0924-Instruct",),
 }
 
 
 def _families() -> dict[str, tuple[str, ...]]:
     """A family name alone (`pythia`, `llama-3.2`) means its base models: one resolves, several are ambiguous."""
     groups = {"llama-2": _LLAMA_2, "llama-3": _LLAMA_3, "llama-3.1": _LLAMA_31, "llama-3.2": _LLAMA_32,
-              "mistral": _MISTRAL, "qwen2.5": _QWEN_25, "gemma": _GEMMA, "pythia": _PYTHIA, "smollm2": _SMOLLM2}
+              "mistral": _MISTRAL, "qwen2.5": _QWEN_25, "gemma": _GEMMA, "pythia": _PYTHIA, "smollm2": _SMOLLM2,
+              "mixtral": _MIXTRAL, "qwen3-moe": _QWEN3_MOE, "olmoe": _OLMOE}
     return {family: tuple(e["name"] for e in entries if not any(m in e["name"].lower() for m in _VARIANT_MARKERS))
             for family, entries in groups.items()}
 
@@ -575,6 +650,11 @@ ARCHITECTURE_FIELDS = tuple(f.name for f in fields(Config)
 
 
 def architecture_differences(ours: Config, theirs: Config) -> list[str]:
-    """What tells the models of two configs apart ("n_embd 64 vs 128", ...); empty for one model."""
+    """What tells the models of two configs apart ("n_embd 64 vs 128", ...); empty for one model.
+
+    NOTE: two mixtures of experts may differ in intermediate_size: with every MLP a mixture, it sizes no weight
+    (Mixtral's and OLMoE's config.json give the experts' width there, Qwen3-MoE's that of dense layers it has none of).
+    """
+    unused = ("intermediate_size",) if ours.is_moe and theirs.is_moe else ()
     return [f"{key} {getattr(ours, key)!r} vs {getattr(theirs, key)!r}" for key in ARCHITECTURE_FIELDS
-            if getattr(ours, key) != getattr(theirs, key)]
+            if key not in unused and getattr(ours, key) != getattr(theirs, key)]

@@ -287,6 +287,13 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(config.n_embd, config.n_query_groups * config.head_size, bias=qkv_bias)
         self.v_proj = nn.Linear(config.n_embd, config.n_query_groups * config.head_size, bias=qkv_bias)
         self.o_proj = nn.Linear(config.n_head * config.head_size, config.n_embd, bias=config.bias)
+        # QK-norm before RoPE: per head (Qwen3) or over the whole projection (OLMoE); None without.
+        self.qk_norm = config.qk_norm
+        q_width, k_width = {"head": (config.head_size, config.head_size),
+                            "full": (config.n_head * config.head_size, config.n_query_groups * config.head_size),
+                            "none": (0, 0)}[config.qk_norm]
+        self.q_norm = RMSNorm(q_width, config.norm_eps, config.norm_unit_offset) if q_width else None
+        self.k_norm = RMSNorm(k_width, config.norm_eps, config.norm_unit_offset) if k_width else None
         # Set by GPT.set_kv_cache for generation; None while training.
         self.kv_cache: Optional[KVCache] = None
 
@@ -306,7 +313,8 @@ class CausalSelfAttention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         # Training on the CPU with block attention: one GEMM for q, k and v, RoPE written out (llmtrain.fused).
-        if (self.fuse_projections and input_pos is None and mask is None and torch.is_grad_enabled()
+        if (self.fuse_projections and self.q_norm is None and input_pos is None and mask is None
+                and torch.is_grad_enabled()
                 and cos.size(-1) == self.head_size and fusable(x, self.q_proj, self.k_proj, self.v_proj)):
             n_head, groups = self.q_proj.out_features // self.head_size, self.k_proj.out_features // self.head_size
             dtype = attention_dtype(x.device.type, x.dtype, T)
@@ -316,8 +324,14 @@ class CausalSelfAttention(nn.Module):
                 return self.o_proj(y)
         # NOTE: head counts come from the projections' outputs, not the config: a projection split over
         # tensor-parallel ranks returns only this rank's heads.
-        q = self.q_proj(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.k_proj(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, ng, T, hs)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, -1, self.head_size)  # (B, T, nh, hs)
+        k = k.view(B, T, -1, self.head_size)  # (B, T, ng, hs)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hs), (B, ng, T, hs)
         v = self.v_proj(x).view(B, T, -1, self.head_size).transpose(1, 2)  # (B, ng, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if input_pos is not None:

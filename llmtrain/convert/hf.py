@@ -28,6 +28,7 @@ from llmtrain.checkpoint.resume import checkpoint_format
 from llmtrain.checkpoint.size import check_weights_hold
 from llmtrain.config import Config
 from llmtrain.convert.adapters import (
+    EXPERT_BIAS,
     IGNORED_HF_TENSORS,
     Adapter,
     adapter_for_config,
@@ -120,25 +121,29 @@ def _read_hf_weights(hf_dir: Path, adapter: Adapter, config: Config,
     expected = _hf_shapes(adapter, config, files.stored_shapes(config))
     tied_head = adapter.hf_name("lm_head.weight") if config.tie_embeddings else None
     found = set()
-    for file, hf_name, tensor in _iter_hf_tensors(hf_dir):
-        if IGNORED_HF_TENSORS.search(hf_name):
-            continue
-        hf_name = adapter.canonical_hf_name(hf_name)
-        if hf_name == tied_head:
-            continue  # the embedding is the output layer; some files store it twice
-        if hf_name not in expected:
-            raise ValueError(f"{file}: tensor {hf_name!r} is not part of the {adapter.architecture} that "
-                             f"{hf_dir / HF_CONFIG_FILE} describes")
-        if tuple(tensor.shape) != expected[hf_name]:
-            raise ValueError(f"{file}: {hf_name!r} has shape {tuple(tensor.shape)}, but {hf_dir / HF_CONFIG_FILE} "
-                             f"implies {expected[hf_name]}")
-        for name, part in adapter.tensors_from_hf(config, hf_name, tensor):
-            yield name, _cast(part, dtype)
-        found.add(hf_name)
-    missing = [name for name in expected if name not in found]
-    if missing:
-        raise ValueError(f"{hf_dir}: the weights lack {len(missing)} tensors that {HF_CONFIG_FILE} implies, "
-                         f"e.g. {missing[:3]}")
+
+    def checked() -> Iterator[tuple[str, "torch.Tensor"]]:
+        for file, hf_name, tensor in _iter_hf_tensors(hf_dir):
+            if IGNORED_HF_TENSORS.search(hf_name):
+                continue
+            hf_name = adapter.canonical_hf_name(hf_name)
+            if hf_name == tied_head:
+                continue  # the embedding is the output layer; some files store it twice
+            if hf_name not in expected:
+                raise ValueError(f"{file}: tensor {hf_name!r} is not part of the {adapter.architecture} that "
+                                 f"{hf_dir / HF_CONFIG_FILE} describes")
+            if tuple(tensor.shape) != expected[hf_name]:
+                raise ValueError(f"{file}: {hf_name!r} has shape {tuple(tensor.shape)}, but "
+                                 f"{hf_dir / HF_CONFIG_FILE} implies {expected[hf_name]}")
+            found.add(hf_name)
+            yield hf_name, _cast(tensor, dtype)
+        missing = [name for name in expected if name not in found]
+        if missing:
+            raise ValueError(f"{hf_dir}: the weights lack {len(missing)} tensors that {HF_CONFIG_FILE} implies, "
+                             f"e.g. {missing[:3]}")
+
+    # NOTE: the experts of a mixture wait until all of a weight's experts have come, and are then stacked.
+    yield from adapter.weights_from_hf(config, checked())
 
 
 def hf_weight_files(hf_dir: Path) -> list[Path]:
@@ -214,6 +219,7 @@ def to_hf(checkpoint_dir: Path, output_dir: Path, dtype: Optional[DTypeName] = N
     adapter = adapter_for_config(config)
     hf_config = adapter.hf_config(config)
     weights = _open_checkpoint_weights(checkpoint_dir, config)
+    _check_no_expert_bias(weights, adapter, checkpoint_dir)
     tokenizer = _tokenizer_or_none(checkpoint_dir)
     target_dtype = _torch_dtype(dtype)
     token_ids = {} if tokenizer is None else {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
@@ -298,6 +304,17 @@ def _check_checkpoint_weights(weights: _Weights, config: Config, config_path: Pa
         raise ValueError(f"{weights.where} lacks {len(missing)} tensors that {config_path} implies, e.g. {missing[:3]}")
 
 
+def _check_no_expert_bias(weights: _Weights, adapter: Adapter, checkpoint_dir: Path) -> None:
+    """A model trained with aux-loss-free balancing chooses its experts by score plus a learned bias per expert, which
+    no transformers family here has: exported without it, the model would route differently."""
+    for name in [name for name in weights.shapes if EXPERT_BIAS.match(name)]:
+        if weights.load(name).count_nonzero():
+            raise ValueError(f"{checkpoint_dir}: {name} is not zero: the model was trained with "
+                             "router_bias_update_rate (aux-loss-free balancing) and chooses its experts by score plus "
+                             f"this bias, which {adapter.architecture} has no place for, so the exported model would "
+                             "route tokens differently. It can only be used with llmtrain")
+
+
 def _read_sharded(dcp_dir: Path) -> dict[str, "torch.Tensor"]:
     """The model's full state dict from the DCP shards of a sharded checkpoint, in this one process."""
     import torch
@@ -319,9 +336,10 @@ def _read_sharded(dcp_dir: Path) -> dict[str, "torch.Tensor"]:
 def _write_hf_weights(directory: Path, adapter: Adapter, config: Config, weights: _Weights,
                       dtype: Optional["torch.dtype"], max_shard_bytes: int) -> None:
     """The weights as transformers tensors, in shards of at most max_shard_bytes (plus an index) or one file."""
-    hf_layout = adapter.hf_layout(list(weights.shapes))
-    sizes = {hf_name: sum(_numel(weights.shapes[part]) for part in parts) * (dtype or weights.dtypes[parts[0]]).itemsize
-             for hf_name, parts in hf_layout.items()}
+    hf_layout = adapter.hf_layout(config, list(weights.shapes))
+    shapes = _hf_shapes(adapter, config, weights.shapes)
+    sizes = {hf_name: _numel(shapes[hf_name]) * (dtype or weights.dtypes[source.parts[0]]).itemsize
+             for hf_name, source in hf_layout.items()}
     shards: list[list[str]] = [[]]
     shard_bytes = 0
     for hf_name, size in sizes.items():
@@ -334,10 +352,24 @@ def _write_hf_weights(directory: Path, adapter: Adapter, config: Config, weights
         file_names = [SAFETENSORS_FILE]
     else:
         file_names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    stacked: dict[str, "torch.Tensor"] = {}  # the expert tensor being split, loaded once for all its experts
+
+    def load(name: str, expert: Optional[int]) -> "torch.Tensor":
+        if expert is None:
+            return weights.load(name)
+        if name not in stacked:
+            stacked.clear()
+            stacked[name] = weights.load(name)
+        return stacked[name]
+
     for file_name, shard in zip(file_names, shards):
-        tensors = {hf_name: _cast(adapter.fuse(config, [weights.load(part) for part in hf_layout[hf_name]]),
-                                  dtype).contiguous()
-                   for hf_name in shard}
+        tensors = {}
+        for hf_name in shard:
+            source = hf_layout[hf_name]
+            parts = [load(part, source.expert) for part in source.parts]
+            tensor = _cast(adapter.fuse(config, parts, source.expert), dtype).contiguous()
+            # NOTE: an expert's slice shares the stacked tensor's storage, which safetensors refuses to save.
+            tensors[hf_name] = tensor.clone() if source.expert is not None else tensor
         files.save_safetensors(tensors, directory / file_name)
         del tensors
     if len(shards) > 1:
@@ -457,9 +489,12 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _hf_shapes(adapter: Adapter, config: Config, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """Shape of every transformers tensor (a fused QKV stacks the rows of its parts)."""
     out = {}
-    for hf_name, parts in adapter.hf_layout(list(shapes)).items():
-        first = shapes[parts[0]]
-        out[hf_name] = (sum(shapes[part][0] for part in parts), *first[1:])
+    for hf_name, source in adapter.hf_layout(config, list(shapes)).items():
+        first = shapes[source.parts[0]]
+        if source.expert is not None:
+            out[hf_name] = first[1:]
+        else:
+            out[hf_name] = (sum(shapes[part][0] for part in source.parts), *first[1:])
     return out
 
 

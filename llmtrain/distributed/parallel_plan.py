@@ -379,6 +379,10 @@ class ParallelPlan:
 
     def check_model(self, config: Any, seq_len: int) -> None:
         """The model divides as tensor and pipeline parallelism split it; a ``ValueError`` names the flag."""
+        if self.tp > 1 and config.qk_norm != "none":
+            raise ValueError(f"--tp_size {self.tp}: model {config.name or 'custom'!r} normalises its queries and keys "
+                             f"(qk_norm={config.qk_norm!r}), which tensor parallelism does not split yet (each rank "
+                             "holds some heads only); drop --tp_size and shard with FSDP")
         if self.tp > 1:
             for what, count in (("attention heads (n_head)", config.n_head),
                                 ("key/value heads (n_query_groups)", config.n_query_groups),

@@ -69,6 +69,14 @@ HF_CASES = {
     "gpt-neox-sequential-residual": lambda: transformers.GPTNeoXConfig(
         **COMMON, rope_parameters=rope(20000.0, partial_rotary_factor=0.5), hidden_act="gelu_new",
         use_parallel_residual=False),
+    # Mixtures of experts: 4 experts, 2 per token; renormalised (Mixtral, Qwen3-MoE here) or not (OLMoE).
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=4,
+                                                  num_experts_per_tok=2, rope_parameters=rope(1000000.0)),
+    "qwen3-moe-qk-norm-per-head": lambda: transformers.Qwen3MoeConfig(
+        **COMMON, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        norm_topk_prob=True, rope_parameters=rope(1000000.0)),
+    "olmoe-qk-norm-whole": lambda: transformers.OlmoeConfig(**COMMON, num_key_value_heads=2, num_experts=4,
+                                                            num_experts_per_tok=2, rope_parameters=rope()),
     # The sizes of the zoo's gpt-neox-debug, so that from_hf finds it in the zoo.
     "gpt-neox": lambda: transformers.GPTNeoXConfig(
         vocab_size=4096, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -236,6 +244,25 @@ PUBLISHED_CONFIGS = {
                   layer_norm_eps=1e-5, max_position_embeddings=2048, num_attention_heads=32, num_hidden_layers=32,
                   num_key_value_heads=32, partial_rotary_factor=0.4, qk_layernorm=False, rope_theta=10000.0,
                   tie_word_embeddings=False, vocab_size=51200),
+    "Mixtral-8x7B-v0.1": dict(architectures=["MixtralForCausalLM"], hidden_act="silu", hidden_size=4096,
+                              intermediate_size=14336, max_position_embeddings=32768, num_attention_heads=32,
+                              num_experts_per_tok=2, num_hidden_layers=32, num_key_value_heads=8, num_local_experts=8,
+                              output_router_logits=False, rms_norm_eps=1e-5, rope_theta=1000000.0,
+                              router_aux_loss_coef=0.02, sliding_window=None, tie_word_embeddings=False,
+                              vocab_size=32000),
+    "Qwen3-30B-A3B": dict(architectures=["Qwen3MoeForCausalLM"], attention_bias=False, decoder_sparse_step=1,
+                          head_dim=128, hidden_act="silu", hidden_size=2048, intermediate_size=6144,
+                          max_position_embeddings=40960, max_window_layers=48, mlp_only_layers=[],
+                          moe_intermediate_size=768, norm_topk_prob=True, num_attention_heads=32, num_experts=128,
+                          num_experts_per_tok=8, num_hidden_layers=48, num_key_value_heads=4, rms_norm_eps=1e-6,
+                          rope_scaling=None, rope_theta=1000000.0, router_aux_loss_coef=0.001, sliding_window=None,
+                          tie_word_embeddings=False, use_sliding_window=False, vocab_size=151936),
+    "OLMoE-1B-7B-0924": dict(architectures=["OlmoeForCausalLM"], attention_bias=False, clip_qkv=None,
+                             hidden_act="silu", hidden_size=2048, intermediate_size=1024, max_position_embeddings=4096,
+                             norm_topk_prob=False, num_attention_heads=16, num_experts=64, num_experts_per_tok=8,
+                             num_hidden_layers=16, num_key_value_heads=16, rms_norm_eps=1e-5, rope_scaling=None,
+                             rope_theta=10000.0, router_aux_loss_coef=0.01, tie_word_embeddings=False,
+                             vocab_size=50304),
 }
 
 
@@ -620,3 +647,125 @@ def test_bad_llmtrain_checkpoints(tmp_path, llama_dirs):
                                          "which needs norm_class_name='RMSNorm'"):
         to_hf(custom, tmp_path / "out")
     assert not any(name.startswith(".") for name in os.listdir(tmp_path))  # no temporary folders left behind
+
+
+# ---- mixtures of experts ----------------------------------------------------------------------------
+
+MOE_CASES = ("mixtral", "qwen3-moe-qk-norm-per-head", "olmoe-qk-norm-whole")
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_an_moe_generates_what_transformers_generates(case, tmp_path, tokenizer_dir):
+    """Greedy decoding with the KV cache on both sides: the router, the experts and QK-norm, token by token."""
+    from llmtrain.generate import generate
+
+    hf = build_hf_model(case)
+    hf.generation_config.eos_token_id = None  # random weights: both run the full count
+    ours = load_llmtrain(from_hf(save_hf(hf, tmp_path / "hf", tokenizer_dir), tmp_path / "ours"))
+    prompt = tokens()[0, :9]
+    expected = hf.generate(prompt[None], attention_mask=torch.ones(1, 9, dtype=torch.long), do_sample=False,
+                           max_new_tokens=6, pad_token_id=0)[0]
+    assert generate(ours, prompt, 6, temperature=0.0).tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_transformers_in_memory_experts_load(case):
+    """transformers 5 keeps each layer's experts fused in memory (gate_up_proj): state_dict_from_hf splits them."""
+    from llmtrain.convert import state_dict_from_hf
+
+    hf = build_hf_model(case)
+    assert any(name.endswith("experts.gate_up_proj") for name in hf.state_dict())
+    config = case_config(case)[1]
+    ours = GPT(config).eval()
+    ours.load_state_dict(state_dict_from_hf(hf.state_dict(), config), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens()), hf(tokens()).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_llmtrain_moe_exports_as_mixtral_in_shards(tmp_path, tokenizer_dir):
+    """moe-debug's kind of model, trained with llmtrain, opens in transformers with our logits; experts split over
+    shards as the Hub's checkpoints keep them, one tensor per expert."""
+    config = Config.from_name("moe-debug", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, n_expert=4,
+                              moe_intermediate_size=32, vocab_size=320, block_size=64, router_bias_update_rate=1e-3)
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    model.init_weights()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.1)  # not all ones: a norm wired wrongly shows
+    ours_dir = files.write_model_dir(tmp_path / "ours", state_dict=model.state_dict(), model_config=config,
+                                     hyperparameters=None, tokenizer=Tokenizer(tokenizer_dir))
+    out = to_hf(ours_dir, tmp_path / "hf", max_shard_size="60KB")
+    hf_config = json.loads((out / "config.json").read_text())
+    assert (hf_config["architectures"], hf_config["num_local_experts"], hf_config["intermediate_size"]) == (
+        ["MixtralForCausalLM"], 4, 32)
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    shards_of = [{weight_map[f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"] for e in range(4)}
+                 for i in range(2) for w in ("w1", "w2", "w3")]
+    assert max(map(len, shards_of)) > 1  # a stacked weight's experts in two shards: from_hf collects them
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in weight_map
+    assert not any("expert_bias" in name for name in weight_map)
+    with torch.no_grad():
+        torch.testing.assert_close(load_transformers(out)(tokens()).logits, model(tokens()), atol=1e-5, rtol=1e-5)
+    back = load_llmtrain(from_hf(out, tmp_path / "back"))
+    assert_same_tensors(back.state_dict(), model.state_dict())
+
+    # Trained with aux-loss-free balancing: its experts are chosen with a bias that Mixtral has no place for.
+    with torch.no_grad():
+        model.blocks[1].mlp.expert_bias[2] = 0.25
+    biased = files.write_model_dir(tmp_path / "biased", state_dict=model.state_dict(), model_config=config,
+                                   hyperparameters=None, tokenizer=None)
+    with pytest.raises(ValueError, match=r"blocks.1.mlp.expert_bias is not zero: .*router_bias_update_rate .*"
+                                         "MixtralForCausalLM has no place for"):
+        to_hf(biased, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+
+
+# config.json values of the three families that llmtrain cannot compute: (case, fields, the error's words).
+UNMATCHED_MOE_FIELDS = [
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
+    ("qwen3-moe-qk-norm-per-head", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\] .* dense MLP layers"),
+    ("qwen3-moe-qk-norm-per-head", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 .* dense MLP layers"),
+    ("qwen3-moe-qk-norm-per-head", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=true"),
+    ("qwen3-moe-qk-norm-per-head", {"attention_bias": True}, "attention_bias=true"),
+    ("olmoe-qk-norm-whole", {"clip_qkv": 8.0}, "clip_qkv=8.0 .* does not clamp"),
+]
+
+
+@pytest.mark.parametrize("case, fields, message", UNMATCHED_MOE_FIELDS)
+def test_moe_fields_llmtrain_lacks_are_refused(case, fields, message):
+    hf_config = {**HF_CASES[case]().to_dict(), **fields}
+    hf_config["architectures"] = [type(HF_CASES[case]()).__name__.replace("Config", "ForCausalLM")]
+    with pytest.raises(ValueError, match=f"config.json: {message}"):
+        config_from_hf(hf_config, Path(case) / "config.json")
+
+
+@pytest.mark.parametrize("architecture, reason", [
+    ("DeepseekV3ForCausalLM", "multi-head latent attention"), ("Qwen2MoeForCausalLM", "shared_expert_gate"),
+    ("GptOssForCausalLM", "clamped SwiGLU"),
+])
+def test_moe_architectures_llmtrain_lacks_are_refused_with_the_reason(architecture, reason, tmp_path):
+    from llmtrain.download import _check_architecture
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+    with pytest.raises(ValueError, match=f"org/model cannot be used by llmtrain.*{architecture} cannot be converted "
+                                         f"exactly: .*{reason}"):
+        _check_architecture(tmp_path, "org/model")  # llmtrain download asks before fetching the weights
+
+
+def test_download_accepts_the_moe_families(tmp_path):
+    from llmtrain.download import _check_architecture
+
+    for case in MOE_CASES:
+        hf_config = HF_CASES[case]()
+        hf_config.architectures = [type(hf_config).__name__.replace("Config", "ForCausalLM")]
+        hf_config.save_pretrained(tmp_path / case)
+        _check_architecture(tmp_path / case, f"org/{case}")
+
+
+def test_an_moe_no_family_has_is_refused_on_export():
+    config = Config.from_name("moe-debug", n_shared_expert=1)
+    with pytest.raises(ValueError, match="matches no transformers architecture .* Closest is MixtralForCausalLM, "
+                                         "which needs n_shared_expert=0"):
+        adapter_for_config(config)

@@ -11,6 +11,8 @@ from llmtrain.config import Config
 
 
 def hf_family(config: Config) -> str:
+    if config.is_moe:
+        return {"head": "qwen3_moe", "full": "olmoe"}.get(config.qk_norm, "mixtral")
     if config.mlp_class_name == "GemmaMLP":
         return "gemma"
     if config.mlp_class_name == "GptNeoxMLP":
@@ -41,6 +43,19 @@ def hf_model(config: Config):
     llama_like = dict(common, num_key_value_heads=config.n_query_groups, head_dim=config.head_size,
                       rms_norm_eps=config.norm_eps)
     family = hf_family(config)
+    moe = dict(llama_like, num_experts_per_tok=config.n_expert_per_token, sliding_window=config.sliding_window)
+    if family == "mixtral":
+        hf_config = transformers.MixtralConfig(**{**moe, "intermediate_size": config.moe_intermediate_size},
+                                               num_local_experts=config.n_expert)
+        return transformers.MixtralForCausalLM(hf_config)
+    if family == "qwen3_moe":
+        hf_config = transformers.Qwen3MoeConfig(**moe, num_experts=config.n_expert, norm_topk_prob=config.norm_topk_prob,
+                                                moe_intermediate_size=config.moe_intermediate_size)
+        return transformers.Qwen3MoeForCausalLM(hf_config)
+    if family == "olmoe":
+        hf_config = transformers.OlmoeConfig(**{**moe, "intermediate_size": config.moe_intermediate_size},
+                                             num_experts=config.n_expert, norm_topk_prob=config.norm_topk_prob)
+        return transformers.OlmoeForCausalLM(hf_config)
     if family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**llama_like))
     if family == "mistral":

@@ -146,6 +146,9 @@ CASES = [
     # contradictions
     Case("resume with an initial checkpoint", _pretrain("--resume", "auto", "--initial_checkpoint_dir",
                                                         "{in}/run/final"), ["--resume", "--initial_checkpoint_dir"]),
+    Case("tensor parallelism of a model that normalises q and k",
+         _pretrain("--model_config", "{in}/qk_norm.yaml", "--devices", "2", "--tp_size", "2"),
+         ["--tp_size 2", "qk_norm='full'", "drop --tp_size"]),
     # fine-tuning decays to --train.min_lr 6e-5: a lower rate, refused by the schedule once the model was loaded
     Case("min_lr above the optimizer's rate", _lora("--optimizer", "AdamW", "--optimizer.lr", "2e-5"),
          ["--train.min_lr 6e-05", "--optimizer.lr"]),
@@ -203,6 +206,12 @@ CASES = [
          ["bert"]),
     Case("convert from_hf a model that needs remote code", ["convert", "from_hf", "{in}/hf-remote", "{out}"],
          ["remote code"]),
+    Case("convert from_hf DeepSeek-V3", ["convert", "from_hf", "{in}/hf-deepseek-v3", "{out}"],
+         ["DeepseekV3ForCausalLM cannot be converted exactly", "multi-head latent attention"]),
+    Case("convert from_hf a Qwen3-MoE with dense layers", ["convert", "from_hf", "{in}/hf-qwen3-moe-dense", "{out}"],
+         ["mlp_only_layers=[0]", "dense MLP layers"]),
+    Case("convert to_hf an MoE trained with aux-loss-free balancing",
+         ["convert", "to_hf", "{in}/moe-biased", "{out}"], ["expert_bias is not zero", "router_bias_update_rate"]),
     Case("resume a sharded checkpoint whose metadata pickle runs code",
          ["pretrain", "--model_config", "{in}/tiny.yaml", "--out_dir", "{in}/evil-run", "--resume", "auto",
           "--fsdp.state_dict_type", "sharded", "--data", "BuiltinStories", "--data.num_documents", "200",
@@ -289,6 +298,16 @@ def _make_inputs(inputs: Path) -> None:
     (inputs / "hf-remote" / "config.json").write_text(json.dumps({
         "model_type": "custom_gpt", "architectures": ["CustomGPT"],
         "auto_map": {"AutoModelForCausalLM": "modeling_custom.CustomGPT"}}))
+    write_tiny_model(inputs / "qk_norm.yaml", qk_norm="full")
+    (inputs / "hf-deepseek-v3").mkdir()
+    (inputs / "hf-deepseek-v3" / "config.json").write_text(json.dumps({
+        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}))
+    (inputs / "hf-qwen3-moe-dense").mkdir()
+    (inputs / "hf-qwen3-moe-dense" / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64,
+        "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 128, "intermediate_size": 96,
+        "mlp_only_layers": [0]}))
+    _write_biased_moe(inputs / "moe-biased")
     # Prepared folders: one intact, one with a shard deleted, both from tokenizer "tok" ("tok2" is another).
     story_words = [f"w{i} " for i in range(200)]
     train_bpe_tokenizer(iter(story_words * 3), vocab_size=300, out_dir=inputs / "tok")
@@ -305,6 +324,20 @@ def _make_inputs(inputs: Path) -> None:
           "--train.global_batch_size", "4", "--train.micro_batch_size", "2", "--train.max_seq_length", "32",
           "--train.max_steps", "2", "--train.save_interval", "1", "--eval.max_iters", "1"])
     _make_evil_sharded_run(inputs)
+
+
+def _write_biased_moe(directory: Path) -> None:
+    """A tiny MoE model directory whose layer 0 has a non-zero aux-loss-free selection bias."""
+    from llmtrain.checkpoint.files import write_model_dir
+    from llmtrain.config import Config
+    from llmtrain.model import GPT
+
+    config = Config.from_name("moe-debug", n_layer=1, n_embd=32, n_head=2, n_query_groups=1, n_expert=4,
+                              intermediate_size=16, moe_intermediate_size=16, vocab_size=128,
+                              router_bias_update_rate=1e-3)
+    state = GPT(config).state_dict()
+    state["blocks.0.mlp.expert_bias"][0] = 0.5
+    write_model_dir(directory, state_dict=state, model_config=config, hyperparameters=None, tokenizer=None)
 
 
 def _make_evil_sharded_run(inputs: Path) -> None:

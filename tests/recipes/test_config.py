@@ -32,7 +32,7 @@ def test_debug_configs_are_tiny():
         if name.endswith("-debug"):
             config = Config.from_name(name)
             assert (config.vocab_size, config.block_size) == (4096, 512)
-            assert config.n_layer == (4 if name == "llama-debug" else 2)
+            assert config.n_layer == (4 if name in ("llama-debug", "moe-debug") else 2)
 
 
 def test_from_name_is_case_insensitive_and_ignores_org():
@@ -63,6 +63,9 @@ def test_from_name_unknown_suggests_close_names():
     ("mistral-7b", "Mistral-7B-v0.3"), ("qwen2.5-1.5b", "Qwen2.5-1.5B"), ("gemma-2b", "gemma-2b"), ("phi-2", "phi-2"),
     ("smollm2-135m", "SmolLM2-135M"), ("llama-2-7b", "Llama-2-7b-hf"), ("llama-2-7b-chat", "Llama-2-7b-chat-hf"),
     ("meta-llama/Meta-Llama-3-8B", "Meta-Llama-3-8B"), ("Qwen/Qwen2.5-7B-Instruct", "Qwen2.5-7B-Instruct"),
+    ("mixtral-8x7b", "Mixtral-8x7B-v0.1"), ("mixtral-8x22b-instruct", "Mixtral-8x22B-Instruct-v0.1"),
+    ("Qwen/Qwen3-30B-A3B", "Qwen3-30B-A3B"), ("qwen3-235b-a22b", "Qwen3-235B-A22B"), ("olmoe", "OLMoE-1B-7B-0924"),
+    ("allenai/OLMoE-1B-7B-0924-Instruct", "OLMoE-1B-7B-0924-Instruct"),
 ])
 def test_short_names_litgpt_names_and_hub_ids_resolve(alias, canonical):
     assert resolve_name(alias) == canonical
@@ -109,6 +112,7 @@ def test_derived_sizes():
         (dict(n_head=8, n_query_groups=3), "n_head 8 is not divisible by n_query_groups 3"),
         (dict(n_embd=100, n_head=8), "n_embd 100 is not divisible by n_head 8"),
         (dict(norm_class_name="BatchNorm"), "norm_class_name must be one of"),
+        (dict(qk_norm="layer"), r"qk_norm must be one of \('none', 'head', 'full'\)"),
         (dict(vocab_size=100, padded_vocab_size=64), "padded_vocab_size 64 is smaller than vocab_size 100"),
         (dict(shared_attention_norm=True), "shared_attention_norm needs parallel_residual"),
         (dict(rope_scaling={"factor": 8.0}), "rope_scaling is missing"),
