@@ -31,6 +31,10 @@ from llmtrain.config import Config
 from llmtrain.fused import gating_activation
 
 
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+"""The weights of :class:`GroupedExperts`, each (n_expert, out_features, in_features)."""
+
+
 @dataclass
 class Dispatch:
     """Where each token goes: ``order`` sorts the N*k (token, slot) pairs by expert (stable), ``token`` is the
@@ -104,6 +108,19 @@ def expert_products(x: torch.Tensor, tokens_per_expert: torch.Tensor, gate: torc
     return torch.cat(outputs) if outputs else x.new_zeros(0, down.size(1))
 
 
+def expert_loop(x: torch.Tensor, tokens_per_expert: torch.Tensor,
+                project: Callable[[str, int, torch.Tensor], torch.Tensor],
+                approximate: Optional[str] = None) -> torch.Tensor:
+    """:func:`expert_products` one expert at a time, each projection computed by ``project(name, expert, rows)``
+    (``name`` one of ``EXPERT_PROJECTIONS``): for experts whose weights are not plain 3-D tensors (quantized, or with
+    LoRA adapters beside them)."""
+    outputs = []
+    for expert, rows in enumerate(x.split(tokens_per_expert.tolist())):
+        hidden = gating_activation(project("gate_proj", expert, rows), approximate) * project("up_proj", expert, rows)
+        outputs.append(project("down_proj", expert, hidden))
+    return torch.cat(outputs)
+
+
 def _grouped_mm_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if x.device.type != "cuda" or x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
         return False
@@ -127,6 +144,11 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         return expert_products(x, tokens_per_expert, self.gate_proj, self.up_proj, self.down_proj,
                                self.approximate, self.grouped)
+
+    def project(self, name: str, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """One projection (``gate_proj``, ``up_proj`` or ``down_proj``) of one expert on its rows (for
+        :func:`expert_loop`)."""
+        return F.linear(rows, getattr(self, name)[expert])
 
     @torch.no_grad()
     def init_weights(self, std: float, residual_std: float) -> None:

@@ -135,6 +135,16 @@ def _check_qlora(quantize: str, flags: dict[str, Any]) -> None:
                          "in one dtype; use --precision bf16-true (or 32-true)")
 
 
+def _check_lora_on_moe(config: Config, lora: LoRAArgs, flags: dict[str, Any]) -> None:
+    """Adapters on a mixture of experts' routed experts (``--lora_mlp``) train under torch's FSDP or one device;
+    DeepSpeed's engine merges and loads only adapted linear layers."""
+    if config.is_moe and lora.lora_mlp and flags["strategy"].startswith("deepspeed"):
+        raise ValueError(f"--lora_mlp on {config.name!r}, a mixture of experts, cannot train under --strategy "
+                         f"{flags['strategy']}: DeepSpeed's engine adapts linear layers only, not the experts' 3-D "
+                         "weights. Drop --strategy (torch's FSDP trains them), or drop --lora_mlp to adapt the "
+                         "attention only")
+
+
 def _finetune(recipe: str, checkpoint_dir: Path, prompt_style: Optional[str], flags: dict[str, Any],
               lora: Optional[LoRAArgs], quantize: Optional[str]) -> Optional[Path]:
     """The checks and the launch both fine-tuning recipes share; returns the run's final/ (None for a dry run)."""
@@ -160,6 +170,8 @@ def _finetune(recipe: str, checkpoint_dir: Path, prompt_style: Optional[str], fl
         # one reads its config.json alone.
         checkpoint_dir = check_model_dir(ensure_model_dir(checkpoint_dir))
         config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
+    if lora is not None:
+        _check_lora_on_moe(config, lora, flags)
     checks.check_out_dir(flags["out_dir"])
     checks.check_logger(flags["logger_name"])
     resume_from = checks.resume_checkpoint(flags, None)

@@ -142,6 +142,9 @@ CASES = [
          ["--train.min_lr 6e-05", "--optimizer.lr"]),
     Case("quantized base with mixed precision", _lora("--quantize", "bnb.nf4", "--precision", "16-mixed"),
          ["--quantize", "--precision"]),
+    Case("adapters on a mixture of experts' experts under DeepSpeed",
+         ["finetune_lora", "{in}/moe", "--out_dir", "{out}", "--lora_mlp", "true", "--strategy", "deepspeed_stage_2"],
+         ["--lora_mlp", "mixture of experts", "--strategy deepspeed_stage_2", "drop --lora_mlp"]),
     # the loss skips the label -100 and no other: a flag to choose another would mislabel every masked position
     Case("a label for masked positions", _lora("--data", "BuiltinInstruct", "--data.ignore_index", "0"),
          ["ignore_index"]),
@@ -280,7 +283,8 @@ def _make_inputs(inputs: Path) -> None:
         "auto_map": {"AutoModelForCausalLM": "modeling_custom.CustomGPT"}}))
     # Prepared folders: one intact, one with a shard deleted, both from tokenizer "tok" ("tok2" is another).
     story_words = [f"w{i} " for i in range(200)]
-    train_bpe_tokenizer(iter(story_words * 3), vocab_size=300, out_dir=inputs / "tok")
+    tokenizer = train_bpe_tokenizer(iter(story_words * 3), vocab_size=300, out_dir=inputs / "tok")
+    _write_moe_model_dir(inputs / "moe", tokenizer)
     train_bpe_tokenizer(iter(story_words[::-1] * 3), vocab_size=290, out_dir=inputs / "tok2")
     (inputs / "texts").mkdir()
     (inputs / "texts" / "a.txt").write_text(" ".join(story_words * 40))
@@ -294,6 +298,19 @@ def _make_inputs(inputs: Path) -> None:
           "--train.global_batch_size", "4", "--train.micro_batch_size", "2", "--train.max_seq_length", "32",
           "--train.max_steps", "2", "--train.save_interval", "1", "--eval.max_iters", "1"])
     _make_evil_sharded_run(inputs)
+
+
+def _write_moe_model_dir(directory: Path, tokenizer) -> None:
+    """A model directory of a tiny mixture of experts (untrained weights: the cases refuse before reading them)."""
+    from llmtrain.checkpoint.files import write_model_dir
+    from llmtrain.config import Config
+    from llmtrain.model import GPT
+
+    config_file = write_tiny_model(directory.with_suffix(".yaml"), name="tiny-moe", mlp_class_name="LLaMAMLP",
+                                   n_expert=4, n_expert_per_token=2, moe_intermediate_size=64)
+    config = Config.from_file(config_file)
+    write_model_dir(directory, state_dict=GPT(config).state_dict(), model_config=config, hyperparameters=None,
+                    tokenizer=tokenizer)
 
 
 def _make_evil_sharded_run(inputs: Path) -> None:
