@@ -168,7 +168,7 @@ def _finetune(recipe: str, checkpoint_dir: Path, prompt_style: Optional[str], fl
     if config is None:
         # A transformers folder (config.json + weights) is converted once, on the fly, and cached; a dry run of
         # one reads its config.json alone.
-        checkpoint_dir = check_model_dir(ensure_model_dir(checkpoint_dir))
+        checkpoint_dir = check_model_dir(ensure_model_dir(checkpoint_dir), adapters=False)
         config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
     if lora is not None:
         _check_lora_on_moe(config, lora, flags)

@@ -81,7 +81,8 @@ def test_lora_adapts_every_expert_and_final_is_the_merge(lora_run, base_model, t
 
 
 def test_the_merged_model_gives_the_adapted_models_logits(lora_run, base_model):
-    """The step checkpoint's adapters reload onto the base, and that model's logits (fp32) are final/'s."""
+    """The step checkpoint's adapters reload onto the base, and that model's logits (fp32) are final/'s; generate
+    opens the step checkpoint as that merged model."""
     config = Config.from_file(base_model / "model_config.yaml")
     adapted = build_model_from_dir(base_model, config)
     apply_lora(adapted, LoRAArgs(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_mlp=True))
@@ -93,6 +94,9 @@ def test_the_merged_model_gives_the_adapted_models_logits(lora_run, base_model):
         expected = adapted.eval()(tokens)
         torch.testing.assert_close(merged(tokens), expected, rtol=1e-5, atol=1e-5)
         assert (base(tokens) - expected).abs().max() > 1e-2  # the adapters changed the model
+    step, *_ = load_model_dir(lora_run / "step-00000004")  # merged in memory
+    assert all(torch.equal(tensor, merged.state_dict()[name]) for name, tensor in step.state_dict().items())
+    main(["generate", str(lora_run / "step-00000004"), "--prompt", "Hi", "--max_new_tokens", "2"])
 
 
 def _tiny_moe(**overrides) -> GPT:
