@@ -136,8 +136,13 @@ def _check_qlora(quantize: str, flags: dict[str, Any]) -> None:
 
 
 def _check_lora_on_moe(config: Config, lora: LoRAArgs, flags: dict[str, Any]) -> None:
-    """Adapters on a mixture of experts' routed experts (``--lora_mlp``) train under torch's FSDP or one device;
-    DeepSpeed's engine merges and loads only adapted linear layers."""
+    """Adapters on a mixture of experts' routed experts (``--lora_mlp``) train under torch's FSDP or on one device;
+    expert parallelism (``--ep_size``, once the flags have it) places only the experts' own weights, and DeepSpeed's
+    engine merges and loads only adapted linear layers."""
+    if config.is_moe and lora.lora_mlp and (flags.get("ep_size") or 1) > 1:
+        raise ValueError(f"--lora_mlp on {config.name!r} cannot train under --ep_size {flags['ep_size']}: expert "
+                         "parallelism places the experts' weights, not their adapters. Use --ep_size 1 (FSDP shards "
+                         "experts and adapters alike), or drop --lora_mlp to adapt the attention only")
     if config.is_moe and lora.lora_mlp and flags["strategy"].startswith("deepspeed"):
         raise ValueError(f"--lora_mlp on {config.name!r}, a mixture of experts, cannot train under --strategy "
                          f"{flags['strategy']}: DeepSpeed's engine adapts linear layers only, not the experts' 3-D "
