@@ -320,8 +320,11 @@ def moe_stats(model: nn.Module, reduce: Optional[Callable[[torch.Tensor], torch.
 def update_expert_bias(model: nn.Module, rate: float, stats: MoEStats) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing: each layer's ``expert_bias`` moves by ``rate`` towards the mean
     load, down for an expert above it and up for one below, from the loads of ``stats`` (summed over every rank
-    that routed tokens, so that all ranks move their biases alike)."""
+    that routed tokens, so that all ranks move their biases alike). A frozen router's bias stays too (LoRA): its
+    adapters' checkpoints hold no bias, and merging them must give the routing they trained with."""
     layers = dict(moe_layers(model))
     for name, load in zip(stats.names, stats.load):
+        if not layers[name].router.weight.requires_grad:
+            continue
         bias = layers[name].expert_bias
         bias.add_(torch.sign(load.mean() - load).to(bias.device, bias.dtype), alpha=rate)

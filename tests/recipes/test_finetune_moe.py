@@ -3,6 +3,8 @@ with the experts quantized, finetune_full, and merge_lora, through the CLI; the 
 experts against their definitions on a model in memory."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -97,6 +99,33 @@ def test_the_merged_model_gives_the_adapted_models_logits(lora_run, base_model):
     step, *_ = load_model_dir(lora_run / "step-00000004")  # merged in memory
     assert all(torch.equal(tensor, merged.state_dict()[name]) for name, tensor in step.state_dict().items())
     main(["generate", str(lora_run / "step-00000004"), "--prompt", "Hi", "--max_new_tokens", "2"])
+
+
+@pytest.mark.multiproc
+def test_fsdp_trains_the_expert_adapters_as_one_process_does(lora_run, base_model, dist_env, tmp_path):
+    """FSDP shards the 3-D adapters with their experts; its step checkpoint holds the adapters alone (not the
+    gathered expert_bias buffers), merges, and its final/ is one process's."""
+    out_dir = tmp_path / "two"
+    command = [sys.executable, "-m", "llmtrain",
+               *finetune_args("finetune_lora", base_model, out_dir, "--train.max_steps", "4", *LORA, "--devices", "2")]
+    result = subprocess.run(command, env=dict(dist_env, LLMTRAIN_CACHE_DIR=os.environ["LLMTRAIN_CACHE_DIR"]),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "fsdp, FULL_SHARD" in result.stdout
+    assert losses(out_dir) == pytest.approx(losses(lora_run), rel=1e-3)
+    one = load_file(str(lora_run / "step-00000004" / "lora.safetensors"))
+    assert sorted(load_file(str(out_dir / "step-00000004" / "lora.safetensors"))) == sorted(one)
+    main(["merge_lora", str(out_dir / "step-00000004"), "--out_dir", str(tmp_path / "merged")])
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    final = load_file(str(out_dir / "final" / "model.safetensors"))
+    expected = load_file(str(lora_run / "final" / "model.safetensors"))
+    base = load_file(str(base_model / "model.safetensors"))
+    for name, tensor in expected.items():
+        assert torch.equal(merged[name], final[name]), name
+        # The same update as one process's: a summation order flips a rare near-tied top-k choice, and Adam at lr 0.01
+        # moves the adapters of the experts it reached differently, so the update is compared as a whole.
+        update, expected_update = final[name] - base[name], tensor - base[name]
+        assert (update - expected_update).norm() <= 0.05 * expected_update.norm(), name
 
 
 def _tiny_moe(**overrides) -> GPT:
