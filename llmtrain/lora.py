@@ -40,7 +40,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmtrain.moe import EXPERT_PROJECTIONS, GroupedExperts, MoE, expert_loop
+from llmtrain.fused import gating_activation
+from llmtrain.moe import EXPERT_PROJECTIONS, GroupedExperts, MoE, expert_loop, use_grouped_mm
 from llmtrain.quantize import (QuantizedExperts, compute_dtype_of, dequantize_weight, dequantize_linear,
                                is_quantized_linear, plain_experts, plain_linear)
 
@@ -162,8 +163,10 @@ class LoRAExperts(nn.Module):
 
         gate_e(x) = W_gate_e x + B_gate_e A_gate_e dropout(x) * scale        (and so for up_e, down_e)
 
-    One product per expert (:func:`~llmtrain.moe.expert_loop`), as on the CPU without adapters; B starts at zero, so
-    fresh adapters leave every expert's output unchanged.
+    Where the plain experts would take torch's grouped GEMM (a recent CUDA GPU in bfloat16, or ``base.grouped``
+    forced), the adapters' two products per projection are grouped GEMMs too; otherwise one product per expert
+    (:func:`~llmtrain.moe.expert_loop`), as quantized experts always are. B starts at zero, so fresh adapters leave
+    every expert's output unchanged.
     """
 
     BASE_KEYS = EXPERT_PROJECTIONS
@@ -194,7 +197,28 @@ class LoRAExperts(nn.Module):
         return out + (F.linear(hidden, adapter.lora_B[expert]) * self.scaling).to(out.dtype)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        return expert_loop(x, tokens_per_expert, self.project, self.approximate)
+        if not self._grouped(x):
+            return expert_loop(x, tokens_per_expert, self.project, self.approximate)
+        offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+        gate, up = (self._grouped_project(name, x, offsets) for name in ("gate_proj", "up_proj"))
+        return self._grouped_project("down_proj", gating_activation(gate, self.approximate) * up, offsets)
+
+    def _grouped(self, x: torch.Tensor) -> bool:
+        if not isinstance(self.base, GroupedExperts):  # quantized experts: one expert at a time
+            return False
+        if self.base.grouped is not None:
+            return self.base.grouped
+        # NOTE: the adapters' (M, r) rows need 16-byte strides in bfloat16 too
+        return use_grouped_mm(x, self.base.gate_proj) and self.r % 8 == 0
+
+    def _grouped_project(self, name: str, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """:meth:`project` for every expert at once: the rows sorted by expert, ``offsets`` their cumulative counts."""
+        adapter = getattr(self, name)
+        out = torch._grouped_mm(rows, getattr(self.base, name).transpose(-2, -1), offs=offsets)
+        hidden = torch._grouped_mm(self.dropout(rows.to(adapter.lora_A.dtype)), adapter.lora_A.transpose(-2, -1),
+                                   offs=offsets)  # (M, r)
+        update = torch._grouped_mm(hidden, adapter.lora_B.transpose(-2, -1), offs=offsets) * self.scaling
+        return out + update.to(out.dtype)
 
     @torch.no_grad()
     def merged_weights(self) -> dict[str, torch.Tensor]:

@@ -95,9 +95,7 @@ def expert_products(x: torch.Tensor, tokens_per_expert: torch.Tensor, gate: torc
     ``grouped`` None picks torch's grouped GEMM where it is fast (bfloat16 on a CUDA device of compute capability 9
     or more, widths that keep 16-byte strides) and one product per expert otherwise; True or False forces one.
     """
-    if grouped is None:
-        grouped = _grouped_mm_pays(x, gate)
-    if grouped:
+    if use_grouped_mm(x, gate, grouped):
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)
         hidden = gating_activation(torch._grouped_mm(x, gate.transpose(-2, -1), offs=offsets), approximate)
         hidden = hidden * torch._grouped_mm(x, up.transpose(-2, -1), offs=offsets)
@@ -119,6 +117,13 @@ def expert_loop(x: torch.Tensor, tokens_per_expert: torch.Tensor,
         hidden = gating_activation(project("gate_proj", expert, rows), approximate) * project("up_proj", expert, rows)
         outputs.append(project("down_proj", expert, hidden))
     return torch.cat(outputs)
+
+
+def use_grouped_mm(x: torch.Tensor, weight: torch.Tensor, grouped: Optional[bool] = None) -> bool:
+    """Whether :func:`expert_products` takes torch's grouped GEMM for rows ``x`` and a 3-D ``weight``: ``grouped``
+    when it is set, else where that pays (bfloat16 on a CUDA device of compute capability 9 or more, aligned
+    widths)."""
+    return _grouped_mm_pays(x, weight) if grouped is None else grouped
 
 
 def _grouped_mm_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
