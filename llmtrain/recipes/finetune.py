@@ -88,7 +88,8 @@ def setup_lora(
             prompt_style.yaml, else its chat template (as transformers would use it), else the model family's.
         quantize: QLoRA: keep the frozen base weights in bitsandbytes layers (bnb.nf4, bnb.nf4-dq, bnb.fp4,
             bnb.fp4-dq, bnb.int8-training); adapters train in the precision's dtype. One device only (--devices
-            auto means one).
+            auto means one). A mixture of experts' routed experts are quantized one expert at a time; its router
+            stays in the precision's dtype.
         lora_r: Rank of the adapters.
         lora_alpha: Scale: the update is multiplied by lora_alpha / lora_r.
         lora_dropout: Dropout on the adapters' input.
@@ -96,7 +97,8 @@ def setup_lora(
         lora_key: Adapt the key projections.
         lora_value: Adapt the value projections.
         lora_projection: Adapt the attention output projections.
-        lora_mlp: Adapt every linear layer of the MLPs.
+        lora_mlp: Adapt every linear layer of the MLPs; in a mixture of experts, every routed expert's projections
+            and the shared experts (the router stays frozen).
         lora_head: Adapt the output layer (not with tied embeddings).
     """
     flags = with_defaults(setup_lora, flags)
