@@ -15,6 +15,15 @@ its `Block`, so `fully_shard(block)` shards adapters and frozen weights alike. P
 A plain model's checkpoint (`q_proj.weight`) still loads into a model with adapters, with
 `load_state_dict(..., strict=False)` reporting only the adapters as missing.
 
+On a mixture of experts, `--lora_mlp` adapts each routed expert (`LoRAExperts`: one adapter per expert and
+projection, 3-D like the experts' weights, added inside each expert's product) and the shared experts' linear
+layers. The router stays frozen: LoRA changes what each expert computes, not which experts a token reaches, so the
+pretrained load balance holds (PEFT's and LitGPT's Mixtral recipes leave the gate alone too). Parameter names:
+
+    blocks.0.mlp.experts.base.gate_proj          (E, I, D), frozen
+    blocks.0.mlp.experts.gate_proj.lora_A        (E, r, D), trainable
+    blocks.0.mlp.experts.gate_proj.lora_B        (E, I, r), trainable
+
 `merge_lora` folds the update into the base weight and gives back a plain model whose state-dict
 keys are those of a plain `GPT`. Checkpoints merge through `llmtrain.checkpoint.lora.merged_state_dict`,
 layer by layer onto the CPU; both compute the update with `fold_lora`.
@@ -31,7 +40,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmtrain.quantize import compute_dtype_of, dequantize_weight, dequantize_linear, is_quantized_linear, plain_linear
+from llmtrain.fused import gating_activation
+from llmtrain.moe import EXPERT_PROJECTIONS, GroupedExperts, MoE, expert_loop, use_grouped_mm
+from llmtrain.quantize import (QuantizedExperts, compute_dtype_of, dequantize_weight, dequantize_linear,
+                               is_quantized_linear, plain_experts, plain_linear)
 
 LORA_PARAMETER_NAMES = ("lora_A", "lora_B")
 _ATTENTION_FLAGS = {"lora_query": "q_proj", "lora_key": "k_proj", "lora_value": "v_proj", "lora_projection": "o_proj"}
@@ -56,7 +68,8 @@ class LoRAArgs:
     lora_projection: bool = False
     """Adapt the attention output projection (o_proj)."""
     lora_mlp: bool = False
-    """Adapt every linear layer of the MLP (fc/proj, or gate_proj/up_proj/down_proj)."""
+    """Adapt every linear layer of the MLP (fc/proj, or gate_proj/up_proj/down_proj); in a mixture of experts, every
+    routed expert's and the shared experts' (not the router)."""
     lora_head: bool = False
     """Adapt the output head (lm_head); not allowed when it is tied to the embedding."""
 
@@ -96,13 +109,10 @@ class LoRALinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B)
 
+    BASE_KEYS = ("weight", "bias")
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # NOTE: accept a plain model's keys (`q_proj.weight`) for the base layer (`q_proj.base.weight`),
-        # so a checkpoint of the plain model loads into a model that already has adapters
-        # (e.g. built on the meta device and sharded before its weights are loaded).
-        for key in ("weight", "bias"):
-            if prefix + key in state_dict and prefix + "base." + key not in state_dict:
-                state_dict[prefix + "base." + key] = state_dict.pop(prefix + key)
+        _base_keys_from_plain(state_dict, prefix, self.BASE_KEYS)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,10 +141,139 @@ class LoRALinear(nn.Module):
         return f"r={self.r}, scaling={self.scaling:g}"
 
 
+class ExpertAdapter(nn.Module):
+    """The low-rank updates of one projection of every expert: ``lora_A`` (E, r, in), ``lora_B`` (E, out, r)."""
+
+    def __init__(self, n_expert: int, in_features: int, out_features: int, r: int, **factory) -> None:
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.empty(n_expert, r, in_features, **factory))
+        self.lora_B = nn.Parameter(torch.empty(n_expert, out_features, r, **factory))
+
+    def reset_parameters(self) -> None:
+        # Each expert's A as a LoRALinear's (kaiming_uniform_ with a = sqrt(5) on (r, in): U(-1/sqrt(in), 1/sqrt(in))),
+        # written out because kaiming_uniform_ would take the 3-D tensor's fan-in as r * in.
+        bound = 1 / math.sqrt(self.lora_A.size(-1))
+        nn.init.uniform_(self.lora_A, -bound, bound)
+        nn.init.zeros_(self.lora_B)
+
+
+class LoRAExperts(nn.Module):
+    """Frozen routed experts (``base``: :class:`GroupedExperts`, or :class:`QuantizedExperts` for QLoRA) plus a
+    trainable low-rank update of each expert's gate, up and down projections, applied inside each expert's product:
+
+        gate_e(x) = W_gate_e x + B_gate_e A_gate_e dropout(x) * scale        (and so for up_e, down_e)
+
+    Where the plain experts would take torch's grouped GEMM (a recent CUDA GPU in bfloat16, or ``base.grouped``
+    forced), the adapters' two products per projection are grouped GEMMs too; otherwise one product per expert
+    (:func:`~llmtrain.moe.expert_loop`), as quantized experts always are. B starts at zero, so fresh adapters leave
+    every expert's output unchanged.
+    """
+
+    BASE_KEYS = EXPERT_PROJECTIONS
+
+    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.base = base
+        self.r = r
+        self.scaling = alpha / r
+        self.approximate = base.approximate
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        for name, (n_expert, out_features, in_features) in _expert_shapes(base).items():
+            setattr(self, name, ExpertAdapter(n_expert, in_features, out_features, r, **_expert_factory(base)))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for name in EXPERT_PROJECTIONS:
+            getattr(self, name).reset_parameters()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        _base_keys_from_plain(state_dict, prefix, self.BASE_KEYS)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def project(self, name: str, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        adapter = getattr(self, name)
+        out = self.base.project(name, expert, rows)
+        hidden = F.linear(self.dropout(rows.to(adapter.lora_A.dtype)), adapter.lora_A[expert])  # (rows, r)
+        return out + (F.linear(hidden, adapter.lora_B[expert]) * self.scaling).to(out.dtype)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if not self._grouped(x):
+            return expert_loop(x, tokens_per_expert, self.project, self.approximate)
+        offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+        gate, up = (self._grouped_project(name, x, offsets) for name in ("gate_proj", "up_proj"))
+        return self._grouped_project("down_proj", gating_activation(gate, self.approximate) * up, offsets)
+
+    def _grouped(self, x: torch.Tensor) -> bool:
+        if not isinstance(self.base, GroupedExperts):  # quantized experts: one expert at a time
+            return False
+        if self.base.grouped is not None:
+            return self.base.grouped
+        # NOTE: the adapters' (M, r) rows need 16-byte strides in bfloat16 too
+        return use_grouped_mm(x, self.base.gate_proj) and self.r % 8 == 0
+
+    def _grouped_project(self, name: str, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """:meth:`project` for every expert at once: the rows sorted by expert, ``offsets`` their cumulative counts."""
+        adapter = getattr(self, name)
+        out = torch._grouped_mm(rows, getattr(self.base, name).transpose(-2, -1), offs=offsets)
+        hidden = torch._grouped_mm(self.dropout(rows.to(adapter.lora_A.dtype)), adapter.lora_A.transpose(-2, -1),
+                                   offs=offsets)  # (M, r)
+        update = torch._grouped_mm(hidden, adapter.lora_B.transpose(-2, -1), offs=offsets) * self.scaling
+        return out + update.to(out.dtype)
+
+    @torch.no_grad()
+    def merged_weights(self) -> dict[str, torch.Tensor]:
+        """Each projection's W + B @ A * scale (E, out, in), in the base's dtype (a quantized base's compute dtype)."""
+        merged = {}
+        for name in EXPERT_PROJECTIONS:
+            adapter = getattr(self, name)
+            if isinstance(self.base, QuantizedExperts):
+                weight, dtype = self.base.dequantized_weight(name), adapter.lora_A.dtype
+            else:
+                weight = getattr(self.base, name)
+                dtype = weight.dtype
+            merged[name] = fold_lora(weight, adapter.lora_A, adapter.lora_B, self.scaling).to(dtype)
+        return merged
+
+    def merged(self) -> GroupedExperts:
+        """Plain :class:`GroupedExperts` computing base + update."""
+        return plain_experts(self.merged_weights(), self.approximate, requires_grad=False)
+
+    def extra_repr(self) -> str:
+        return f"r={self.r}, scaling={self.scaling:g}"
+
+
+def _expert_shapes(base: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """(E, out, in) of each projection of plain or quantized experts."""
+    if isinstance(base, QuantizedExperts):
+        return {name: (len(layers), layers[0].out_features, layers[0].in_features)
+                for name in EXPERT_PROJECTIONS for layers in [getattr(base, name)]}
+    return {name: tuple(getattr(base, name).shape) for name in EXPERT_PROJECTIONS}
+
+
+def _expert_factory(base: nn.Module) -> dict:
+    """Adapters live where the experts live, in the dtype they compute in."""
+    if isinstance(base, QuantizedExperts):
+        return dict(device=base.gate_proj[0].weight.device, dtype=base.compute_dtype)
+    return dict(device=base.gate_proj.device, dtype=base.gate_proj.dtype)
+
+
+def _base_keys_from_plain(state_dict: dict, prefix: str, keys: tuple[str, ...]) -> None:
+    """Rename a plain model's keys under ``prefix`` (``q_proj.weight``) to the base layer's (``q_proj.base.weight``),
+    in place, so a plain model's checkpoint loads into a model that already has adapters (e.g. built on the meta
+    device and sharded before its weights are loaded)."""
+    for key in keys:
+        if prefix + key in state_dict and prefix + "base." + key not in state_dict:
+            state_dict[prefix + "base." + key] = state_dict.pop(prefix + key)
+
+
+LORA_LAYERS = (LoRALinear, LoRAExperts)
+
+
 @torch.no_grad()
 def fold_lora(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """The merged weight W + B @ A * scale, summed in float32 (the one place the merge is computed)."""
-    return weight.float() + (lora_b.float() @ lora_a.float()) * scaling  # (out, in)
+    """The merged weight W + B @ A * scale, summed in float32 (the one place the merge is computed): (out, in), or
+    (E, out, in) for experts, one product per expert."""
+    return weight.float() + (lora_b.float() @ lora_a.float()) * scaling
 
 
 # ---- applying adapters -------------------------------------------------------------------------
@@ -147,11 +286,19 @@ def lora_target_names(model: nn.Module, args: LoRAArgs) -> list[str]:
         prefix = f"blocks.{index}"
         names += [f"{prefix}.attn.{child}" for flag, child in _ATTENTION_FLAGS.items() if getattr(args, flag)]
         if args.lora_mlp:
-            names += [f"{prefix}.mlp.{child}" for child, module in block.mlp.named_children()
-                      if isinstance(module, nn.Linear)]
+            names += [f"{prefix}.mlp.{name}" for name in _mlp_targets(block.mlp)]
     if args.lora_head:
         names.append("lm_head")
     return names
+
+
+def _mlp_targets(mlp: nn.Module) -> list[str]:
+    """What --lora_mlp adapts in one MLP: its linear layers; in a mixture of experts, the routed experts and the
+    shared experts' linear layers (not the router)."""
+    if not isinstance(mlp, MoE):
+        return [name for name, module in mlp.named_children() if isinstance(module, nn.Linear)]
+    shared = [] if mlp.shared_experts is None else [f"shared_experts.{name}" for name in _mlp_targets(mlp.shared_experts)]
+    return ["experts", *shared]
 
 
 def apply_lora(model: nn.Module, args: LoRAArgs) -> list[str]:
@@ -162,7 +309,7 @@ def apply_lora(model: nn.Module, args: LoRAArgs) -> list[str]:
             "LoRA selects no layers: enable at least one of --lora_query, --lora_key, --lora_value, "
             "--lora_projection, --lora_mlp, --lora_head"
         )
-    if any(isinstance(module, LoRALinear) for module in model.modules()):
+    if any(isinstance(module, LORA_LAYERS) for module in model.modules()):
         raise ValueError("The model already has LoRA adapters; apply_lora must be called once")
     if args.lora_head and getattr(model.config, "tie_embeddings", False):
         raise ValueError(
@@ -173,7 +320,8 @@ def apply_lora(model: nn.Module, args: LoRAArgs) -> list[str]:
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         base = getattr(parent, child_name)
-        setattr(parent, child_name, LoRALinear(base, args.lora_r, args.lora_alpha, args.lora_dropout))
+        layer = LoRAExperts if isinstance(base, (GroupedExperts, QuantizedExperts)) else LoRALinear
+        setattr(parent, child_name, layer(base, args.lora_r, args.lora_alpha, args.lora_dropout))
     return names
 
 
@@ -243,11 +391,13 @@ def merge_lora(model: nn.Module) -> nn.Module:
     adapters are still needed on their own.
     """
     for name, module in list(model.named_modules()):
-        if isinstance(module, LoRALinear):
+        if isinstance(module, LORA_LAYERS):
             _replace(model, name, module.merged())
     for name, module in list(model.named_modules()):
         if is_quantized_linear(module):
             _replace(model, name, dequantize_linear(module))
+        elif isinstance(module, QuantizedExperts):
+            _replace(model, name, module.dequantized())
     return model
 
 
@@ -259,8 +409,9 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 # ---- finding adapters ----------------------------------------------------------------------------
 
 
-def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
-    return {name: module for name, module in model.named_modules() if isinstance(module, LoRALinear)}
+def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every adapted layer: a `LoRALinear` or `LoRAExperts`, by name."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, LORA_LAYERS)}
 
 
 def reset_lora_parameters(model: nn.Module) -> None:
@@ -270,14 +421,13 @@ def reset_lora_parameters(model: nn.Module) -> None:
 
 
 def plain_to_lora_keys(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """Rename a plain model's keys (`q_proj.weight`) to where the base weights sit in `model` (`q_proj.base.weight`).
+    """Rename a plain model's keys (`q_proj.weight`, `experts.gate_proj`) to where the base weights sit in `model`
+    (`q_proj.base.weight`, `experts.base.gate_proj`).
 
     Loading through torch.distributed's state-dict API checks keys before any module hook runs,
     so the renaming has to happen on the dict.
     """
     out = dict(state_dict)
-    for name in lora_modules(model):
-        for key in ("weight", "bias"):
-            if f"{name}.{key}" in out:
-                out[f"{name}.base.{key}"] = out.pop(f"{name}.{key}")
+    for name, module in lora_modules(model).items():
+        _base_keys_from_plain(out, f"{name}.", module.BASE_KEYS)
     return out

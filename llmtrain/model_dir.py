@@ -28,10 +28,12 @@ from llmtrain.quantize import QuantizeMode, quantized_bytes_per_weight
 from llmtrain.tokenizer import Tokenizer
 
 
-def check_model_dir(checkpoint_dir: Path, flag: str = "CHECKPOINT_DIR") -> Path:
+def check_model_dir(checkpoint_dir: Path, flag: str = "CHECKPOINT_DIR", adapters: bool = True) -> Path:
     """A model directory has the architecture, the weights and a tokenizer; say which is missing.
 
-    ``flag`` is how the user passed the directory, for the message.
+    ``flag`` is how the user passed the directory, for the message. ``adapters``: a finetune_lora step checkpoint
+    (adapters and their settings in place of the weights) counts as a model directory; :func:`load_model_dir` merges
+    its adapters into their base in memory.
     """
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.exists():
@@ -40,6 +42,8 @@ def check_model_dir(checkpoint_dir: Path, flag: str = "CHECKPOINT_DIR") -> Path:
         raise FileNotFoundError(f"{flag} {checkpoint_dir} is a file, not a directory; pass a model directory such as "
                                 "out/pretrain/final")
     for name in (layout.CONFIG_FILE, layout.MODEL_FILE, layout.TOKENIZER_FILE):
+        if name == layout.MODEL_FILE and adapters and is_lora_checkpoint(checkpoint_dir):
+            continue
         if not (checkpoint_dir / name).is_file():
             hint = " (a LoRA step checkpoint holds only adapters: merge it first with `llmtrain merge_lora`)" if (
                 name == layout.MODEL_FILE and (checkpoint_dir / layout.LORA_FILE).is_file()) else ""
@@ -47,6 +51,13 @@ def check_model_dir(checkpoint_dir: Path, flag: str = "CHECKPOINT_DIR") -> Path:
                 f"{flag} {checkpoint_dir} is not a model directory: {checkpoint_dir / name} does not exist (a model "
                 f"directory needs {layout.CONFIG_FILE}, {layout.MODEL_FILE} and {layout.TOKENIZER_FILE}){hint}")
     return checkpoint_dir
+
+
+def is_lora_checkpoint(checkpoint_dir: Path) -> bool:
+    """A finetune_lora step checkpoint: adapters (lora.safetensors) and their settings, no merged weights."""
+    checkpoint_dir = Path(checkpoint_dir)
+    return not (checkpoint_dir / layout.MODEL_FILE).is_file() and all(
+        (checkpoint_dir / name).is_file() for name in (layout.LORA_FILE, layout.LORA_SETTINGS_FILE))
 
 
 def missing_path_message(path: Path, flag: str = "CHECKPOINT_DIR") -> str:
@@ -79,10 +90,13 @@ def load_model_dir(checkpoint_dir: Path, device: torch.device | str = "cpu", dty
     """Model (eval mode, frozen), config, tokenizer and prompt style (`read_model_dir`) of a model directory.
 
     With `quantize`, the weights are quantized onto `device` a block at a
-    time (:func:`build_quantized_model_from_dir`); `dtype` is then the compute dtype.
+    time (:func:`build_quantized_model_from_dir`); `dtype` is then the compute dtype. A finetune_lora step
+    checkpoint's adapters are merged into their base model in memory first (:func:`merged_lora_weights`).
     """
     config, tokenizer, prompt_style = read_model_dir(checkpoint_dir)
-    if quantize is not None:
+    if is_lora_checkpoint(checkpoint_dir):
+        model = _merged_model(checkpoint_dir, config, device, dtype, quantize)
+    elif quantize is not None:
         model = build_quantized_model_from_dir(checkpoint_dir, config, quantize, compute_dtype=dtype, device=device)
     else:
         model = build_model_from_dir(checkpoint_dir, config, device=device, dtype=dtype)
@@ -118,6 +132,25 @@ def build_model_from_dir(checkpoint_dir: Path, config: Config, device: torch.dev
     model.to_empty(device=device)
     load_weights(model, checkpoint_dir)
     model.reset_rope_cache()  # to_empty left the non-persistent RoPE tables uninitialised
+    return model
+
+
+def _merged_model(checkpoint_dir: Path, config: Config, device: torch.device | str, dtype: torch.dtype,
+                  quantize: Optional[QuantizeMode]) -> GPT:
+    """A plain GPT holding a LoRA step checkpoint's merged weights on ``device`` in ``dtype`` (quantized with
+    ``quantize``)."""
+    weights = merged_lora_weights(checkpoint_dir)
+    check_model_fits(config, weight_bytes=num_parameters(config) * dtype.itemsize, device=device,
+                     source=Path(checkpoint_dir) / layout.CONFIG_FILE)
+    with torch.device("meta"):
+        model = GPT(config).to(dtype)
+    model.to_empty(device="cpu" if quantize else device)
+    model.load_state_dict(weights)
+    model.reset_rope_cache()
+    if quantize is not None:
+        from llmtrain.quantize import quantize_model  # NOTE: imports bitsandbytes, which only --quantize needs
+
+        quantize_model(model, quantize, compute_dtype=dtype, device=device)
     return model
 
 
@@ -185,7 +218,8 @@ def merged_lora_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
 
     checkpoint_dir = Path(checkpoint_dir)
     lora, base_dir, quantize = read_lora_settings(checkpoint_dir)
-    base_dir = check_model_dir(base_dir, flag=f"the base model of {checkpoint_dir / layout.LORA_SETTINGS_FILE}")
+    base_dir = check_model_dir(base_dir, flag=f"the base model of {checkpoint_dir / layout.LORA_SETTINGS_FILE}",
+                               adapters=False)
     config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
     adapters = load_file(str(checkpoint_dir / layout.LORA_FILE))
     if quantize:

@@ -31,6 +31,10 @@ from llmtrain.config import Config
 from llmtrain.fused import gating_activation
 
 
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+"""The weights of :class:`GroupedExperts`, each (n_expert, out_features, in_features)."""
+
+
 @dataclass
 class Dispatch:
     """Where each token goes: ``order`` sorts the N*k (token, slot) pairs by expert (stable), ``token`` is the
@@ -91,9 +95,7 @@ def expert_products(x: torch.Tensor, tokens_per_expert: torch.Tensor, gate: torc
     ``grouped`` None picks torch's grouped GEMM where it is fast (bfloat16 on a CUDA device of compute capability 9
     or more, widths that keep 16-byte strides) and one product per expert otherwise; True or False forces one.
     """
-    if grouped is None:
-        grouped = _grouped_mm_pays(x, gate)
-    if grouped:
+    if use_grouped_mm(x, gate, grouped):
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)
         hidden = gating_activation(torch._grouped_mm(x, gate.transpose(-2, -1), offs=offsets), approximate)
         hidden = hidden * torch._grouped_mm(x, up.transpose(-2, -1), offs=offsets)
@@ -102,6 +104,26 @@ def expert_products(x: torch.Tensor, tokens_per_expert: torch.Tensor, gate: torc
     for rows, g, u, d in zip(x.split(tokens_per_expert.tolist()), gate, up, down):
         outputs.append(F.linear(gating_activation(F.linear(rows, g), approximate) * F.linear(rows, u), d))
     return torch.cat(outputs) if outputs else x.new_zeros(0, down.size(1))
+
+
+def expert_loop(x: torch.Tensor, tokens_per_expert: torch.Tensor,
+                project: Callable[[str, int, torch.Tensor], torch.Tensor],
+                approximate: Optional[str] = None) -> torch.Tensor:
+    """:func:`expert_products` one expert at a time, each projection computed by ``project(name, expert, rows)``
+    (``name`` one of ``EXPERT_PROJECTIONS``): for experts whose weights are not plain 3-D tensors (quantized, or with
+    LoRA adapters beside them)."""
+    outputs = []
+    for expert, rows in enumerate(x.split(tokens_per_expert.tolist())):
+        hidden = gating_activation(project("gate_proj", expert, rows), approximate) * project("up_proj", expert, rows)
+        outputs.append(project("down_proj", expert, hidden))
+    return torch.cat(outputs)
+
+
+def use_grouped_mm(x: torch.Tensor, weight: torch.Tensor, grouped: Optional[bool] = None) -> bool:
+    """Whether :func:`expert_products` takes torch's grouped GEMM for rows ``x`` and a 3-D ``weight``: ``grouped``
+    when it is set, else where that pays (bfloat16 on a CUDA device of compute capability 9 or more, aligned
+    widths)."""
+    return _grouped_mm_pays(x, weight) if grouped is None else grouped
 
 
 def _grouped_mm_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -127,6 +149,11 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         return expert_products(x, tokens_per_expert, self.gate_proj, self.up_proj, self.down_proj,
                                self.approximate, self.grouped)
+
+    def project(self, name: str, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """One projection (``gate_proj``, ``up_proj`` or ``down_proj``) of one expert on its rows (for
+        :func:`expert_loop`)."""
+        return F.linear(rows, getattr(self, name)[expert])
 
     @torch.no_grad()
     def init_weights(self, std: float, residual_std: float) -> None:
@@ -298,8 +325,11 @@ def moe_stats(model: nn.Module, reduce: Optional[Callable[[torch.Tensor], torch.
 def update_expert_bias(model: nn.Module, rate: float, stats: MoEStats) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing: each layer's ``expert_bias`` moves by ``rate`` towards the mean
     load, down for an expert above it and up for one below, from the loads of ``stats`` (summed over every rank
-    that routed tokens, so that all ranks move their biases alike)."""
+    that routed tokens, so that all ranks move their biases alike). A frozen router's bias stays too (LoRA): its
+    adapters' checkpoints hold no bias, and merging them must give the routing they trained with."""
     layers = dict(moe_layers(model))
     for name, load in zip(stats.names, stats.load):
+        if not layers[name].router.weight.requires_grad:
+            continue
         bias = layers[name].expert_bias
         bias.add_(torch.sign(load.mean() - load).to(bias.device, bias.dtype), alpha=rate)

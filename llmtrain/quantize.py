@@ -5,6 +5,11 @@ layers holding the same weights: `Linear4bit` (NF4 or FP4, optionally with doubl
 statistics) or `Linear8bitLt` (LLM.int8()). Embeddings, norms and `lm_head` stay in `compute_dtype`:
 they are a small share of the weights and the head is the layer most sensitive to quantization.
 
+A mixture of experts' routed experts (3-D weights, `llmtrain.moe.GroupedExperts`) become `QuantizedExperts`: one
+bitsandbytes layer per expert and projection, each dequantized in its own expert's product. Its router stays in
+`compute_dtype` too: it is tiny (n_embd x n_expert), and a quantization error in its logits changes which experts a
+token reaches, not just how much.
+
 Order for users: build model -> load weights -> `quantize_model` -> `apply_lora` -> `mark_only_lora_trainable`.
 
 Quantization is done here, explicitly, on the device the weights are on (or on `device`), rather
@@ -22,6 +27,8 @@ from typing import Literal, Optional, get_args
 
 import torch
 import torch.nn as nn
+
+from llmtrain.moe import EXPERT_PROJECTIONS, GroupedExperts, MoE, expert_loop
 
 QuantizeMode = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8-training"]
 QUANTIZE_MODES: tuple[str, ...] = get_args(QuantizeMode)
@@ -104,14 +111,24 @@ def check_quantizable(block: nn.Module, mode: QuantizeMode, device=None, bnb=Non
     if mode == "bnb.int8-training":
         return
     bnb = bnb or import_bitsandbytes()
-    for name, module in block.named_modules():
-        if type(module) is not nn.Linear or module.in_features % BLOCKSIZE_4BIT == 0:
-            continue
-        if torch.device(device or module.weight.device).type == "cpu":
-            raise ValueError(
-                f"--quantize {mode}: bitsandbytes {bnb.__version__} dequantizes 4-bit weights wrongly on the CPU "
-                f"where a layer's input width is not a multiple of {BLOCKSIZE_4BIT} ({name}: {module.in_features}). "
-                "Quantize on a GPU, use --quantize bnb.int8-training, or train LoRA without --quantize")
+    for name, module in _quantizable(block):
+        weights = ([(name, module.weight)] if isinstance(module, nn.Linear) else
+                   [(f"{name}.{projection}", getattr(module, projection)) for projection in EXPERT_PROJECTIONS])
+        for weight_name, weight in weights:
+            if weight.size(-1) % BLOCKSIZE_4BIT and torch.device(device or weight.device).type == "cpu":
+                raise ValueError(
+                    f"--quantize {mode}: bitsandbytes {bnb.__version__} dequantizes 4-bit weights wrongly on the CPU "
+                    f"where a layer's input width is not a multiple of {BLOCKSIZE_4BIT} ({weight_name}: "
+                    f"{weight.size(-1)}). Quantize on a GPU, use --quantize bnb.int8-training, or train LoRA without "
+                    "--quantize")
+
+
+def _quantizable(block: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of what quantizing replaces in ``block``: its plain linear layers but a mixture of experts'
+    router, and its routed experts. NOTE: exact types, so layers already quantized (subclasses) are left alone."""
+    routers = {f"{name}.router" for name, module in block.named_modules() if isinstance(module, MoE)}
+    return [(name, module) for name, module in block.named_modules()
+            if (type(module) is nn.Linear and name not in routers) or type(module) is GroupedExperts]
 
 
 def quantize_block(block: nn.Module, mode: QuantizeMode, compute_dtype: torch.dtype,
@@ -122,13 +139,14 @@ def quantize_block(block: nn.Module, mode: QuantizeMode, compute_dtype: torch.dt
     """
     bnb = bnb or import_bitsandbytes()
     check_quantizable(block, mode, device, bnb)
-    for name, module in list(block.named_modules()):
-        # NOTE: the exact type, so layers that are already quantized (subclasses) are left alone.
-        if type(module) is not nn.Linear:
-            continue
+    for name, module in _quantizable(block):
         parent_name, _, child_name = name.rpartition(".")
         parent = block.get_submodule(parent_name)
-        setattr(parent, child_name, quantize_linear(module, mode, compute_dtype, device, bnb))
+        if isinstance(module, GroupedExperts):
+            quantized = QuantizedExperts(module, mode, compute_dtype, device, bnb)
+        else:
+            quantized = quantize_linear(module, mode, compute_dtype, device, bnb)
+        setattr(parent, child_name, quantized)
     _convert_unquantized(block, compute_dtype, device)
     return block
 
@@ -192,6 +210,51 @@ def _int8_linear(linear: nn.Linear, weight: torch.Tensor, compute_dtype: torch.d
     # the LoRA adapters and for dequantizing.
     layer.compute_dtype = compute_dtype
     return layer
+
+
+class QuantizedExperts(nn.Module):
+    """Routed experts with quantized weights: ``gate_proj``, ``up_proj`` and ``down_proj`` each hold one bitsandbytes
+    layer per expert (bitsandbytes quantizes 2-D weights; one expert's slice is one), and each expert's product
+    dequantizes only that expert's weights, as a quantized linear layer does.
+
+    A module list per projection rather than one packed tensor: each slice keeps its own quantization state, so an
+    expert is quantized and dequantized exactly as a linear layer of its shape is.
+    """
+
+    def __init__(self, experts: GroupedExperts, mode: QuantizeMode, compute_dtype: torch.dtype, device=None,
+                 bnb=None) -> None:
+        super().__init__()
+        self.approximate = experts.approximate
+        self.compute_dtype = compute_dtype
+        for projection in EXPERT_PROJECTIONS:
+            layers = [quantize_linear(plain_linear(weight, None, requires_grad=False), mode, compute_dtype, device, bnb)
+                      for weight in getattr(experts, projection).detach()]
+            setattr(self, projection, nn.ModuleList(layers))
+
+    def project(self, name: str, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        return getattr(self, name)[expert](rows)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return expert_loop(x, tokens_per_expert, self.project, self.approximate)
+
+    def dequantized_weight(self, name: str) -> torch.Tensor:
+        """The (n_expert, out_features, in_features) weight of one projection, in float32."""
+        return torch.stack([dequantize_weight(layer) for layer in getattr(self, name)])
+
+    def dequantized(self) -> GroupedExperts:
+        """Plain :class:`GroupedExperts` holding the dequantized weights, in the compute dtype."""
+        weights = {name: self.dequantized_weight(name).to(self.compute_dtype) for name in EXPERT_PROJECTIONS}
+        return plain_experts(weights, self.approximate, requires_grad=False)
+
+
+def plain_experts(weights: dict[str, torch.Tensor], approximate: Optional[str], requires_grad: bool) -> GroupedExperts:
+    """:class:`GroupedExperts` holding exactly ``weights`` (gate_proj, up_proj, down_proj: (E, out, in))."""
+    n_expert, hidden, dim = weights["gate_proj"].shape
+    with torch.device("meta"):
+        experts = GroupedExperts(n_expert, dim, hidden, approximate)
+    for name, weight in weights.items():
+        setattr(experts, name, nn.Parameter(weight.detach(), requires_grad=requires_grad))
+    return experts
 
 
 def _convert_unquantized(model: nn.Module, dtype: torch.dtype, device=None) -> None:

@@ -46,7 +46,7 @@ from llmtrain.checkpoint.weights import gather_full_model_state, is_distributed,
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.distributed.pipeline import PipelineParts
 from llmtrain.distributed.runtime import Runtime, host_barrier, host_group
-from llmtrain.lora import lora_state_dict
+from llmtrain.lora import is_lora_parameter, lora_state_dict
 
 
 class NonFiniteWeightsError(RuntimeError):
@@ -421,7 +421,10 @@ def full_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lor
         # bitsandbytes' quantization state too, and an 8-bit layer's (SCB) does not map to a parameter at all.
         weights = {name: tensor.cpu() for name, tensor in lora_state_dict(unwrap(model)).items()}
         return weights, get_optimizer_state_dict(model, optimizer, options=options)
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+    weights = get_model_state_dict(model, options=options)
+    if lora:  # ignore_frozen_params keeps the persistent buffers (a mixture of experts' expert_bias): adapters only
+        weights = {name: tensor for name, tensor in weights.items() if is_lora_parameter(name)}
+    return weights, get_optimizer_state_dict(model, optimizer, options=options)
 
 
 def check_finite_weights(model: torch.nn.Module, runtime: Runtime, target: Path) -> None:

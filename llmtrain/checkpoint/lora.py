@@ -19,8 +19,9 @@ import yaml
 from llmtrain.checkpoint import layout
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.yaml_file import read_yaml
-from llmtrain.lora import LoRAArgs, LoRALinear, fold_lora, lora_modules
-from llmtrain.quantize import compute_dtype_of, dequantize_weight, is_quantized_linear
+from llmtrain.lora import LoRAArgs, LoRAExperts, LoRALinear, fold_lora, lora_modules
+from llmtrain.moe import EXPERT_PROJECTIONS
+from llmtrain.quantize import QuantizedExperts, compute_dtype_of, dequantize_weight, is_quantized_linear
 
 
 # -------------------------------------------------------------------------------------- settings
@@ -109,6 +110,16 @@ def iter_merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
         if any(name.startswith(f"{layer}.") for layer in merged_layers):
             continue  # the base layer inside an adapter, already merged
         prefix = f"{name}." if name else ""
+        if isinstance(module, (LoRAExperts, QuantizedExperts)):
+            merged_layers.append(name)
+            if isinstance(module, LoRAExperts):
+                weights = module.merged_weights()
+            else:
+                weights = {projection: module.dequantized_weight(projection).to(module.compute_dtype)
+                           for projection in EXPERT_PROJECTIONS}
+            for projection in EXPERT_PROJECTIONS:
+                yield prefix + projection, weights.pop(projection).cpu()
+            continue
         if isinstance(module, LoRALinear) or is_quantized_linear(module):
             merged_layers.append(name)
             weight, bias = _merged_linear(module)
@@ -134,6 +145,13 @@ def _merged_linear(module: torch.nn.Module) -> tuple[torch.Tensor, Optional[torc
 def _merged_from_state(model: torch.nn.Module, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = dict(full_state)
     for name, module in lora_modules(model).items():
+        if isinstance(module, LoRAExperts):
+            for projection in EXPERT_PROJECTIONS:
+                weight = out.pop(f"{name}.base.{projection}")
+                out[f"{name}.{projection}"] = fold_lora(weight, out.pop(f"{name}.{projection}.lora_A"),
+                                                        out.pop(f"{name}.{projection}.lora_B"),
+                                                        module.scaling).to(weight.dtype)
+            continue
         weight = out.pop(f"{name}.base.weight")
         out[f"{name}.weight"] = fold_lora(weight, out.pop(f"{name}.lora_A"), out.pop(f"{name}.lora_B"),
                                           module.scaling).to(weight.dtype)

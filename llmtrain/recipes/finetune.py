@@ -88,7 +88,8 @@ def setup_lora(
             prompt_style.yaml, else its chat template (as transformers would use it), else the model family's.
         quantize: QLoRA: keep the frozen base weights in bitsandbytes layers (bnb.nf4, bnb.nf4-dq, bnb.fp4,
             bnb.fp4-dq, bnb.int8-training); adapters train in the precision's dtype. One device only (--devices
-            auto means one).
+            auto means one). A mixture of experts' routed experts are quantized one expert at a time; its router
+            stays in the precision's dtype.
         lora_r: Rank of the adapters.
         lora_alpha: Scale: the update is multiplied by lora_alpha / lora_r.
         lora_dropout: Dropout on the adapters' input.
@@ -96,7 +97,8 @@ def setup_lora(
         lora_key: Adapt the key projections.
         lora_value: Adapt the value projections.
         lora_projection: Adapt the attention output projections.
-        lora_mlp: Adapt every linear layer of the MLPs.
+        lora_mlp: Adapt every linear layer of the MLPs; in a mixture of experts, every routed expert's projections
+            and the shared experts (the router stays frozen).
         lora_head: Adapt the output layer (not with tied embeddings).
     """
     flags = with_defaults(setup_lora, flags)
@@ -135,6 +137,21 @@ def _check_qlora(quantize: str, flags: dict[str, Any]) -> None:
                          "in one dtype; use --precision bf16-true (or 32-true)")
 
 
+def _check_lora_on_moe(config: Config, lora: LoRAArgs, flags: dict[str, Any]) -> None:
+    """Adapters on a mixture of experts' routed experts (``--lora_mlp``) train under torch's FSDP or on one device;
+    expert parallelism (``--ep_size``, once the flags have it) places only the experts' own weights, and DeepSpeed's
+    engine merges and loads only adapted linear layers."""
+    if config.is_moe and lora.lora_mlp and (flags.get("ep_size") or 1) > 1:
+        raise ValueError(f"--lora_mlp on {config.name!r} cannot train under --ep_size {flags['ep_size']}: expert "
+                         "parallelism places the experts' weights, not their adapters. Use --ep_size 1 (FSDP shards "
+                         "experts and adapters alike), or drop --lora_mlp to adapt the attention only")
+    if config.is_moe and lora.lora_mlp and flags["strategy"].startswith("deepspeed"):
+        raise ValueError(f"--lora_mlp on {config.name!r}, a mixture of experts, cannot train under --strategy "
+                         f"{flags['strategy']}: DeepSpeed's engine adapts linear layers only, not the experts' 3-D "
+                         "weights. Drop --strategy (torch's FSDP trains them), or drop --lora_mlp to adapt the "
+                         "attention only")
+
+
 def _finetune(recipe: str, checkpoint_dir: Path, prompt_style: Optional[str], flags: dict[str, Any],
               lora: Optional[LoRAArgs], quantize: Optional[str]) -> Optional[Path]:
     """The checks and the launch both fine-tuning recipes share; returns the run's final/ (None for a dry run)."""
@@ -158,8 +175,10 @@ def _finetune(recipe: str, checkpoint_dir: Path, prompt_style: Optional[str], fl
     if config is None:
         # A transformers folder (config.json + weights) is converted once, on the fly, and cached; a dry run of
         # one reads its config.json alone.
-        checkpoint_dir = check_model_dir(ensure_model_dir(checkpoint_dir))
+        checkpoint_dir = check_model_dir(ensure_model_dir(checkpoint_dir), adapters=False)
         config = Config.from_file(checkpoint_dir / layout.CONFIG_FILE)
+    if lora is not None:
+        _check_lora_on_moe(config, lora, flags)
     checks.check_out_dir(flags["out_dir"])
     checks.check_logger(flags["logger_name"])
     resume_from = checks.resume_checkpoint(flags, None)

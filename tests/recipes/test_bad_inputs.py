@@ -156,6 +156,9 @@ CASES = [
          ["--train.min_lr 6e-05", "--optimizer.lr"]),
     Case("quantized base with mixed precision", _lora("--quantize", "bnb.nf4", "--precision", "16-mixed"),
          ["--quantize", "--precision"]),
+    Case("adapters on a mixture of experts' experts under DeepSpeed",
+         ["finetune_lora", "{in}/moe", "--out_dir", "{out}", "--lora_mlp", "true", "--strategy", "deepspeed_stage_2"],
+         ["--lora_mlp", "mixture of experts", "--strategy deepspeed_stage_2", "drop --lora_mlp"]),
     # the loss skips the label -100 and no other: a flag to choose another would mislabel every masked position
     Case("a label for masked positions", _lora("--data", "BuiltinInstruct", "--data.ignore_index", "0"),
          ["ignore_index"]),
@@ -310,7 +313,8 @@ def _make_inputs(inputs: Path) -> None:
     _write_biased_moe(inputs / "moe-biased")
     # Prepared folders: one intact, one with a shard deleted, both from tokenizer "tok" ("tok2" is another).
     story_words = [f"w{i} " for i in range(200)]
-    train_bpe_tokenizer(iter(story_words * 3), vocab_size=300, out_dir=inputs / "tok")
+    tokenizer = train_bpe_tokenizer(iter(story_words * 3), vocab_size=300, out_dir=inputs / "tok")
+    _write_moe_model_dir(inputs / "moe", tokenizer)
     train_bpe_tokenizer(iter(story_words[::-1] * 3), vocab_size=290, out_dir=inputs / "tok2")
     (inputs / "texts").mkdir()
     (inputs / "texts" / "a.txt").write_text(" ".join(story_words * 40))
@@ -338,6 +342,19 @@ def _write_biased_moe(directory: Path) -> None:
     state = GPT(config).state_dict()
     state["blocks.0.mlp.expert_bias"][0] = 0.5
     write_model_dir(directory, state_dict=state, model_config=config, hyperparameters=None, tokenizer=None)
+
+
+def _write_moe_model_dir(directory: Path, tokenizer) -> None:
+    """A model directory of a tiny mixture of experts (untrained weights: the cases refuse before reading them)."""
+    from llmtrain.checkpoint.files import write_model_dir
+    from llmtrain.config import Config
+    from llmtrain.model import GPT
+
+    config_file = write_tiny_model(directory.with_suffix(".yaml"), name="tiny-moe", mlp_class_name="LLaMAMLP",
+                                   n_expert=4, n_expert_per_token=2, moe_intermediate_size=64)
+    config = Config.from_file(config_file)
+    write_model_dir(directory, state_dict=GPT(config).state_dict(), model_config=config, hyperparameters=None,
+                    tokenizer=tokenizer)
 
 
 def _make_evil_sharded_run(inputs: Path) -> None:
