@@ -1,0 +1,134 @@
+"""Expert parallelism (``--ep_size``): the plan and its refusals, and training on real gloo ranks (CPU).
+
+One launch per world size runs every scenario of that size (ep_worker.py); each test checks one claim against a single
+process that runs the same code here with the same global batch (micro batch 1: the ranks accumulate 8 / world
+micro-batches each, the single process 8).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import dist_worker
+import ep_worker
+from parity import assert_same_training
+from llmtrain.args import FSDPArgs, TrainArgs
+from llmtrain.distributed.parallel_plan import ParallelPlan
+
+# The experts' AdamW moments differ from one process's by float32 rounding (their rows are summed in another
+# order); as tests/distributed/test_tensor_parallel.py, a real difference moves weights by whole steps of 5e-3.
+WEIGHT_RTOL, WEIGHT_ATOL = 1e-4, 5e-5
+
+
+def _plan(devices: int, ep: int, **options) -> ParallelPlan:
+    return ParallelPlan.resolve(devices=devices, num_nodes=options.pop("num_nodes", 1),
+                                train=TrainArgs(global_batch_size=16, micro_batch_size=1), precision="32-true",
+                                accelerator="cpu", ep=ep, **options)
+
+
+# ----------------------------------------------------------------------------------------- the plan
+def test_the_expert_ranks_come_from_the_fsdp_shard():
+    plan = _plan(8, 2)
+    assert (plan.dp_shard, plan.ep, plan.expert_shard_size, plan.world_size) == (8, 2, 4, 8)
+    assert plan.mesh_shape() == {"dp_shard": 8}  # no rank more: ep is a factor of the shard
+    assert plan.describe_mesh() == "shard 8 (experts: shard 4 × expert 2)"
+    assert "expert parallel 2" in plan.describe()
+    hybrid = _plan(4, 4, num_nodes=2, fsdp=FSDPArgs(sharding_strategy="HYBRID_SHARD"))
+    assert hybrid.describe_mesh() == "replicate 2 × shard 4 (experts: shard 1 × expert 4)"
+    assert _plan(4, 1).describe_mesh() == "shard 4"
+
+
+@pytest.mark.parametrize("devices, ep, options, says", [
+    (2, 0, {}, "--ep_size 0 must be at least 1"),
+    (1, 2, {}, "--ep_size 2 must divide the 1 rank(s) of the data-parallel shard"),
+    (4, 3, {}, "--ep_size 3 must divide the 4 rank(s) of the data-parallel shard, from which the expert-parallel "
+               "ranks are taken (under HYBRID_SHARD the shard is one node's ranks): use --ep_size 2 or 4"),
+    (4, 4, {"tp": 2}, "--ep_size 4 must divide the 2 rank(s) of the data-parallel shard, from which the "
+                      "expert-parallel ranks are taken (--tp_size × --pp_size take the other ranks;"),
+    (2, 2, {"strategy": "ddp"}, "DDP (NO_SHARD) replicates every weight: use --strategy fsdp"),
+    (2, 2, {"strategy": "deepspeed_stage_3"}, "--ep_size 2 with --strategy deepspeed_stage_3"),
+])
+def test_ep_size_that_does_not_fit_the_layout_is_refused(devices, ep, options, says):
+    with pytest.raises(ValueError) as refused:
+        _plan(devices, ep, **options)
+    assert says in str(refused.value)
+
+
+def test_ep_size_must_split_the_experts_of_an_moe():
+    from llmtrain.config import Config
+
+    with pytest.raises(ValueError, match=r"--ep_size 2 splits the routed experts .* model 'llama-debug' is dense"):
+        _plan(2, 2).check_model(Config.from_name("llama-debug"), 64)
+    with pytest.raises(ValueError, match=r"--ep_size 4 must divide the 6 experts \(n_expert\) .*: use --ep_size 2"):
+        _plan(4, 4).check_model(ep_worker.moe_config(n_expert=6), 64)
+    _plan(4, 4).check_model(ep_worker.moe_config(), 64)  # 8 experts, 2 per rank
+
+
+# ------------------------------------------------------------------------------------- on gloo ranks
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("expert_parallel")
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    return ep_worker.train()
+
+
+@pytest.fixture(scope="module")
+def two(workdir) -> dict:
+    return dist_worker.launch(2, "two", workdir, script=ep_worker.SCRIPT, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def four(workdir) -> dict:
+    return dist_worker.launch(4, "four", workdir, script=ep_worker.SCRIPT, timeout_s=600)
+
+
+@pytest.mark.multiproc
+def test_ep2_trains_like_one_process(two, single):
+    result = two["ep2"]
+    assert result["mesh"] == "shard 2 (experts: shard 1 × expert 2)"
+    # each rank holds 4 of the 8 experts, split on the experts' dimension over the mesh's ep dimension
+    assert result["expert_placements"]["mesh"] == ("dp_shard_mod_ep", "ep")
+    assert result["expert_placements"]["local_shape"] == (4, 32, 64)
+    assert_same_training(result, single)
+    torch.testing.assert_close(result["weights"], single["weights"], rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL)
+
+
+@pytest.mark.multiproc
+def test_ep2_under_fsdp4_trains_like_one_process(four, single):
+    result = four["ep2_fsdp"]
+    assert result["mesh"] == "shard 4 (experts: shard 2 × expert 2)"
+    # 4 experts per ep rank, FSDP-sharded over the 2 ranks that hold them: 2 experts' rows each
+    assert result["expert_placements"]["local_shape"] == (2, 32, 64)
+    assert_same_training(result, single)
+    torch.testing.assert_close(result["weights"], single["weights"], rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL)
+
+
+# ------------------------------------------------------------------------------------- checkpoints
+@pytest.mark.multiproc
+def test_sharded_checkpoint_from_ep2_resumes_at_ep4(four):
+    assert four["ep4_resume"]["mesh"] == "shard 4 (experts: shard 1 × expert 4)"
+    assert_same_training(four["ep4_resume"], four["ep2_fsdp"], steps=range(5, 9))
+
+
+@pytest.mark.multiproc
+def test_sharded_checkpoint_from_ep2_resumes_in_one_process(four, workdir):
+    result = ep_worker.train(resume_from=workdir / "ep2_fsdp" / "step-00000004")
+    assert_same_training(result, four["ep2_fsdp"], steps=range(5, 9))
+    torch.testing.assert_close(result["weights"], four["ep2_fsdp"]["weights"], rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL)
+
+
+@pytest.mark.multiproc
+def test_final_weights_written_under_ep_are_the_gathered_experts(four, workdir):
+    from llmtrain.checkpoint.weights import load_weights
+    from llmtrain.model import GPT
+
+    model = GPT(ep_worker.moe_config())
+    load_weights(model, workdir / "ep2_fsdp" / "final")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, four["ep2_fsdp"]["weights"][name]), name

@@ -1,0 +1,81 @@
+"""Multi-process harness for tests/distributed/test_expert_parallel.py: expert-parallel scenarios on real gloo ranks.
+
+``dist_worker.launch(world_size, suite, workdir, script=ep_worker.SCRIPT)`` starts the ranks; each runs the suite's
+scenarios one after another in the same process group, and rank 0 saves the results. The single-process references
+call :func:`train` in the test process. The training itself is tp_worker's, on a mixture-of-experts model.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+import dist_worker
+import tp_worker
+from llmtrain.config import Config
+from llmtrain.distributed.runtime import Runtime
+
+SCRIPT = Path(__file__)
+
+
+def moe_config(**overrides) -> Config:
+    """moe-debug shrunk: 2 layers of width 64, 8 experts of width 32 (top 2), a 256-token vocabulary.
+
+    NOTE: router_aux_loss_coef 0: the training step does not scale the balancing losses by its accumulation yet
+    (llmtrain.moe.set_aux_loss_scale is not called), so one process accumulating 8 micro-batches would weigh them
+    differently from 2 ranks accumulating 4 each; the parity compares what the step already makes consistent.
+    """
+    fields = dict(n_layer=2, n_embd=64, n_head=4, n_query_groups=2, intermediate_size=64, moe_intermediate_size=32,
+                  vocab_size=256, block_size=32, router_aux_loss_coef=0.0)
+    return Config.from_name("moe-debug", **{**fields, **overrides})
+
+
+def train(world_size: int = 1, **options) -> dict:
+    """tp_worker.train of the shrunk moe-debug on the given layout (``ep=``, ``tp=``, ...), with where the experts are.
+
+    NOTE: one process (the reference) computes with one thread, as each rank does: a router's top-k can flip between
+    two nearly tied experts on float32 rounding, and another thread count rounds the matmuls otherwise.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return tp_worker.train(world_size, config=moe_config(), report=_expert_placements, **options)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _expert_placements(model: torch.nn.Module) -> dict:
+    """The first MoE's gate_proj: its mesh's dimension names and placements, and this rank's local shape."""
+    from torch.distributed.tensor import DTensor
+
+    from llmtrain.moe import moe_layers
+
+    weight = moe_layers(model)[0][1].experts.gate_proj
+    if not isinstance(weight, DTensor):
+        return {"expert_placements": {"local_shape": tuple(weight.shape)}}
+    return {"expert_placements": {"mesh": weight.device_mesh.mesh_dim_names,
+                                  "placements": [str(p) for p in weight.placements],
+                                  "local_shape": tuple(weight.to_local().shape)}}
+
+
+# ------------------------------------------------------------------------------------ suites
+def suite_two(runtime: Runtime, workdir: Path) -> dict:
+    return {"ep2": train(2, ep=2)}
+
+
+def suite_four(runtime: Runtime, workdir: Path) -> dict:
+    saved = workdir / "ep2_fsdp"
+    return {
+        # FSDP over 4 ranks for every other weight; the experts split over 2 and FSDP-sharded over the other 2
+        "ep2_fsdp": train(4, ep=2, out_dir=saved),
+        # the checkpoint of step 4 at ep 2, into ep 4: DCP reshards the experts
+        "ep4_resume": train(4, ep=4, resume_from=saved / "step-00000004"),
+    }
+
+
+SUITES = {"two": suite_two, "four": suite_four}
+
+if __name__ == "__main__":
+    dist_worker.worker_main(sys.argv[1], Path(sys.argv[2]), suites=SUITES)
