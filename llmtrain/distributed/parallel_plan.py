@@ -417,7 +417,7 @@ class ParallelPlan:
 
     def check_model(self, config: Any, seq_len: int) -> None:
         """The model divides as tensor, pipeline and expert parallelism split it; a ``ValueError`` names the flag."""
-        if self.ep > 1 and not getattr(config, "is_moe", False):
+        if self.ep > 1 and not config.is_moe:
             raise ValueError(f"--ep_size {self.ep} splits the routed experts of a mixture-of-experts model, but model "
                              f"{config.name or 'custom'!r} is dense (n_expert 0): drop --ep_size, or train an MoE")
         if self.ep > 1 and config.n_expert % self.ep:
@@ -428,7 +428,8 @@ class ParallelPlan:
         if self.tp > 1:
             for what, count in (("attention heads (n_head)", config.n_head),
                                 ("key/value heads (n_query_groups)", config.n_query_groups),
-                                ("MLP width (intermediate_size)", config.intermediate_size),
+                                # an MoE's experts are not split by tensor parallelism (tensor_parallel.py)
+                                ("MLP width (intermediate_size)", 0 if config.is_moe else config.intermediate_size),
                                 ("vocabulary rows (padded_vocab_size)", config.padded_vocab_size)):
                 if count % self.tp:
                     sizes = [t for t in range(1, count + 1) if count % t == 0 and self.devices % t == 0]

@@ -88,23 +88,28 @@ def four(workdir) -> dict:
     return dist_worker.launch(4, "four", workdir, script=ep_worker.SCRIPT, timeout_s=600)
 
 
-@pytest.mark.multiproc
-def test_ep2_trains_like_one_process(two, single):
-    result = two["ep2"]
-    assert result["mesh"] == "shard 2 (experts: shard 1 × expert 2)"
+# (launch, scenario): the mesh it describes, and the shape of the experts' gate_proj one rank holds (None: not asked)
+PARITY = {
     # each rank holds 4 of the 8 experts, split on the experts' dimension over the mesh's ep dimension
-    assert result["expert_placements"]["mesh"] == ("dp_shard_mod_ep", "ep")
-    assert result["expert_placements"]["local_shape"] == (4, 32, 64)
-    assert_same_training(result, single)
-    torch.testing.assert_close(result["weights"], single["weights"], rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL)
+    ("two", "ep2"): ("shard 2 (experts: shard 1 × expert 2)", (4, 32, 64)),
+    # FSDP over 4 ranks for the rest; 4 experts per ep rank, FSDP-sharded over the 2 ranks that hold them: 2 each
+    ("four", "ep2_fsdp"): ("shard 4 (experts: shard 2 × expert 2)", (2, 32, 64)),
+    # the experts split over the 2 data-parallel ranks of each tensor-parallel rank, whole on both tp ranks
+    ("four", "ep2_tp2"): ("shard 2 (experts: shard 1 × expert 2) × tensor 2", (4, 32, 64)),
+    # rank 0 holds the first block; its experts split with rank 1
+    ("four", "ep2_pp2"): ("pipeline 2 × shard 2 (experts: shard 1 × expert 2)", None),
+}
 
 
 @pytest.mark.multiproc
-def test_ep2_under_fsdp4_trains_like_one_process(four, single):
-    result = four["ep2_fsdp"]
-    assert result["mesh"] == "shard 4 (experts: shard 2 × expert 2)"
-    # 4 experts per ep rank, FSDP-sharded over the 2 ranks that hold them: 2 experts' rows each
-    assert result["expert_placements"]["local_shape"] == (2, 32, 64)
+@pytest.mark.parametrize("launch, scenario", list(PARITY))
+def test_expert_parallel_trains_like_one_process(launch, scenario, single, request):
+    result = request.getfixturevalue(launch)[scenario]
+    mesh, local_shape = PARITY[launch, scenario]
+    assert result.get("mesh", result.get("mesh_shape")) == mesh
+    if local_shape is not None:
+        assert result["expert_placements"]["mesh"] == ("dp_shard_mod_ep", "ep")
+        assert result["expert_placements"]["local_shape"] == local_shape
     assert_same_training(result, single)
     torch.testing.assert_close(result["weights"], single["weights"], rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL)
 

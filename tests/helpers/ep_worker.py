@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 import dist_worker
+import pp_worker
 import tp_worker
 from llmtrain.config import Config
 from llmtrain.distributed.runtime import Runtime
@@ -72,6 +73,10 @@ def suite_four(runtime: Runtime, workdir: Path) -> dict:
         "ep2_fsdp": train(4, ep=2, out_dir=saved),
         # the checkpoint of step 4 at ep 2, into ep 4: DCP reshards the experts
         "ep4_resume": train(4, ep=4, resume_from=saved / "step-00000004"),
+        # tensor parallelism on the attention, the MoE whole on both tp ranks, its experts split over the 2 dp ranks
+        "ep2_tp2": train(4, ep=2, tp=2),
+        # 2 pipeline stages of one block, each block's experts split over the stage's 2 data-parallel ranks
+        "ep2_pp2": pp_worker.train(runtime, pp=2, schedule="1f1b", ep=2, config=moe_config()),
     }
 
 
