@@ -425,6 +425,12 @@ class ParallelPlan:
             fix = f"use --ep_size {' or '.join(map(str, sizes))}" if sizes else "drop --ep_size"
             raise ValueError(f"--ep_size {self.ep} must divide the {config.n_expert} experts (n_expert) of model "
                              f"{config.name or 'custom'!r}, each rank holding as many: {fix}")
+        shard, local = self.expert_shard_size, config.n_expert // self.ep
+        if self.ep > 1 and local % shard and (config.moe_intermediate_size % shard or config.n_embd % shard):
+            raise ValueError(f"--ep_size {self.ep} leaves {local} expert(s) per rank to FSDP-shard over {shard} ranks "
+                             f"(the FSDP shard {self.dp_shard} / --ep_size): neither the experts nor their widths "
+                             f"(moe_intermediate_size {config.moe_intermediate_size}, n_embd {config.n_embd}) divide "
+                             f"by {shard}; use fewer processes" + (", or a larger --ep_size" if self.ep < config.n_expert else ""))
         if self.tp > 1:
             for what, count in (("attention heads (n_head)", config.n_head),
                                 ("key/value heads (n_query_groups)", config.n_query_groups),

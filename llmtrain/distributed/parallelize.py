@@ -190,6 +190,7 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
     for block in transformer_blocks(model):
         for _, moe in moe_layers(block) if expert_mesh is not None else ():
             fully_shard(moe.experts, reshard_after_forward=reshard_after_forward,
+                        shard_placement_fn=_expert_placement(moe.experts, expert_mesh),
                         **{**options, "mesh": expert_mesh})
             moe.experts.set_gradient_divide_factor(float(mesh.size()))
             # NOTE: a divide factor other than the group's size is NCCL's PREMUL_SUM, which gloo lacks: sum, then
@@ -218,6 +219,18 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
             share_host_memory(model, mesh.get_group(mesh.ndim - 1))
         else:
             reduce_scatter_by_all_reduce(model)
+
+
+def _expert_placement(experts: nn.Module, expert_mesh) -> Optional[Callable]:
+    """FSDP's placement for one rank's routed experts: their dim 0 (whole experts) when the ranks that share them
+    divide their count, else dim 1 (each expert's rows; ParallelPlan.check_model makes sure that divides), as
+    torchtitan does when there are more of those ranks than experts."""
+    from torch.distributed.tensor import Shard
+
+    local_experts = experts.gate_proj.to_local().size(0)
+    if local_experts % expert_mesh.size(expert_mesh.ndim - 1) == 0:
+        return None
+    return lambda parameter: Shard(1)
 
 
 def _fsdp_overlap_enabled() -> bool:

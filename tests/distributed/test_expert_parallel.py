@@ -65,6 +65,11 @@ def test_ep_size_must_split_the_experts_of_an_moe():
     with pytest.raises(ValueError, match=r"--ep_size 4 must divide the 6 experts \(n_expert\) .*: use --ep_size 2"):
         _plan(4, 4).check_model(ep_worker.moe_config(n_expert=6), 64)
     _plan(4, 4).check_model(ep_worker.moe_config(), 64)  # 8 experts, 2 per rank
+    # 2 experts at ep 2 over 8 ranks: 1 per ep rank, FSDP-split on its rows over 4 ranks, which 64 and 30 are not
+    with pytest.raises(ValueError, match=r"leaves 1 expert\(s\) per rank to FSDP-shard over 4 ranks .*"
+                                         r"moe_intermediate_size 30, n_embd 64\) divide by 4; use fewer processes$"):
+        _plan(8, 2).check_model(ep_worker.moe_config(n_expert=2, moe_intermediate_size=30), 64)
+    _plan(8, 2).check_model(ep_worker.moe_config(n_expert=2), 64)  # widths 32 and 64: split by rows
 
 
 # ------------------------------------------------------------------------------------- on gloo ranks
@@ -92,6 +97,7 @@ def four(workdir) -> dict:
 PARITY = {
     # each rank holds 4 of the 8 experts, split on the experts' dimension over the mesh's ep dimension
     ("two", "ep2"): ("shard 2 (experts: shard 1 × expert 2)", (4, 32, 64)),
+    ("two", "ep2_checkpointed"): ("shard 2 (experts: shard 1 × expert 2)", (4, 32, 64)),
     # FSDP over 4 ranks for the rest; 4 experts per ep rank, FSDP-sharded over the 2 ranks that hold them: 2 each
     ("four", "ep2_fsdp"): ("shard 4 (experts: shard 2 × expert 2)", (2, 32, 64)),
     # the experts split over the 2 data-parallel ranks of each tensor-parallel rank, whole on both tp ranks
@@ -104,6 +110,7 @@ PARITY = {
 @pytest.mark.multiproc
 @pytest.mark.parametrize("launch, scenario", list(PARITY))
 def test_expert_parallel_trains_like_one_process(launch, scenario, single, request):
+    """Each layout's losses, gradient norms and final weights are one process's with the same global batch."""
     result = request.getfixturevalue(launch)[scenario]
     mesh, local_shape = PARITY[launch, scenario]
     assert result.get("mesh", result.get("mesh_shape")) == mesh
@@ -112,6 +119,15 @@ def test_expert_parallel_trains_like_one_process(launch, scenario, single, reque
         assert result["expert_placements"]["local_shape"] == local_shape
     assert_same_training(result, single)
     torch.testing.assert_close(result["weights"], single["weights"], rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL)
+
+
+@pytest.mark.multiproc
+def test_fewer_experts_per_rank_than_ranks_sharding_them_split_each_expert(four):
+    """2 experts at ep 2 over 4 ranks: each ep rank's one expert is FSDP-split on its rows (dim 1) over 2 ranks."""
+    result = four["ep2_few_experts"]
+    assert result["expert_placements"]["local_shape"] == (1, 16, 64)
+    assert result["expert_placements"]["placements"] == ["S(1)", "S(0)"]  # FSDP on rows, ep on experts
+    assert_same_training(result, ep_worker.train(model=ep_worker.FEW_EXPERTS))
 
 
 # ------------------------------------------------------------------------------------- checkpoints

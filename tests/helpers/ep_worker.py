@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 import dist_worker
 import pp_worker
 import tp_worker
+from llmtrain.args import FSDPArgs
 from llmtrain.config import Config
 from llmtrain.distributed.runtime import Runtime
 
@@ -33,8 +35,9 @@ def moe_config(**overrides) -> Config:
     return Config.from_name("moe-debug", **{**fields, **overrides})
 
 
-def train(world_size: int = 1, **options) -> dict:
-    """tp_worker.train of the shrunk moe-debug on the given layout (``ep=``, ``tp=``, ...), with where the experts are.
+def train(world_size: int = 1, *, model: Optional[dict] = None, **options) -> dict:
+    """tp_worker.train of the shrunk moe-debug (``model``: fields changed) on the given layout (``ep=``, ``tp=``,
+    ...), with where the experts are.
 
     NOTE: one process (the reference) computes with one thread, as each rank does: a router's top-k can flip between
     two nearly tied experts on float32 rounding, and another thread count rounds the matmuls otherwise.
@@ -42,7 +45,7 @@ def train(world_size: int = 1, **options) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return tp_worker.train(world_size, config=moe_config(), report=_expert_placements, **options)
+        return tp_worker.train(world_size, config=moe_config(**(model or {})), report=_expert_placements, **options)
     finally:
         torch.set_num_threads(threads)
 
@@ -62,8 +65,16 @@ def _expert_placements(model: torch.nn.Module) -> dict:
 
 
 # ------------------------------------------------------------------------------------ suites
+FEW_EXPERTS = dict(n_expert=2)
+"""Fewer experts per ep rank (1) than ranks to FSDP-shard them over (2): FSDP splits each expert's rows instead.
+Both experts take every token (top 2), so no routing choice can flip on float32 rounding: with top 1, step 8's loss
+came out 1e-3 apart (steps 1 to 7 equal to 1e-7), as one token moving to the other expert would make it."""
+
+
 def suite_two(runtime: Runtime, workdir: Path) -> dict:
-    return {"ep2": train(2, ep=2)}
+    return {"ep2": train(2, ep=2),
+            # backward runs each block's forward again, all-to-alls included
+            "ep2_checkpointed": train(2, ep=2, fsdp=FSDPArgs(activation_checkpointing=True))}
 
 
 def suite_four(runtime: Runtime, workdir: Path) -> dict:
@@ -73,6 +84,7 @@ def suite_four(runtime: Runtime, workdir: Path) -> dict:
         "ep2_fsdp": train(4, ep=2, out_dir=saved),
         # the checkpoint of step 4 at ep 2, into ep 4: DCP reshards the experts
         "ep4_resume": train(4, ep=4, resume_from=saved / "step-00000004"),
+        "ep2_few_experts": train(4, ep=2, model=FEW_EXPERTS),
         # tensor parallelism on the attention, the MoE whole on both tp ranks, its experts split over the 2 dp ranks
         "ep2_tp2": train(4, ep=2, tp=2),
         # 2 pipeline stages of one block, each block's experts split over the stage's 2 data-parallel ranks
