@@ -24,6 +24,7 @@ the whole data-parallel size, not by the ranks that shard one expert (``apply_fs
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
             setattr(experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
         experts.__class__ = _expert_parallel_class(type(experts))
         experts.ep_group = ep_mesh.get_group()
+    # NOTE: FSDP then splits each rank's experts over dp_shard_mod_ep, an order of mesh dimensions that DTensor cannot
+    # gather in one all-gather: each full checkpoint and final/ warned, once per mesh and rank, that it takes two
+    # (about reductions, which a gather has none of). Each tensor still crosses the network once, as a dense one.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 @functools.lru_cache(maxsize=None)
