@@ -74,7 +74,7 @@ class ExpertParallelExperts(GroupedExperts):
     ep_group = None
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
         group = self.ep_group
         ep = group.size()
@@ -97,7 +97,9 @@ class ExpertParallelExperts(GroupedExperts):
             out = expert_products(rows[order], local_counts, *(_local(getattr(self, name)) for name in EXPERT_WEIGHTS),
                                   self.approximate, self.grouped)
         with record_function("moe.all_to_all"):
-            return all_to_all_single_autograd(out[inverse], send_splits, recv_splits, group)
+            # NOTE: waited for here, not at the combine's first use of it: the same on the CPU (nothing to overlap)
+            # and on a GPU (a stream wait), and the wait is then this span's time, not the combine's.
+            return wait_tensor(all_to_all_single_autograd(out[inverse], send_splits, recv_splits, group))
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

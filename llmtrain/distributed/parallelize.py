@@ -194,10 +194,10 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
                         **{**options, "mesh": expert_mesh})
             moe.experts.set_gradient_divide_factor(float(mesh.size()))
             # NOTE: a divide factor other than the group's size is NCCL's PREMUL_SUM, which gloo lacks: sum, then
-            # divide (one pass over the experts' gradient shards), on every backend alike. Not on a group of one rank,
-            # which reduces nothing: torch 2.13 divides its gradient by the factor there and again after (by 4 at ep 2
-            # on 2 ranks, caught by the parity test).
-            if expert_mesh.size() > 1:
+            # divide (one pass over the experts' gradient shards), on every backend alike. Not where the shard
+            # dimension has one rank, which reduce-scatters nothing: torch 2.13 divides the gradient by the factor
+            # there and again after the sum (by 4 at ep 2 on 2 ranks, caught by the parity test; under HSDP too).
+            if expert_mesh.size(expert_mesh.ndim - 1) > 1:
                 moe.experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
     # NOTE: the head (and the root, which holds it when tied) is the first thing backward needs, right

@@ -100,6 +100,8 @@ PARITY = {
     ("two", "ep2_checkpointed"): ("shard 2 (experts: shard 1 × expert 2)", (4, 32, 64)),
     # FSDP over 4 ranks for the rest; 4 experts per ep rank, FSDP-sharded over the 2 ranks that hold them: 2 each
     ("four", "ep2_fsdp"): ("shard 4 (experts: shard 2 × expert 2)", (2, 32, 64)),
+    # within a node the 2 ranks split the experts; the experts' gradients are all-reduced across the 2 nodes
+    ("four", "ep2_hsdp"): ("replicate 2 × shard 2 (experts: shard 1 × expert 2)", (4, 32, 64)),
     # the experts split over the 2 data-parallel ranks of each tensor-parallel rank, whole on both tp ranks
     ("four", "ep2_tp2"): ("shard 2 (experts: shard 1 × expert 2) × tensor 2", (4, 32, 64)),
     # rank 0 holds the first block; its experts split with rank 1
@@ -115,7 +117,7 @@ def test_expert_parallel_trains_like_one_process(launch, scenario, single, reque
     mesh, local_shape = PARITY[launch, scenario]
     assert result.get("mesh", result.get("mesh_shape")) == mesh
     if local_shape is not None:
-        assert result["expert_placements"]["mesh"] == ("dp_shard_mod_ep", "ep")
+        assert result["expert_placements"]["mesh"][-2:] == ("dp_shard_mod_ep", "ep")  # after dp_replicate in HSDP
         assert result["expert_placements"]["local_shape"] == local_shape
     assert_same_training(result, single)
     torch.testing.assert_close(result["weights"], single["weights"], rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL)

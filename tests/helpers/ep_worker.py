@@ -85,6 +85,8 @@ def suite_four(runtime: Runtime, workdir: Path) -> dict:
         # the checkpoint of step 4 at ep 2, into ep 4: DCP reshards the experts
         "ep4_resume": train(4, ep=4, resume_from=saved / "step-00000004"),
         "ep2_few_experts": train(4, ep=2, model=FEW_EXPERTS),
+        # 2 "nodes" of 2 under HYBRID_SHARD: each node's 2 ranks split the experts, the nodes replicate them
+        "ep2_hsdp": train(4, ep=2, num_nodes=2),
         # tensor parallelism on the attention, the MoE whole on both tp ranks, its experts split over the 2 dp ranks
         "ep2_tp2": train(4, ep=2, tp=2),
         # 2 pipeline stages of one block, each block's experts split over the stage's 2 data-parallel ranks
