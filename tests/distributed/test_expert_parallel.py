@@ -147,6 +147,12 @@ def test_sharded_checkpoint_from_ep2_resumes_in_one_process(four, workdir):
 
 
 @pytest.mark.multiproc
+def test_full_checkpoint_from_ep2_resumes_in_one_process(two, workdir):
+    result = ep_worker.train(resume_from=workdir / "ep2_full" / "step-00000004")
+    assert_same_training(result, two["ep2"], steps=range(5, 9))
+
+
+@pytest.mark.multiproc
 def test_final_weights_written_under_ep_are_the_gathered_experts(four, workdir):
     from llmtrain.checkpoint.weights import load_weights
     from llmtrain.model import GPT

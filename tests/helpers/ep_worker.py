@@ -72,7 +72,7 @@ came out 1e-3 apart (steps 1 to 7 equal to 1e-7), as one token moving to the oth
 
 
 def suite_two(runtime: Runtime, workdir: Path) -> dict:
-    return {"ep2": train(2, ep=2),
+    return {"ep2": train(2, ep=2, out_dir=workdir / "ep2_full", checkpoint_format="full"),
             # backward runs each block's forward again, all-to-alls included
             "ep2_checkpointed": train(2, ep=2, fsdp=FSDPArgs(activation_checkpointing=True))}
 
