@@ -7,6 +7,9 @@ micro-batches each, the single process 8).
 
 from __future__ import annotations
 
+import csv
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -161,3 +164,26 @@ def test_final_weights_written_under_ep_are_the_gathered_experts(four, workdir):
     load_weights(model, workdir / "ep2_fsdp" / "final")
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, four["ep2_fsdp"]["weights"][name]), name
+
+
+# ----------------------------------------------------------------------------------- the CLI
+@pytest.mark.multiproc
+def test_pretrain_cli_at_ep2_has_the_losses_of_one_process(tmp_path, dist_env):
+    """--ep_size from the command line to the ranks: 2 processes at ep 2 against one, the same global batch."""
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "llmtrain", "pretrain", "moe-debug", "--model_config.n_layer", "2",
+               "--model_config.router_aux_loss_coef", "0", "--data", "BuiltinStories", "--data.num_documents", "200",
+               "--data.num_val_documents", "20", "--train.max_steps", "3", "--train.global_batch_size", "4",
+               "--train.micro_batch_size", "2", "--train.max_seq_length", "64", "--eval.initial_validation", "false",
+               "--eval.final_validation", "false"]
+    losses, printed = {}, {}
+    for name, layout in (("ep2", ["--devices", "2", "--ep_size", "2"]), ("one", ["--devices", "1"])):
+        done = subprocess.run([*command, *layout, "--out_dir", str(tmp_path / name)], env=dist_env, cwd=root,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        printed[name] = done.stdout
+        with open(tmp_path / name / "metrics.csv") as file:
+            losses[name] = torch.tensor([float(row["loss"]) for row in csv.DictReader(file) if row["loss"]])
+    assert "mesh shard 2 (experts: shard 1 × expert 2), expert parallel 2 |" in printed["ep2"]
+    assert len(losses["one"]) == 3
+    torch.testing.assert_close(losses["ep2"], losses["one"], rtol=1e-5, atol=0)
