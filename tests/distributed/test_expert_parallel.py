@@ -135,6 +135,14 @@ def test_fewer_experts_per_rank_than_ranks_sharding_them_split_each_expert(four)
     assert_same_training(result, ep_worker.train(model=ep_worker.FEW_EXPERTS))
 
 
+@pytest.mark.multiproc
+def test_the_expert_ranks_are_neighbours_within_the_shard(four):
+    """dp_shard 4 read as dp_shard_mod_ep 2 × ep 2, ep inner: rank 0 swaps tokens with rank 1 and shares its experts
+    with rank 2 (FSDP); under tp 2 the tensor-parallel ranks stay innermost, so the ep group is ranks 0 and 2."""
+    assert four["ep2_fsdp"]["expert_placements"]["groups"] == {"dp_shard_mod_ep": [0, 2], "ep": [0, 1]}
+    assert four["ep2_tp2"]["expert_placements"]["groups"] == {"dp_shard_mod_ep": [0], "ep": [0, 2]}
+
+
 # ------------------------------------------------------------------------------------- checkpoints
 @pytest.mark.multiproc
 def test_sharded_checkpoint_from_ep2_resumes_at_ep4(four):

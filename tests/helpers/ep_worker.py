@@ -51,7 +51,8 @@ def train(world_size: int = 1, *, model: Optional[dict] = None, **options) -> di
 
 
 def _expert_placements(model: torch.nn.Module) -> dict:
-    """The first MoE's gate_proj: its mesh's dimension names and placements, and this rank's local shape."""
+    """The first MoE's gate_proj: its mesh's dimension names and placements, this rank's local shape, and the ranks
+    of this rank's group along each dimension."""
     from torch.distributed.tensor import DTensor
 
     from llmtrain.moe import moe_layers
@@ -59,9 +60,10 @@ def _expert_placements(model: torch.nn.Module) -> dict:
     weight = moe_layers(model)[0][1].experts.gate_proj
     if not isinstance(weight, DTensor):
         return {"expert_placements": {"local_shape": tuple(weight.shape)}}
-    return {"expert_placements": {"mesh": weight.device_mesh.mesh_dim_names,
-                                  "placements": [str(p) for p in weight.placements],
-                                  "local_shape": tuple(weight.to_local().shape)}}
+    mesh = weight.device_mesh
+    return {"expert_placements": {"mesh": mesh.mesh_dim_names, "placements": [str(p) for p in weight.placements],
+                                  "local_shape": tuple(weight.to_local().shape),
+                                  "groups": {name: mesh[name].mesh.tolist() for name in mesh.mesh_dim_names}}}
 
 
 # ------------------------------------------------------------------------------------ suites
