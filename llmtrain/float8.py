@@ -6,8 +6,9 @@ weights, the norms, attention, the head and the optimizer. As ``--precision`` na
 (bf16-mixed-float8-rowwise, bf16-true-float8-tensorwise, ...) and hide that it needs bf16 underneath.
 
 What torchao converts: every ``nn.Linear`` inside a transformer block whose in and out features are multiples of
-16 (float8 GEMMs need them), not the output head or the embedding (kept in bf16, as torchtitan does: the head's
-logits are the loss's input). Under FSDP with tensorwise scaling, the weights are all-gathered in float8 (half the
+16 (float8 GEMMs need them), not the output head, the embedding or an MoE's router (kept in bf16, as torchtitan
+does: the head's logits are the loss's input, the router's pick the experts). An MoE's routed experts (3-D weights,
+not linear layers) stay in bf16 too. Under FSDP with tensorwise scaling, the weights are all-gathered in float8 (half the
 bytes of bf16) and their scales computed once per step for all of them (:func:`precompute_scales`).
 
 Float8 GEMMs need float8 tensor cores: compute capability 8.9 or more (H100, H200, L40S, L4, RTX 4090). Elsewhere
@@ -61,6 +62,8 @@ def float8_linear_filter(module: nn.Module, name: str) -> bool:
     """Whether ``module`` (called ``name`` in the model) is converted: a linear layer inside a block with both
     dimensions multiples of 16."""
     if not isinstance(module, nn.Linear) or not name.startswith("blocks."):
+        return False
+    if name.rsplit(".", 1)[-1] == "router":  # an MoE's expert choice stays in bf16, as torchtitan keeps it
         return False
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 

@@ -17,6 +17,12 @@ the data-parallel ranks, ``dp_replicate × dp_shard`` of them. FULL_SHARD and SH
 them; HYBRID_SHARD shards within a node and replicates across nodes; NO_SHARD (DDP) replicates everywhere.
 Tensor parallelism is innermost, so its ranks are neighbours on one node (its collectives run every layer);
 the pipeline is outermost (it sends one activation per micro-batch and stage).
+
+Expert parallelism (``--ep_size``) adds no ranks: as torchtitan's, it borrows them from the data-parallel shard.
+For the routed experts of an MoE the ``dp_shard`` dimension is read as two, ``dp_shard_mod_ep × ep``
+(:meth:`ParallelPlan.expert_mesh`): each expert lives on one ``ep`` rank and is FSDP-sharded over the
+``dp_shard_mod_ep`` ranks that hold the same experts; every other weight is sharded over all of ``dp_shard``.
+The ``ep`` ranks are neighbours within ``dp_shard`` (inner), so its all-to-alls stay on a node when they can.
 """
 
 from __future__ import annotations
@@ -68,6 +74,9 @@ PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 """``--pp_schedule``: the order a pipeline rank runs its micro-batches' forwards and backwards in."""
 PIPELINE_SCHEDULES = get_args(PipelineSchedule)
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+EXPERT_MESH_DIMS = ("dp_shard_mod_ep", "ep")
+"""What the expert weights see ``dp_shard`` as: the ranks that shard one expert, and the ranks the experts are split
+over (inner)."""
 
 
 @dataclass(frozen=True)
@@ -203,6 +212,26 @@ class ParallelPlan:
                              "tell; build the mesh (ParallelPlan.build_mesh) first")
         return _coordinates(data_parallel_rank=rank, data_parallel_size=self.data_parallel_size)
 
+    @property
+    def expert_shard_size(self) -> int:
+        """Ranks one routed expert's weights are FSDP-sharded over: ``dp_shard / ep`` (``dp_shard_mod_ep``)."""
+        return self.dp_shard // self.ep
+
+    def expert_mesh(self, mesh):
+        """The plan's ``mesh`` as the routed experts see it: its ``dp_shard`` dimension unflattened into
+        ``dp_shard_mod_ep × ep`` (:data:`EXPERT_MESH_DIMS`), the other dimensions as they are; None when ``ep`` is 1.
+
+        It shares ``mesh``'s ranks (the same root mesh); its two new dimensions get process groups of their own, made
+        once per mesh (every rank calls this in the same order: parallelize, for each pipeline stage).
+        """
+        if self.ep == 1 or mesh is None:
+            return None
+        cached = getattr(mesh, "_llmtrain_expert_mesh", None)
+        if cached is None:
+            cached = mesh._unflatten("dp_shard", (self.expert_shard_size, self.ep), EXPERT_MESH_DIMS)
+            mesh._llmtrain_expert_mesh = cached
+        return cached
+
     def node_and_local_rank(self, rank: int) -> tuple[int, int]:
         """(node, local rank) of ``rank``: the inverse of :func:`global_rank`."""
         return divmod(rank, self.devices)
@@ -215,7 +244,12 @@ class ParallelPlan:
     def describe_mesh(self) -> str:
         """ "replicate 2 × shard 2" """
         words = {"pp": "pipeline", "dp_replicate": "replicate", "dp_shard": "shard", "tp": "tensor"}
-        return " × ".join(f"{words[name]} {size}" for name, size in self.mesh_shape().items())
+        described = []
+        for name, size in self.mesh_shape().items():
+            described.append(f"{words[name]} {size}")
+            if name == "dp_shard" and self.ep > 1:
+                described[-1] += f" (experts: shard {self.expert_shard_size} × expert {self.ep})"
+        return " × ".join(described)
 
     def describe(self) -> str:
         """The run's one-line layout, e.g. "fsdp, FULL_SHARD, mesh shard 2 | world 2, micro batch 8, ...". """
@@ -225,7 +259,8 @@ class ParallelPlan:
             layout = f"no data-parallel wrapper, mesh {self.describe_mesh()}"
         if self.zero is not None:
             layout = f"deepspeed, {self.zero.describe()} over {self.data_parallel_size} rank(s)"
-        extras = [name for name, on in (("sequence parallel", self.sequence_parallel),
+        extras = [name for name, on in ((f"expert parallel {self.ep}", self.ep > 1),
+                                        ("sequence parallel", self.sequence_parallel),
                                         (f"pipeline schedule {self.pp_schedule}"
                                          + (f" × {self.pp_virtual_stages} stages per rank"
                                             if self.pp_virtual_stages > 1 else ""), self.pp > 1),
@@ -248,7 +283,7 @@ class ParallelPlan:
                 batch_defaults: BatchDefaults = BatchDefaults(), gpu: Optional[str] = None, tp: int = 1,
                 pp: int = 1, sequence_parallel: Optional[bool] = None, pp_schedule: Optional[str] = None,
                 pp_virtual_stages: Optional[int] = None, zero: Optional[ZeroSettings] = None,
-                float8: Optional[str] = None) -> "ParallelPlan":
+                float8: Optional[str] = None, ep: int = 1) -> "ParallelPlan":
         """Check the flags against each other and lay the run out; a bad combination raises ``ValueError``.
 
         ``device_type`` overrides what ``accelerator`` resolves to on this machine (the dry run plans for
@@ -256,7 +291,8 @@ class ParallelPlan:
         does not divide is recorded in ``batch_problem`` instead of raised, so that the dry run can still print
         the rest of the plan. ``batch_defaults`` fill the batch sizes the flags leave unset. ``tp``, ``pp``,
         ``sequence_parallel``, ``pp_schedule`` and ``pp_virtual_stages`` are ``--tp_size``,
-        ``--tp_sequence_parallel``, ``--pp_size``, ``--pp_schedule`` and ``--pp_virtual_stages``. ``zero``: the
+        ``--tp_sequence_parallel``, ``--pp_size``, ``--pp_schedule`` and ``--pp_virtual_stages``; ``ep``
+        ``--ep_size`` (whether the model has experts to split is :meth:`check_model`'s). ``zero``: the
         ZeRO settings a ``--deepspeed.config`` file holds (which a named ``deepspeed_*`` strategy must agree with).
         ``float8``: ``--float8``, checked against the device, the precision and the layout.
         """
@@ -271,6 +307,12 @@ class ParallelPlan:
         world = devices * num_nodes
         _check_float8(float8, device_type=device_type, precision=precision, gpu=gpu, strategy=strategy, tp=tp)
         split = _model_split(tp, pp, sequence_parallel, pp_schedule, pp_virtual_stages, devices, world)
+        if ep < 1:
+            raise ValueError(f"--ep_size {ep} must be at least 1 (1: every rank holds every expert)")
+        if ep > 1 and strategy.startswith("deepspeed"):
+            raise ValueError(f"--ep_size {ep} with --strategy {strategy}: DeepSpeed's ZeRO here shards every weight "
+                             "alike and has no expert-parallel groups; use --strategy fsdp (or auto) with --ep_size, "
+                             "or drop --ep_size")
         if strategy.startswith("deepspeed"):
             return cls._resolve_deepspeed(strategy, zero, devices=devices, num_nodes=num_nodes, train=train,
                                           precision=precision, fsdp=fsdp, device_type=device_type, split=split,
@@ -286,10 +328,12 @@ class ParallelPlan:
         _check_wrapper_flags(wrapper, fsdp, strategy, world, tp, pp)
         dp_replicate, dp_shard = _data_parallel_dims(sharding, dp_world, num_nodes, devices // tp)
         batch, batch_problem = _batch(train, dp_replicate * dp_shard, strict_batch, batch_defaults)
+        _check_expert_parallel(ep, wrapper, dp_shard, split)
         plan = cls(devices=devices, num_nodes=num_nodes, dp_replicate=dp_replicate, dp_shard=dp_shard,
                    wrapper=wrapper, sharding_strategy=sharding, batch=batch, precision=precision,
                    device_type=device_type, activation_checkpointing=fsdp.activation_checkpointing,
-                   cpu_offload=fsdp.cpu_offload, batch_problem=batch_problem, float8=float8, **split)
+                   cpu_offload=fsdp.cpu_offload, batch_problem=batch_problem, float8=float8, ep=ep,
+                   **split)
         plan.check_mesh()
         return plan._with_pipeline_and_sync(pp_schedule, fsdp, strict_batch)
 
@@ -378,15 +422,30 @@ class ParallelPlan:
         return None
 
     def check_model(self, config: Any, seq_len: int) -> None:
-        """The model divides as tensor and pipeline parallelism split it; a ``ValueError`` names the flag."""
+        """The model divides as tensor, pipeline and expert parallelism split it; a ``ValueError`` names the flag."""
         if self.tp > 1 and config.qk_norm != "none":
             raise ValueError(f"--tp_size {self.tp}: model {config.name or 'custom'!r} normalises its queries and keys "
                              f"(qk_norm={config.qk_norm!r}), which tensor parallelism does not split yet (each rank "
                              "holds some heads only); drop --tp_size and shard with FSDP")
+        if self.ep > 1 and not config.is_moe:
+            raise ValueError(f"--ep_size {self.ep} splits the routed experts of a mixture-of-experts model, but model "
+                             f"{config.name or 'custom'!r} is dense (n_expert 0): drop --ep_size, or train an MoE")
+        if self.ep > 1 and config.n_expert % self.ep:
+            sizes = [e for e in range(2, config.n_expert + 1) if config.n_expert % e == 0 and self.dp_shard % e == 0]
+            fix = f"use --ep_size {' or '.join(map(str, sizes))}" if sizes else "drop --ep_size"
+            raise ValueError(f"--ep_size {self.ep} must divide the {config.n_expert} experts (n_expert) of model "
+                             f"{config.name or 'custom'!r}, each rank holding as many: {fix}")
+        shard, local = self.expert_shard_size, config.n_expert // self.ep
+        if self.ep > 1 and local % shard and (config.moe_intermediate_size % shard or config.n_embd % shard):
+            raise ValueError(f"--ep_size {self.ep} leaves {local} expert(s) per rank to FSDP-shard over {shard} ranks "
+                             f"(the FSDP shard {self.dp_shard} / --ep_size): neither the experts nor their widths "
+                             f"(moe_intermediate_size {config.moe_intermediate_size}, n_embd {config.n_embd}) divide "
+                             f"by {shard}; use fewer processes" + (", or a larger --ep_size" if self.ep < config.n_expert else ""))
         if self.tp > 1:
             for what, count in (("attention heads (n_head)", config.n_head),
                                 ("key/value heads (n_query_groups)", config.n_query_groups),
-                                ("MLP width (intermediate_size)", config.intermediate_size),
+                                # an MoE's experts are not split by tensor parallelism (tensor_parallel.py)
+                                ("MLP width (intermediate_size)", 0 if config.is_moe else config.intermediate_size),
                                 ("vocabulary rows (padded_vocab_size)", config.padded_vocab_size)):
                 if count % self.tp:
                     sizes = [t for t in range(1, count + 1) if count % t == 0 and self.devices % t == 0]
@@ -559,6 +618,24 @@ def _model_split(tp: int, pp: int, sequence_parallel: Optional[bool], schedule: 
     virtual = (virtual_stages or 2) if schedule == "interleaved_1f1b" else 1
     return dict(tp=tp, pp=pp, sequence_parallel=tp > 1 and sequence_parallel is not False, pp_schedule=schedule,
                 pp_virtual_stages=virtual)
+
+
+def _check_expert_parallel(ep: int, wrapper: Wrapper, dp_shard: int, split: dict) -> None:
+    """``--ep_size`` against the data-parallel layout: its ranks are taken from the FSDP shard, which it divides."""
+    if ep == 1:
+        return
+    if wrapper == "ddp":
+        raise ValueError(f"--ep_size {ep} splits the experts over ranks of the FSDP shard, but DDP (NO_SHARD) "
+                         "replicates every weight: use --strategy fsdp (or auto) with a sharded "
+                         "--fsdp.sharding_strategy, or drop --ep_size")
+    if dp_shard % ep:
+        sizes = [size for size in range(2, dp_shard + 1) if dp_shard % size == 0]
+        others = "--tp_size × --pp_size take the other ranks; " if split["tp"] * split["pp"] > 1 else ""
+        fix = (f"use --ep_size {' or '.join(map(str, sizes))}" if sizes else
+               "add processes (e.g. --devices 2 or more), or drop --ep_size")
+        raise ValueError(f"--ep_size {ep} must divide the {dp_shard} rank(s) of the data-parallel shard, from which "
+                         f"the expert-parallel ranks are taken ({others}under HYBRID_SHARD the shard is one node's "
+                         f"ranks): {fix}")
 
 
 def _data_parallel_dims(sharding: Optional[str], dp_world: int, num_nodes: int,

@@ -1,6 +1,6 @@
 """Apply the parallel plan to a plain ``GPT``, from outside, in one fixed order.
 
-    tensor parallelism (llmtrain.distributed.tensor_parallel) →
+    tensor parallelism (llmtrain.distributed.tensor_parallel) → expert parallelism (expert_parallel) →
     activation checkpointing (each Block) → compile (each Block) →
     fully_shard(embedding, each Block, [final norm, head]) → fully_shard(root)
 
@@ -41,11 +41,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from llmtrain.args import canonical_checkpointing, checkpointed_every
+from llmtrain.distributed.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 from llmtrain.distributed.parallel_plan import ParallelPlan, data_parallel_mesh
 from llmtrain.distributed.tensor_parallel import apply_tensor_parallel
 from llmtrain.float8 import convert_to_float8
 from llmtrain.kernel_device import kernel_device_type
 from llmtrain.model import transformer_blocks
+from llmtrain.moe import moe_layers
 from llmtrain.precision import Precision
 
 
@@ -66,6 +68,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device, c
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=plan.sequence_parallel)
     if plan.float8:
         convert_to_float8(model, plan.float8, fsdp_float8_all_gather=float8_all_gather(plan))
+    expert_mesh = plan.expert_mesh(mesh)
+    if expert_mesh is not None:
+        apply_expert_parallel(model, expert_mesh["ep"])
     if plan.activation_checkpointing:
         apply_activation_checkpointing(model, plan.activation_checkpointing)
     if compile:
@@ -75,7 +80,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, *, device: torch.device, c
     if plan.wrapper == "ddp":
         return apply_ddp(model, device)
     apply_fsdp(model, data_parallel_mesh(mesh), reshard_after_forward=plan.reshard_after_forward,
-               precision=plan.precision, cpu_offload=plan.cpu_offload, one_host=plan.num_nodes == 1)
+               precision=plan.precision, cpu_offload=plan.cpu_offload, one_host=plan.num_nodes == 1,
+               expert_mesh=expert_data_parallel_mesh(expert_mesh))
     model.gathers_float8_weights = float8_all_gather(plan)  # read by the strategy after each optimizer step
     return model
 
@@ -84,6 +90,15 @@ def float8_all_gather(plan: ParallelPlan) -> bool:
     """Whether FSDP gathers float8 weights in float8 (tensorwise scaling with sharded parameters): then the step
     computes their scales after each optimizer step (llmtrain.float8.precompute_scales)."""
     return plan.float8 == "tensorwise" and plan.wrapper == "fsdp" and plan.shard_size > 1
+
+
+def expert_data_parallel_mesh(expert_mesh):
+    """The ranks that hold the same routed experts, which FSDP shards them over: ``dp_shard_mod_ep`` of the plan's
+    expert mesh (with ``dp_replicate`` under HSDP); None without expert parallelism."""
+    if expert_mesh is None:
+        return None
+    names = tuple(name for name in ("dp_replicate", "dp_shard_mod_ep") if name in expert_mesh.mesh_dim_names)
+    return expert_mesh[names] if len(names) > 1 else expert_mesh[names[0]]
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> None:
@@ -156,10 +171,13 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision: Precision,
-               cpu_offload: bool, one_host: bool) -> None:
+               cpu_offload: bool, one_host: bool, expert_mesh=None) -> None:
     """``fully_shard`` the embedding, each Block and [final norm, head] as units of their own, then the root.
 
-    A pipeline stage lacks some of them (None): it shards those it has.
+    A pipeline stage lacks some of them (None): it shards those it has. Under expert parallelism (``expert_mesh``:
+    :func:`expert_data_parallel_mesh`) each block's routed experts are a unit of their own first, sharded over the
+    ranks that hold the same experts; their gradients are averaged over the whole data-parallel ``mesh`` all the
+    same (each expert saw the tokens of every ``ep`` rank: :mod:`llmtrain.distributed.expert_parallel`).
 
     Each unit is gathered only while it computes, so the embedding is not held whole through the forward
     and the head not from the forward's start. Tied embeddings are one weight in two places, which must
@@ -180,6 +198,17 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
     if model.wte is not None and not tied:
         fully_shard(model.wte, reshard_after_forward=reshard_after_forward, **options)
     for block in transformer_blocks(model):
+        for _, moe in moe_layers(block) if expert_mesh is not None else ():
+            fully_shard(moe.experts, reshard_after_forward=reshard_after_forward,
+                        shard_placement_fn=_expert_placement(moe.experts, expert_mesh),
+                        **{**options, "mesh": expert_mesh})
+            moe.experts.set_gradient_divide_factor(float(mesh.size()))
+            # NOTE: a divide factor other than the group's size is NCCL's PREMUL_SUM, which gloo lacks: sum, then
+            # divide (one pass over the experts' gradient shards), on every backend alike. Not where the shard
+            # dimension has one rank, which reduce-scatters nothing: torch 2.13 divides the gradient by the factor
+            # there and again after the sum (by 4 at ep 2 on 2 ranks, caught by the parity test; under HSDP too).
+            if expert_mesh.size(expert_mesh.ndim - 1) > 1:
+                moe.experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
     # NOTE: the head (and the root, which holds it when tied) is the first thing backward needs, right
     # after the forward; resharding it there would only gather it again at once.
@@ -200,6 +229,18 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool, precision
             share_host_memory(model, mesh.get_group(mesh.ndim - 1))
         else:
             reduce_scatter_by_all_reduce(model)
+
+
+def _expert_placement(experts: nn.Module, expert_mesh) -> Optional[Callable]:
+    """FSDP's placement for one rank's routed experts: their dim 0 (whole experts) when the ranks that share them
+    divide their count, else dim 1 (each expert's rows; ParallelPlan.check_model makes sure that divides), as
+    torchtitan does when there are more of those ranks than experts."""
+    from torch.distributed.tensor import Shard
+
+    local_experts = experts.gate_proj.to_local().size(0)
+    if local_experts % expert_mesh.size(expert_mesh.ndim - 1) == 0:
+        return None
+    return lambda parameter: Shard(1)
 
 
 def _fsdp_overlap_enabled() -> bool:
@@ -261,27 +302,30 @@ def reduce_scatter_by_all_reduce(model: nn.Module) -> None:
     More processes, or a network between them, were not measured: those keep gloo's reduce-scatter. The all-reduce
     runs in place on FSDP's reduce-scatter input, a buffer FSDP frees right after: no memory more.
     """
-    from torch.distributed.fsdp import FSDPModule
-
     comm = _all_reduce_scatter()
-    for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            unit.set_custom_reduce_scatter(comm)
+    for unit in _shard_group_units(model):
+        unit.set_custom_reduce_scatter(comm)
 
 
 def share_host_memory(model: nn.Module, group) -> None:
     """On one CPU host, FSDP units all-gather and reduce-scatter within ``group`` (the mesh's shard dimension) through
     shared memory instead of gloo's loopback sockets (``llmtrain.distributed.shared_memory``); where the group cannot
     share memory, gloo's all-gather and :func:`reduce_scatter_by_all_reduce`'s reduction."""
-    from torch.distributed.fsdp import FSDPModule
-
     from llmtrain.distributed.shared_memory import HostAllGather, HostReduceScatter
 
     all_gather, reduce_scatter = HostAllGather(group), HostReduceScatter(group, fallback=_all_reduce_scatter())
-    for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            unit.set_custom_all_gather(all_gather)
-            unit.set_custom_reduce_scatter(reduce_scatter)
+    for unit in _shard_group_units(model):
+        unit.set_custom_all_gather(all_gather)
+        unit.set_custom_reduce_scatter(reduce_scatter)
+
+
+def _shard_group_units(model: nn.Module) -> list[nn.Module]:
+    """The FSDP units of ``model`` sharded over the plan's shard dimension: all but expert-parallel experts (sharded
+    over fewer ranks, with FSDP's own collectives)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [unit for unit in model.modules()
+            if isinstance(unit, FSDPModule) and not isinstance(unit, ExpertParallelExperts)]
 
 
 def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:

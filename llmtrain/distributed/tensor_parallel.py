@@ -15,6 +15,13 @@ reduce-scattered instead of all-reduced, and the inputs of attention and MLP are
 tp times less activation memory outside the matmuls.
 
 The model may be a pipeline stage: an embedding, final norm or head it does not hold (None) is skipped.
+
+A mixture-of-experts MLP (:class:`llmtrain.moe.MoE`) is not split: its router, shared experts and routed experts run
+whole on every tensor-parallel rank, on the whole sequence (gathered first under sequence parallelism, and split
+again after). Routing is per token and the experts are many small matmuls: splitting each expert's width over the
+tensor-parallel ranks would add two collectives per block for products a fraction the size of the dense MLP's.
+What splits the routed experts is expert parallelism (``--ep_size``, ``llmtrain.distributed.expert_parallel``),
+over the data-parallel ranks; FSDP shards the rest.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from llmtrain.model import transformer_blocks
+from llmtrain.moe import MoE
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool) -> None:
@@ -56,8 +64,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool)
 
 def _block_plan(block: nn.Module, stream, sequence_parallel: bool) -> dict:
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                                   RowwiseParallel, SequenceParallel)
 
     colwise = ColwiseParallel()  # replicated input, this rank's output features as a plain tensor
     rowwise = RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel)
@@ -66,11 +74,17 @@ def _block_plan(block: nn.Module, stream, sequence_parallel: bool) -> dict:
         "attn": PrepareModuleInput(input_layouts=(stream, None, None, None, None),
                                    desired_input_layouts=(Replicate(), None, None, None, None)),
         "attn.q_proj": colwise, "attn.k_proj": colwise, "attn.v_proj": colwise, "attn.o_proj": rowwise,
-        "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
     }
-    up, down = (("fc",), "proj") if hasattr(block.mlp, "fc") else (("gate_proj", "up_proj"), "down_proj")
-    plan.update({f"mlp.{name}": colwise for name in up})
-    plan[f"mlp.{down}"] = rowwise
+    if isinstance(block.mlp, MoE):  # whole on every rank (the module's docstring): the whole sequence in and out
+        plan["mlp"] = PrepareModuleInputOutput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
+                                               use_local_input=True, output_layouts=(Replicate(),),
+                                               desired_output_layouts=(stream,),
+                                               use_local_output=not sequence_parallel)
+    else:
+        plan["mlp"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
+        up, down = (("fc",), "proj") if hasattr(block.mlp, "fc") else (("gate_proj", "up_proj"), "down_proj")
+        plan.update({f"mlp.{name}": colwise for name in up})
+        plan[f"mlp.{down}"] = rowwise
     norm = SequenceParallel if sequence_parallel else _replicated_norm
     plan["attn_norm"] = norm()
     if block.mlp_norm is not None:  # Phi shares the attention norm

@@ -72,6 +72,9 @@ SHARED_FLAGS = (
          "--pp_virtual_stages)."),
     Flag("pp_virtual_stages", Optional[int], None, "With --pp_schedule interleaved_1f1b: stages per pipeline "
          "process (default 2)."),
+    Flag("ep_size", int, 1, "Expert parallelism for a mixture-of-experts model: split each MoE block's routed "
+         "experts over this many processes, taken from the FSDP shard (it must divide the shard and n_expert); "
+         "tokens reach their experts' process by an all-to-all."),
     Flag("dist_timeout", float, 600.0, "Seconds a collective may wait for the other ranks before the run counts "
          "as hung and stops. Waits for work one rank does alone (tokenizing the data, reading or writing a "
          "checkpoint) go around the GPU and allow the larger of this and two hours."),

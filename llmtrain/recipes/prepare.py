@@ -98,7 +98,7 @@ def _resolve_plan(flags: dict[str, Any], dry: DryRunArgs, batch_defaults: BatchD
     layout = dict(devices=devices, num_nodes=flags["num_nodes"], train=flags["train"], precision=flags["precision"],
                   strategy=flags["strategy"], fsdp=flags["fsdp"], batch_defaults=batch_defaults, tp=flags["tp_size"],
                   pp=flags["pp_size"], sequence_parallel=flags["tp_sequence_parallel"],
-                  pp_schedule=flags["pp_schedule"], pp_virtual_stages=flags["pp_virtual_stages"],
+                  pp_schedule=flags["pp_schedule"], pp_virtual_stages=flags["pp_virtual_stages"], ep=flags["ep_size"],
                   zero=engine(flags["deepspeed"].config is not None).zero_settings(flags),
                   accelerator=flags["accelerator"], float8=flags["float8"])
     if dry.requested:
@@ -140,6 +140,9 @@ def _check_model_split(plan: ParallelPlan, config: Config, seq_len: int, *, lora
     if lora is not None and plan.float8:
         raise ValueError(f"--float8 {plan.float8} converts trained linear layers; finetune_lora's are frozen and "
                          "carry adapters: drop --float8 (or use finetune_full)")
+    if lora is not None and plan.ep > 1:
+        raise ValueError(f"finetune_lora with --ep_size {plan.ep}: LoRA's adapters are not split over expert-parallel "
+                         "ranks; drop --ep_size (FSDP shards the frozen experts with the rest), or use finetune_full")
     if lora is not None and plan.splits_model:
         raise ValueError("finetune_lora trains with data parallelism only: drop --tp_size and --pp_size (the "
                          "frozen base model can be sharded with --strategy fsdp instead), or use finetune_full")

@@ -220,9 +220,9 @@ def fsdp_units_resharding_after_forward(model: torch.nn.Module) -> list[str]:
 
 def train(runtime: Runtime, *, pp: int = 1, tp: int = 1, schedule: Optional[str] = None, out_dir: Optional[Path] = None,
           checkpoint_format: str = "sharded", resume_from: Optional[Path] = None, precision: str = "32-true",
-          optimizer_class: type = torch.optim.AdamW) -> dict:
-    """8 AdamW steps of the 4-layer model with fit(), validating at steps 0, 4 and 8; checkpoints every 4 steps
-    (and final/) into out_dir when given, after resuming ``resume_from`` when given.
+          optimizer_class: type = torch.optim.AdamW, config: Optional[Config] = None, ep: int = 1) -> dict:
+    """8 AdamW steps of the 4-layer model (or ``config``) with fit(), validating at steps 0, 4 and 8; checkpoints every
+    4 steps (and final/) into out_dir when given, after resuming ``resume_from`` when given. ``ep``: --ep_size.
 
     Under a pipeline, what rank 0 receives in each checkpoint call is recorded (``received``), and a resume from a
     checkpoint these processes saved compares every rank's restored shards with those it saved (``restored``)."""
@@ -230,9 +230,9 @@ def train(runtime: Runtime, *, pp: int = 1, tp: int = 1, schedule: Optional[str]
                            lr_warmup_steps=2, max_norm=1.0, save_interval=worker.SAVE_INTERVAL if out_dir else None)
     plan = ParallelPlan.resolve(devices=runtime.world_size, num_nodes=1, train=train_args, precision=precision,
                                 fsdp=FSDPArgs(state_dict_type=checkpoint_format), accelerator="cpu", pp=pp,
-                                pp_schedule=schedule, tp=tp)
+                                pp_schedule=schedule, tp=tp, ep=ep)
     runtime = Runtime.for_plan(plan, timeout_s=worker.COLLECTIVE_TIMEOUT_S) if runtime.is_distributed else runtime
-    config = pp_config()
+    config = config or pp_config()
     model = build_model(config, plan=plan, runtime=runtime, seed=worker.SEED)
     model.max_seq_length = worker.SEQ_LEN
     initial = {name: tensor.clone() for name, tensor in gather_full_model_state(model).items()}

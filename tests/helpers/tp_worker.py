@@ -11,7 +11,7 @@ import functools
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -52,13 +52,14 @@ def family_config(name: str) -> Config:
 
 
 def resolve_plan(world_size: int, *, tp: int = 1, sequence_parallel: Optional[bool] = None, num_nodes: int = 1,
-                 fsdp: Optional[FSDPArgs] = None) -> ParallelPlan:
-    """The plan a recipe would resolve from --devices, --num_nodes, --tp_size and --tp_sequence_parallel."""
+                 fsdp: Optional[FSDPArgs] = None, **split) -> ParallelPlan:
+    """The plan a recipe would resolve from --devices, --num_nodes, --tp_size and --tp_sequence_parallel (``split``:
+    ``ep``, ``pp`` as --ep_size, --pp_size)."""
     train = TrainArgs(global_batch_size=GLOBAL_BATCH, micro_batch_size=1, max_steps=MAX_STEPS, lr_warmup_steps=2,
                       max_norm=1.0)
     return ParallelPlan.resolve(devices=world_size // num_nodes, num_nodes=num_nodes, train=train,
                                 precision="32-true", fsdp=fsdp, accelerator="cpu", tp=tp,
-                                sequence_parallel=sequence_parallel)
+                                sequence_parallel=sequence_parallel, **split)
 
 
 def build(plan: ParallelPlan, config: Config) -> tuple[torch.nn.Module, Runtime]:
@@ -74,13 +75,15 @@ def build(plan: ParallelPlan, config: Config) -> tuple[torch.nn.Module, Runtime]
 
 
 def train(world_size: int = 1, *, out_dir: Optional[Path] = None, checkpoint_format: str = "sharded",
-          resume_from: Optional[Path] = None, **layout) -> dict:
-    """8 AdamW steps of dist_worker's tiny model with fit() on the given layout; the losses and final weights.
+          resume_from: Optional[Path] = None, config: Optional[Config] = None,
+          report: Optional[Callable[[torch.nn.Module], dict]] = None, **layout) -> dict:
+    """8 AdamW steps of dist_worker's tiny model (or ``config``) with fit() on the given layout; the losses and final
+    weights, and what ``report`` says of the trained model.
 
     With ``out_dir`` a checkpoint of ``checkpoint_format`` every 4 steps; ``resume_from`` loads one first.
     """
     plan = resolve_plan(world_size, **layout)
-    config = dist_worker.tiny_config()
+    config = config or dist_worker.tiny_config()
     model, runtime = build(plan, config)
     # The recipes' optimizer: fused AdamW, one kernel over every parameter, which needs them all DTensors alike.
     optimizer = build_optimizer(functools.partial(torch.optim.AdamW, lr=5e-3, weight_decay=0.1), model.parameters())
@@ -102,7 +105,7 @@ def train(world_size: int = 1, *, out_dir: Optional[Path] = None, checkpoint_for
             save_final=checkpointer.save_final if out_dir else lambda s: None,
             loggers=[recorder], state=state, grad_sync_only_last=plan.grad_sync_only_last))
     return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "mesh": plan.describe_mesh(),
-            "weights": gather_full_model_state(model)}
+            "weights": gather_full_model_state(model), **(report(model) if report else {})}
 
 
 def gradients(world_size: int = 1, *, name: str, **layout) -> dict:
