@@ -86,3 +86,11 @@ def test_the_dry_run_plans_float8_for_an_h100(capsys, tmp_path):
           "tensorwise", "--devices", "8", "--out_dir", str(tmp_path / "out")])
     out = capsys.readouterr().out
     assert "precision    bf16-mixed" in out and "float8 tensorwise products in the blocks" in out
+
+
+def test_an_moe_keeps_its_router_and_experts_out_of_float8():
+    config = Config.from_name("moe-debug", n_layer=1, n_embd=64, intermediate_size=64, moe_intermediate_size=32,
+                              n_expert=16, vocab_size=512)  # 16 experts: the router's width would qualify
+    model = GPT(config)
+    assert convert_to_float8(model, "rowwise", emulate=True) == 4  # q, k, v, o
+    assert type(model.blocks[0].mlp.router) is nn.Linear
