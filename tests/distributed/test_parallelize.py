@@ -359,7 +359,7 @@ def test_host_collectives_switch(monkeypatch):
 # ------------------------------------------------------------------------------------ a mixture of experts
 @pytest.fixture(scope="module")
 def single_moe() -> dict:
-    return worker.train(Runtime(), config=worker.moe_config())
+    return worker.one_process_moe()
 
 
 @pytest.mark.multiproc

@@ -238,6 +238,16 @@ def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] 
             "expert_biases": runtime.all_gather_object(expert_biases(model))}
 
 
+_ONE_PROCESS_MOE: dict = {}
+
+
+def one_process_moe() -> dict:
+    """``train`` of :func:`moe_config` in this process, once per process (two test modules compare with it)."""
+    if not _ONE_PROCESS_MOE:
+        _ONE_PROCESS_MOE.update(train(Runtime(), config=moe_config()))
+    return _ONE_PROCESS_MOE
+
+
 def expert_biases(model: torch.nn.Module) -> list[torch.Tensor]:
     """This rank's ``expert_bias`` of each MoE layer (buffers: every rank holds them whole)."""
     from llmtrain.moe import moe_layers
