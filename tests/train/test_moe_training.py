@@ -128,10 +128,10 @@ def test_the_bias_update_moves_every_layers_biases(one_process):
         assert bias.abs().max() > 0 and bias.sum().abs() < bias.abs().sum()  # up for some experts, down for others
 
 
-def test_activation_checkpointing_keeps_the_losses_and_the_biases(one_process):
-    """A recomputed forward counts its load again: every logged ratio and the bias update stay the same.
-    (``op`` checkpointing passed this test too, at twice the cost: 11 CPU-s.)"""
-    result = worker.train(Runtime(), config=worker.moe_config(), fsdp=FSDPArgs(activation_checkpointing=True))
+@pytest.mark.parametrize("mode", [True, "op"], ids=["full", "op"])
+def test_activation_checkpointing_keeps_the_losses_and_the_biases(one_process, mode):
+    """A recomputed forward counts its load again: every logged ratio and the bias update stay the same."""
+    result = worker.train(Runtime(), config=worker.moe_config(), fsdp=FSDPArgs(activation_checkpointing=mode))
     assert result["losses"] == one_process["losses"]
     for got, expected in zip(result["expert_biases"][0], one_process["expert_biases"][0]):
         assert torch.equal(got, expected)
