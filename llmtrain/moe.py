@@ -21,7 +21,7 @@ Like the dense MLPs, the block knows nothing about parallelism.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -184,9 +184,10 @@ class MoE(nn.Module):
     (auxiliary-loss-free balancing; zeros unless ``router_bias_update_rate`` moves it).
 
     After each forward pass in training, ``load`` holds the rows each expert received since :func:`reset_moe_stats`
-    (float32, detached), and ``balance`` the sums [auxiliary loss, z-loss, passes]. Under activation
-    checkpointing a recomputed forward counts again; the balance of a layer (max over mean) and the bias update
-    (the sign of mean minus load) do not change when every count doubles.
+    (float32, detached), and ``balance`` the sums [auxiliary loss, z-loss, passes, rows expected] (rows expected:
+    tokens × k, what dropless routing must deliver). Under activation checkpointing a recomputed forward counts
+    again; every number read from them is a ratio (max over mean, mean losses per pass, the dropped share) and the
+    bias update takes the sign of mean minus load, none of which change when every count doubles.
     """
 
     def __init__(self, config: Config) -> None:
@@ -229,7 +230,8 @@ class MoE(nn.Module):
         with torch.no_grad():
             counts = tokens_per_expert.float()
             self.load = counts if self.load is None else self.load + counts
-            values = torch.stack([aux.detach(), z.detach(), torch.ones_like(z)])
+            expected = torch.full_like(z, logits.size(0) * self.k)  # N tokens × k rows each
+            values = torch.stack([aux.detach(), z.detach(), torch.ones_like(z), expected])
             self.balance = values if self.balance is None else self.balance + values
         penalty = None
         if self.aux_loss_coef:
@@ -271,14 +273,19 @@ class _AddAuxLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        scale = torch.full(ctx.penalty_shape, _AddAuxLoss.aux_scale, dtype=ctx.penalty_dtype, device=grad.device)
+        scale = _AddAuxLoss.aux_scale
+        if isinstance(scale, torch.Tensor):  # on the device: no read
+            scale = scale.to(grad.device, ctx.penalty_dtype).expand(ctx.penalty_shape)
+        else:
+            scale = torch.full(ctx.penalty_shape, scale, dtype=ctx.penalty_dtype, device=grad.device)
         return grad, scale
 
 
-def set_aux_loss_scale(scale: float) -> None:
+def set_aux_loss_scale(scale: Union[float, torch.Tensor]) -> None:
     """The gradient the balancing losses of each micro-batch enter backward with: 1 / (micro-batches per optimizer
-    step) for a step that averages its micro-batches' losses."""
-    _AddAuxLoss.aux_scale = float(scale)
+    step) for a step that averages its micro-batches' losses (times an fp16 loss scale, which may be a device
+    tensor: it is not read)."""
+    _AddAuxLoss.aux_scale = scale.detach() if isinstance(scale, torch.Tensor) else float(scale)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
@@ -293,17 +300,32 @@ def reset_moe_stats(model: nn.Module) -> None:
 
 @dataclass
 class MoEStats:
-    """What the MoE layers of a model saw since the last reset: per layer, the rows each expert received and the
-    mean auxiliary and z losses of its forward passes."""
+    """What the MoE layers of a model saw since the last reset: per layer, the rows each expert received (``load``)
+    and the sums of ``balance`` (L, 4): auxiliary loss, z-loss, passes, rows expected. The properties read them
+    (each a device read); ``load`` and ``balance`` stay on the device."""
 
     names: list[str]
     load: list[torch.Tensor]
-    aux_loss: list[float]
-    z_loss: list[float]
+    balance: torch.Tensor
+
+    @property
+    def aux_loss(self) -> list[float]:
+        """Per layer, the mean auxiliary loss of its forward passes (1.0 when balanced)."""
+        return (self.balance[:, 0] / self.balance[:, 2].clamp_min(1)).tolist()
+
+    @property
+    def z_loss(self) -> list[float]:
+        """Per layer, the mean router z-loss of its forward passes."""
+        return (self.balance[:, 1] / self.balance[:, 2].clamp_min(1)).tolist()
 
     def max_over_mean(self) -> list[float]:
         """Per layer, the busiest expert's rows over the mean: 1.0 is perfect balance, E all rows on one expert."""
         return [float(load.max() / load.mean().clamp_min(1e-12)) for load in self.load]
+
+    def dropped_share(self) -> list[float]:
+        """Per layer, the share of the rows expected (tokens × k) that reached no expert: 0 for dropless routing."""
+        routed = torch.stack([load.sum() for load in self.load])
+        return (1 - routed / self.balance[:, 3].clamp_min(1)).tolist()
 
 
 def moe_stats(model: nn.Module, reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Optional[MoEStats]:
@@ -312,13 +334,12 @@ def moe_stats(model: nn.Module, reduce: Optional[Callable[[torch.Tensor], torch.
     layers = [(name, layer) for name, layer in moe_layers(model) if layer.load is not None]
     if not layers:
         return None
-    load = torch.stack([layer.load for _, layer in layers])
-    balance = torch.stack([layer.balance for _, layer in layers])
+    both = torch.cat([torch.stack([layer.load for _, layer in layers]),
+                      torch.stack([layer.balance for _, layer in layers])], dim=1)  # one reduce for both
     if reduce is not None:
-        load, balance = reduce(load), reduce(balance)
-    aux = (balance[:, 0] / balance[:, 2]).tolist()
-    z = (balance[:, 1] / balance[:, 2]).tolist()
-    return MoEStats(names=[name for name, _ in layers], load=list(load), aux_loss=aux, z_loss=z)
+        both = reduce(both)
+    n_expert = layers[0][1].n_expert
+    return MoEStats(names=[name for name, _ in layers], load=list(both[:, :n_expert]), balance=both[:, n_expert:])
 
 
 @torch.no_grad()

@@ -36,6 +36,7 @@ from llmtrain.compiling import CompileChoice, CompileSetting
 from llmtrain.recipes import build
 from llmtrain.recipes.engine import Engine, engine
 from llmtrain.recipes.flags import LoggerName
+from llmtrain.train import experts
 from llmtrain.train.loggers import build_loggers
 from llmtrain.train.horizon import Horizon, plan_horizon
 from llmtrain.train.loop import Fit, TrainState, fit
@@ -236,6 +237,8 @@ def _describe(spec: RunSpec, runtime: Runtime, built: _Built, horizon: Horizon, 
     say(f"{spec.recipe}: model {spec.config.name or 'custom'}, {built.parameters / 1e6:.2f}M parameters "
         f"({built.trainable / 1e6:.2f}M trainable), built in {time.perf_counter() - built.started:.1f}s, "
         f"{horizon.total_steps} steps of seq {spec.seq_len}{', compiled blocks' if built.compiled.enabled else ''}")
+    if (moe := experts.describe(spec.config)) is not None:
+        say(moe)
     say(horizon.describe())
     if spec.compile == "auto":
         say(built.compiled.reason)
@@ -257,7 +260,8 @@ def _fit_job(spec: RunSpec, runtime: Runtime, data: _Data, built: _Built, state:
     loggers = []
     if runtime.is_main:  # rank 0 alone writes metrics
         loggers = build_loggers(spec.logger_name, spec.out_dir, state.step if spec.resume_from else None,
-                                spec.hyperparameters, data_columns=list(data_metrics(data.train_loader)))
+                                spec.hyperparameters,
+                                data_columns=list(data_metrics(data.train_loader)) + experts.moe_columns(spec.config))
     return Fit(runtime=runtime, model=built.model, optimizer=built.optimizer, train_loader=data.train_loader,
                val_loader=data.val_loader, train=spec.train, eval=spec.eval, plan=plan.batch, horizon=data.horizon,
                precision=plan.precision, save_checkpoint=lambda state: checkpointer.save(state, good=rewind.checkpoint),
@@ -273,7 +277,7 @@ def _fit_job(spec: RunSpec, runtime: Runtime, data: _Data, built: _Built, state:
                                                    data.val_loader),
                callbacks=[profiler] if profiler is not None else [],
                pipeline=pipeline, pp_mesh=pipeline.pp_mesh if pipeline is not None else None,
-               strategy=built.strategy, rewind=rewind)
+               strategy=built.strategy, rewind=rewind, config=spec.config)
 
 
 def _train(job: Fit, spec: RunSpec, runtime: Runtime, data: _Data, rewind: Rewind,

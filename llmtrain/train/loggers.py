@@ -18,6 +18,8 @@ METRICS = ("step", "tokens", "epoch", "loss", "lr", "grad_norm", "tokens_per_sec
            "skipped", "data_wait_fraction", "reserved_memory_gb", "alloc_retries")
 DATA_PREFIX = "data/"
 """Metrics the data module adds (a mixture's ``data/tokens/<source>``): columns after METRICS in a run that has them."""
+MOE_PREFIX = "moe/"
+"""A mixture of experts' balance (:mod:`llmtrain.train.experts`): columns after METRICS in an MoE run."""
 
 
 class CSVLogger:
@@ -105,7 +107,7 @@ class WandbLogger:
 def _numbers(metrics: dict) -> dict:
     """The metrics with a numeric value, under their METRICS (or data module's) names (the step is the x axis)."""
     return {key: value for key, value in metrics.items()
-            if (key in METRICS or key.startswith(DATA_PREFIX)) and key != "step"
+            if (key in METRICS or key.startswith((DATA_PREFIX, MOE_PREFIX))) and key != "step"
             and isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
@@ -166,6 +168,12 @@ def format_line(metrics: dict) -> str:
              f"grad_norm {metrics['grad_norm']:.3f}", f"tokens/s {metrics['tokens_per_sec']:.0f}"]
     if metrics.get("mfu") is not None:
         parts.append(f"mfu {100 * metrics['mfu']:.1f}%")
+    if metrics.get(f"{MOE_PREFIX}aux_loss") is not None:  # a mixture of experts: its worst layer's balance
+        parts.append(f"aux_loss {metrics[f'{MOE_PREFIX}aux_loss']:.4f}")
+        if metrics.get(f"{MOE_PREFIX}z_loss") is not None:
+            parts.append(f"z_loss {metrics[f'{MOE_PREFIX}z_loss']:.4f}")
+        parts.append(f"load max/mean {metrics[f'{MOE_PREFIX}load_max_over_mean']:.3f} (layer "
+                     f"{metrics[f'{MOE_PREFIX}load_worst_layer']}) | dropped {100 * metrics[f'{MOE_PREFIX}dropped_share']:.1f}%")
     parts.append(f"peak_mem {metrics['peak_memory_gb']:.2f}GB")
     if metrics.get("reserved_memory_gb") is not None:
         parts.append(f"reserved {metrics['reserved_memory_gb']:.2f}GB")
@@ -185,7 +193,8 @@ def format_seconds(seconds: float) -> str:
 
 def build_loggers(name: str, out_dir: Path, resume_step: Optional[int], hyperparameters: Optional[dict] = None,
                   data_columns: Sequence[str] = ()) -> list:
-    """The CSV logger, and the one ``name`` asks for; ``data_columns`` are the data module's metrics (DATA_PREFIX)."""
+    """The CSV logger, and the one ``name`` asks for; ``data_columns`` are the metrics besides METRICS: the data
+    module's (DATA_PREFIX) and a mixture of experts' (MOE_PREFIX)."""
     loggers: list = [CSVLogger(out_dir, resume_step, data_columns)]
     if name == "tensorboard":
         loggers.append(TensorBoardLogger(out_dir))

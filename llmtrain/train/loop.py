@@ -35,9 +35,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 import torch
 
 from llmtrain.args import BatchPlan, EvalArgs, TrainArgs
+from llmtrain.config import Config
 from llmtrain.distributed.runtime import Runtime
 from llmtrain.loss import IGNORE_INDEX
 from llmtrain import callbacks
+from llmtrain.train.experts import ExpertBalance
 from llmtrain.train.horizon import Horizon
 from llmtrain.train.loggers import Console
 from llmtrain.train.metrics import LogInterval, log_metrics
@@ -120,6 +122,9 @@ class Fit:
     :class:`~llmtrain.train.strategy.TorchStrategy` (one process, DDP, FSDP)."""
     rewind: Rewind = field(default_factory=Rewind)
     """The last good checkpoint and the run's command line, for the messages of a diverging run."""
+    config: Optional[Config] = None
+    """The architecture, for a mixture of experts' settings (:mod:`llmtrain.train.experts`); None reads the MoE
+    layers from the model (one process)."""
 
 
 def fit(job: Fit) -> TrainState:
@@ -161,6 +166,7 @@ class Trainer:
         self.strategy = (job.strategy or TorchStrategy)(job)
         self.skips = self.strategy.skips
         self.train_step = TrainStep(job, self.strategy, self.hooks)
+        self.experts = ExpertBalance(job)
         self.interval = LogInterval(job)
         self.stops = StopPolicy(job, stop_request)
 
@@ -180,6 +186,7 @@ class Trainer:
             # One rank of each data-parallel shard counts its batch (Runtime.counts_batch), so sums count each once.
             input_tokens = sum(batch["input_ids"].numel() for batch in micro_batches) * job.runtime.counts_batch
             result = self.train_step(state.step + 1, micro_batches, [input_tokens, *self.stops.votes()])
+            self.experts.after_step()
             state.step += 1
             job.console.advance(state.step)
             step_tokens = self.stops.after_step(result.host_sums.read())
@@ -197,7 +204,7 @@ class Trainer:
         if log_now or save_now:
             self.skips.settle()  # before a save: the limit on skipped steps holds at every checkpoint
         if log_now:
-            self.interval.log(lr, grad_norm)
+            self.interval.log(lr, grad_norm, self.experts.interval_metrics())
         if job.val_loader is not None and step % job.eval.interval == 0:
             with self.interval.paused():  # validation is no part of the training throughput
                 _validate_and_log(job)

@@ -63,8 +63,9 @@ class LogInterval:
         self.updates += result.stepped
         self.tokens += tokens
 
-    def log(self, lr: float, grad_norm: torch.Tensor) -> None:
-        """Log the mean loss and throughput since the last log (if any step was taken); start the next interval."""
+    def log(self, lr: float, grad_norm: torch.Tensor, extra: Optional[dict] = None) -> None:
+        """Log the mean loss and throughput since the last log (if any step was taken), with ``extra`` metrics (a
+        mixture of experts' balance); start the next interval."""
         job = self.job
         # One all-reduce for both sums: the losses, and the real tokens that MFU counts.
         sums = torch.stack([self.loss_sum.double(), torch.tensor(float(self.real_tokens), dtype=torch.float64,
@@ -76,6 +77,7 @@ class LogInterval:
             metrics = _step_metrics(job, loss, lr, float(grad_norm), self.tokens / seconds, sums[1].item() / seconds)
             metrics["data_wait_fraction"] = self.data_wait / seconds
             metrics.update(data_metrics(job.train_loader))
+            metrics.update(extra or {})
             log_metrics(job, metrics)
         self._restart()
 

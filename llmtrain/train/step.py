@@ -27,6 +27,8 @@ import torch
 
 from llmtrain.loss import IGNORE_INDEX
 from llmtrain import callbacks
+from llmtrain.moe import moe_layers
+from llmtrain.train.experts import set_step_aux_scale
 
 if TYPE_CHECKING:
     from llmtrain.train.loop import Fit
@@ -65,6 +67,7 @@ class TrainStep:
     def __init__(self, job: Fit, strategy: "Strategy", hooks: callbacks.Callback) -> None:
         self.job, self.strategy, self.hooks = job, strategy, hooks
         self.passes = model_passes(job, strategy)
+        self.has_moe = bool(moe_layers(job.model))
 
     def __call__(self, step: int, micro_batches: list[dict], host_numbers: list[float]) -> StepResult:
         """Train one step; ``host_numbers`` (what this rank's host knows) are summed over the ranks on the way."""
@@ -73,6 +76,8 @@ class TrainStep:
         # Each rank's loss is its share of (sum over the step's tokens) / (token count of the step);
         # DDP, FSDP and DeepSpeed average gradients over ranks, hence the factor data_parallel_size.
         loss_scale = job.runtime.data_parallel_size / target_tokens.clamp(min=1).float()
+        if self.has_moe:  # the balancing losses: a mean over this rank's micro-batches (llmtrain.train.experts)
+            set_step_aux_scale(self.strategy, len(micro_batches), job.runtime.device)
         loss_sum = self.forward_backward(step, micro_batches, loss_scale)
         with torch.profiler.record_function(PHASES["optimizer"]):
             grad_norm, stepped = self.strategy.step()

@@ -354,3 +354,41 @@ def test_host_collectives_switch(monkeypatch):
         shared_memory.enabled()
     monkeypatch.delenv("LLMTRAIN_HOST_COLLECTIVES")
     assert shared_memory.enabled() == Path(shared_memory.SHARED_MEMORY_DIR).is_dir()
+
+
+# ------------------------------------------------------------------------------------ a mixture of experts
+@pytest.fixture(scope="module")
+def single_moe() -> dict:
+    return worker.one_process_moe()
+
+
+@pytest.mark.multiproc
+def test_moe_on_two_ranks_matches_one_process_and_every_rank_has_its_expert_biases(two, single_moe):
+    """The balancing losses weigh alike at accumulation 8 in one process and 4 on each of 2 ranks, and the bias
+    update reads the load summed over the ranks: both ranks end with the biases of the one process."""
+    result = two["moe"]
+    assert result["mesh_shape"] == "shard 2" and result["grad_accum_steps"] == worker.GLOBAL_BATCH // 2
+    assert_same_training(result, single_moe)
+    rank0, rank1 = result["expert_biases"]
+    (expected,) = single_moe["expert_biases"]
+    for bias0, bias1, reference in zip(rank0, rank1, expected):
+        assert torch.equal(bias0, bias1) and bias0.abs().max() > 0
+        torch.testing.assert_close(bias0, reference)
+    for step, metrics in result["moe"].items():  # the load summed over the ranks: the one process's balance
+        assert metrics == pytest.approx(single_moe["moe"][step], rel=1e-4)
+
+
+@pytest.mark.multiproc
+def test_moe_sharded_checkpoint_resumes_in_one_process_with_its_experts_and_biases(two, workdir):
+    """The 3-D expert weights and the expert_bias buffer go through DCP (step-4) and final/'s safetensors."""
+    result = worker.train(Runtime(), config=worker.moe_config(), out_dir=workdir / "moe_one",
+                          resume_from=workdir / "moe" / "sharded" / "step-00000004")
+    assert_same_training(result, two["moe"], steps=range(5, 9))
+    for got, expected in zip(result["expert_biases"][0], two["moe"]["expert_biases"][0]):
+        torch.testing.assert_close(got, expected)
+    final = workdir / "moe" / "sharded" / "final"
+    model = GPT(Config.from_file(final / layout.CONFIG_FILE))
+    load_weights(model, final)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, two["moe"]["weights"][name]), name
+    assert model.blocks[0].mlp.expert_bias.abs().max() > 0

@@ -54,6 +54,14 @@ def tiny_config(**overrides) -> Config:
     return Config.from_name("llama-debug", **{**fields, **overrides})
 
 
+def moe_config() -> Config:
+    """moe-debug shrunk as tiny_config (4 experts of width 64, top-2), with the auxiliary and z losses on and the
+    auxiliary-loss-free bias update."""
+    return Config.from_name("moe-debug", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, n_expert=4,
+                            moe_intermediate_size=64, vocab_size=256, block_size=32, router_aux_loss_coef=0.05,
+                            router_z_loss_coef=0.01, router_bias_update_rate=0.01)
+
+
 def uneven_tied_config() -> Config:
     """Tied embeddings and an MLP width (99) that no world size here divides: FSDP pads the last shard."""
     return Config.from_name("qwen2-debug", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, intermediate_size=99,
@@ -82,11 +90,14 @@ class Recorder:
 
     losses: dict = field(default_factory=dict)
     grad_norms: dict = field(default_factory=dict)
+    moe: dict = field(default_factory=dict)
+    """A mixture of experts' metrics (moe/...) per step."""
 
     def log(self, metrics: dict) -> None:
         if "loss" in metrics:
             self.losses[metrics["step"]] = metrics["loss"]
             self.grad_norms[metrics["step"]] = metrics["grad_norm"]
+            self.moe[metrics["step"]] = {key: value for key, value in metrics.items() if key.startswith("moe/")}
 
     def close(self) -> None:
         pass
@@ -177,13 +188,16 @@ class CountedCalls:
 
 def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] = None, precision: str = "32-true",
           num_nodes: int = 1, micro_batch_size: int = 1, out_dir: Optional[Path] = None,
-          checkpoint_formats: tuple[str, ...] = ("sharded",), resume_from: Optional[Path] = None) -> dict:
-    """8 AdamW steps of the tiny model with fit(); checkpoints every 4 steps into out_dir/FORMAT/ when given.
+          checkpoint_formats: tuple[str, ...] = ("sharded",), resume_from: Optional[Path] = None,
+          config: Optional[Config] = None) -> dict:
+    """8 AdamW steps of the tiny model (or ``config``) with fit(); checkpoints every 4 steps into out_dir/FORMAT/
+    when given.
 
     A resume loads ``resume_from`` (either format) through the first checkpointer.
     """
-    model, info = build(runtime, strategy=strategy, fsdp=fsdp, precision=precision, num_nodes=num_nodes,
-                        micro_batch_size=micro_batch_size)
+    config = config or tiny_config()
+    model, info = build(runtime, config=config, strategy=strategy, fsdp=fsdp, precision=precision,
+                        num_nodes=num_nodes, micro_batch_size=micro_batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.1)
     train_args = TrainArgs(global_batch_size=GLOBAL_BATCH, micro_batch_size=micro_batch_size, max_steps=MAX_STEPS,
                            lr_warmup_steps=2, save_interval=SAVE_INTERVAL if out_dir else None, max_norm=1.0)
@@ -192,7 +206,7 @@ def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] 
                         runtime.data_parallel_size)
     state = TrainState()
     arguments = dict(runtime=runtime, model=model, optimizer=optimizer, train_loader=loader,
-                     model_config=tiny_config(), tokenizer=None, hyperparameters={"test": True})
+                     model_config=config, tokenizer=None, hyperparameters={"test": True})
     checkpointers = [build_checkpointer(fmt, out_dir=Path(out_dir or ".") / fmt, **arguments)
                      for fmt in checkpoint_formats]
     if resume_from is not None:
@@ -204,7 +218,7 @@ def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] 
               save_checkpoint=lambda s: [c.save(s) for c in checkpointers] if out_dir else None,
               save_final=lambda s: checkpointers[0].save_final(s) if out_dir else None,
               loggers=[recorder], state=state, autocast_enabled=not info.mixed_precision_policy,
-              grad_sync_only_last=info.grad_sync_only_last)
+              grad_sync_only_last=info.grad_sync_only_last, config=config)
     host_calls = dict(shared_memory.calls)
     with (CountedCalls(torch.distributed, "all_gather_single") as all_gathers,  # FSDP2's all-gather of a unit
           CountedCalls(torch.distributed, "reduce_scatter_single") as reduce_scatters,  # FSDP2's own reduce-scatter
@@ -220,7 +234,25 @@ def train(runtime: Runtime, *, strategy: str = "auto", fsdp: Optional[FSDPArgs] 
             "sharding_strategy": info.sharding_strategy, "autocast_enabled": not info.mixed_precision_policy,
             "weights": gather_full_model_state(model),
             "grad_accum_steps": plan.grad_accum_steps, "fsdp_units": fsdp_units(model),
-            "offload_policies": offload_policies(model)}
+            "offload_policies": offload_policies(model), "moe": recorder.moe,
+            "expert_biases": runtime.all_gather_object(expert_biases(model))}
+
+
+_ONE_PROCESS_MOE: dict = {}
+
+
+def one_process_moe() -> dict:
+    """``train`` of :func:`moe_config` in this process, once per process (two test modules compare with it)."""
+    if not _ONE_PROCESS_MOE:
+        _ONE_PROCESS_MOE.update(train(Runtime(), config=moe_config()))
+    return _ONE_PROCESS_MOE
+
+
+def expert_biases(model: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's ``expert_bias`` of each MoE layer (buffers: every rank holds them whole)."""
+    from llmtrain.moe import moe_layers
+
+    return [layer.expert_bias.detach().cpu().clone() for _, layer in moe_layers(model)]
 
 
 def initial_weights(runtime: Runtime, **build_args) -> dict:
@@ -284,6 +316,9 @@ def suite_two(runtime: Runtime, workdir: Path) -> dict:
         "op_checkpointing": train(runtime, fsdp=FSDPArgs(activation_checkpointing="op")),
         "bf16_mixed": train(runtime, precision="bf16-mixed"),
         "cpu_offload": train(runtime, fsdp=FSDPArgs(cpu_offload=True)),
+        # A mixture of experts: balancing losses and the bias update, checkpointed (tests/train/test_moe_training.py).
+        "moe": train(runtime, fsdp=FSDPArgs(sharding_strategy="FULL_SHARD"), config=moe_config(),
+                     out_dir=workdir / "moe"),
         "init": initial_weights(runtime),
         # --compile auto: rank 0 alone would compile, then every rank would: each rank's decision after the vote.
         "compile_votes": [compiling.agree(compiling.CompileChoice(wants, "auto", local=True), runtime).enabled
