@@ -100,6 +100,14 @@ def expert_products(x: torch.Tensor, tokens_per_expert: torch.Tensor, gate: torc
         hidden = gating_activation(torch._grouped_mm(x, gate.transpose(-2, -1), offs=offsets), approximate)
         hidden = hidden * torch._grouped_mm(x, up.transpose(-2, -1), offs=offsets)
         return torch._grouped_mm(hidden, down.transpose(-2, -1), offs=offsets)
+    return _one_product_per_expert(x, tokens_per_expert, gate, up, down, approximate)
+
+
+@torch.compiler.disable
+def _one_product_per_expert(x: torch.Tensor, tokens_per_expert: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                            down: torch.Tensor, approximate: Optional[str]) -> torch.Tensor:
+    """The experts one after another, eagerly under ``--compile``: the rows per expert are data (``.tolist()``), and a
+    traced loop would recompile for every new count of 0 or 1 rows until torch gives up on the frame."""
     outputs = []
     for rows, g, u, d in zip(x.split(tokens_per_expert.tolist()), gate, up, down):
         outputs.append(F.linear(gating_activation(F.linear(rows, g), approximate) * F.linear(rows, u), d))
