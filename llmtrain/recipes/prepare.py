@@ -137,6 +137,11 @@ def _check_model_split(plan: ParallelPlan, config: Config, seq_len: int, *, lora
         raise ValueError(f"--quantize {quantize} (QLoRA) keeps each 4-bit or int8 weight whole on one device, so it "
                          "cannot be split by --tp_size or --pp_size: drop --quantize (plain LoRA), or use data "
                          "parallelism alone")
+    if config.is_moe and plan.wrapper == "deepspeed" and plan.precision.name.startswith("16") and (
+            config.router_aux_loss_coef or config.router_z_loss_coef):
+        raise ValueError(f"--precision {plan.precision.name} with DeepSpeed on a mixture of experts: DeepSpeed scales "
+                         "the loss inside its backward, where the balancing losses' gradients (added in the MoE "
+                         "blocks) miss its scale; use --precision bf16-mixed, or --strategy fsdp")
     if lora is not None and plan.float8:
         raise ValueError(f"--float8 {plan.float8} converts trained linear layers; finetune_lora's are frozen and "
                          "carry adapters: drop --float8 (or use finetune_full)")

@@ -180,7 +180,7 @@ def test_pretrain_cli_at_ep2_has_the_losses_of_one_process(tmp_path, dist_env):
     """--ep_size from the command line to the ranks: 2 processes at ep 2 against one, the same global batch."""
     root = Path(__file__).resolve().parents[2]
     command = [sys.executable, "-m", "llmtrain", "pretrain", "moe-debug", "--model_config.n_layer", "2",
-               "--model_config.router_aux_loss_coef", "0", "--data", "BuiltinStories", "--data.num_documents", "200",
+               "--data", "BuiltinStories", "--data.num_documents", "200",
                "--data.num_val_documents", "20", "--train.max_steps", "3", "--train.global_batch_size", "4",
                "--train.micro_batch_size", "2", "--train.max_seq_length", "64", "--eval.initial_validation", "false",
                "--eval.final_validation", "false"]

@@ -24,14 +24,11 @@ SCRIPT = Path(__file__)
 
 
 def moe_config(**overrides) -> Config:
-    """moe-debug shrunk: 2 layers of width 64, 8 experts of width 32 (top 2), a 256-token vocabulary.
-
-    NOTE: router_aux_loss_coef 0: the training step does not scale the balancing losses by its accumulation yet
-    (llmtrain.moe.set_aux_loss_scale is not called), so one process accumulating 8 micro-batches would weigh them
-    differently from 2 ranks accumulating 4 each; the parity compares what the step already makes consistent.
-    """
+    """moe-debug shrunk: 2 layers of width 64, 8 experts of width 32 (top 2), a 256-token vocabulary, the
+    load-balancing loss on (its gradient weighs each micro-batch as the token loss does, so one process accumulating 8
+    micro-batches and 2 ranks accumulating 4 each must agree with it too)."""
     fields = dict(n_layer=2, n_embd=64, n_head=4, n_query_groups=2, intermediate_size=64, moe_intermediate_size=32,
-                  vocab_size=256, block_size=32, router_aux_loss_coef=0.0)
+                  vocab_size=256, block_size=32, router_aux_loss_coef=0.05)
     return Config.from_name("moe-debug", **{**fields, **overrides})
 
 

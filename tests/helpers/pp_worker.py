@@ -269,7 +269,7 @@ def train(runtime: Runtime, *, pp: int = 1, tp: int = 1, schedule: Optional[str]
     recorder = Recorder()
     pipeline = build_pipeline(model, plan, runtime) if pp > 1 else None
     job = Fit(runtime=runtime, model=model, optimizer=optimizer, train_loader=loader, val_loader=val_loader,
-              train=train_args, eval=EvalArgs(interval=4, max_iters=VAL_BATCHES, final_validation=False),
+              config=config, train=train_args, eval=EvalArgs(interval=4, max_iters=VAL_BATCHES, final_validation=False),
               plan=plan.batch, horizon=plan_horizon(train_args, worker.GLOBAL_BATCH * worker.SEQ_LEN, None),
               precision=plan.precision, save_checkpoint=save_checkpoint if out_dir else (lambda s: None),
               save_final=save_final if out_dir else (lambda s: None), loggers=[recorder], state=state,

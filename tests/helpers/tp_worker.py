@@ -98,7 +98,8 @@ def train(world_size: int = 1, *, out_dir: Optional[Path] = None, checkpoint_for
     if resume_from is not None:
         checkpointer.load(resume_from, state)
     recorder = dist_worker.Recorder()
-    fit(Fit(runtime=runtime, model=model, optimizer=optimizer, train_loader=loader, val_loader=None, train=train_args,
+    fit(Fit(runtime=runtime, model=model, optimizer=optimizer, train_loader=loader, val_loader=None, config=config,
+            train=train_args,
             eval=EvalArgs(initial_validation=False, final_validation=False), plan=plan.batch,
             horizon=plan_horizon(train_args, GLOBAL_BATCH * SEQ_LEN, None), precision=Precision("32-true"),
             save_checkpoint=checkpointer.save if out_dir else lambda s: None,

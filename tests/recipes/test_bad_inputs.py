@@ -155,6 +155,10 @@ CASES = [
          ["--float8 rowwise", "--tp_size 2"]),
     Case("float8 for LoRA", _lora("--float8", "rowwise", "--dry_run", "--dry_run.gpu", "H100", "--precision",
                                   "bf16-true"), ["--float8 rowwise", "finetune_lora", "drop --float8"]),
+    Case("fp16 DeepSpeed on a mixture of experts", ["pretrain", "moe-debug", "--out_dir", "{out}", "--strategy",
+                                                    "deepspeed_stage_2", "--precision", "16-mixed", "--dry_run",
+                                                    "--dry_run.gpu", "A100", "--devices", "2"],
+         ["--precision 16-mixed", "DeepSpeed", "mixture of experts", "bf16-mixed"]),
     # contradictions
     Case("resume with an initial checkpoint", _pretrain("--resume", "auto", "--initial_checkpoint_dir",
                                                         "{in}/run/final"), ["--resume", "--initial_checkpoint_dir"]),
