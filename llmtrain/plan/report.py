@@ -263,6 +263,8 @@ def _describe_experts(config: Config, plan: ParallelPlan, seq_len: int, dry: Dry
 
 
 def _describe_ep(config: Config, plan: ParallelPlan) -> str:
+    if plan.wrapper != "fsdp":
+        return "every rank holds every expert (--ep_size splits them, under FSDP)"
     if plan.ep == 1:
         return ("no expert parallelism: FSDP gathers all of a block's experts on every rank (--ep_size N gathers "
                 "n_expert / N, and sends each token's rows to its experts' ranks)")
@@ -285,7 +287,8 @@ def _describe_traffic(config: Config, plan: ParallelPlan, seq_len: int, dry: Dry
     fsdp = [f"{dim} {format_size(volume[dim])}" for dim in ("dp_shard", "dp_shard_mod_ep", "dp_replicate")
             if dim in volume]
     if fsdp:
-        parts.append(f"FSDP's gathers and reductions {', '.join(fsdp)}")
+        what = "FSDP's gathers and reductions" if plan.wrapper == "fsdp" else "DDP's all-reduce"
+        parts.append(f"{what} {', '.join(fsdp)}")
     return f"per step and rank: {'; '.join(parts)}" if parts else ""
 
 
