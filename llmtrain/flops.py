@@ -13,13 +13,32 @@ if TYPE_CHECKING:
 
 
 def num_parameters(config: Config, include_embeddings: bool = True) -> int:
-    """Number of parameters of `GPT(config)`, counting a tied embedding once.
+    """Number of parameters of `GPT(config)`, counting a tied embedding once: for a mixture of experts, every
+    expert's (:func:`active_parameters` counts those one token uses).
 
     include_embeddings=False leaves out the token-embedding table (`wte`); for a model with tied
     embeddings that table is also the output layer.
     """
+    return _count(config, include_embeddings, routed_experts=config.n_expert)
+
+
+def active_parameters(config: Config, include_embeddings: bool = True) -> int:
+    """The parameters one token passes through: :func:`num_parameters` with a mixture of experts' routed experts
+    counted k times (``n_expert_per_token``) rather than ``n_expert`` times; the router, the shared experts, the
+    attention, the norms and the embeddings as the dense count has them. For a dense model, all of them."""
+    return _count(config, include_embeddings, routed_experts=config.n_expert_per_token)
+
+
+def describe_parameters(config: Config) -> str:
+    """"4.81M parameters", or for a mixture of experts "10.1M parameters (4.81M active)"."""
+    total = f"{num_parameters(config) / 1e6:,.2f}M parameters"
+    return f"{total} ({active_parameters(config) / 1e6:,.2f}M active)" if config.is_moe else total
+
+
+def _count(config: Config, include_embeddings: bool, routed_experts: int) -> int:
     norms_per_layer = 1 if config.shared_attention_norm else 2
-    per_layer = _attention_parameters(config) + _mlp_parameters(config) + norms_per_layer * _norm_parameters(config)
+    per_layer = (_attention_parameters(config) + _mlp_parameters(config, routed_experts)
+                 + norms_per_layer * _norm_parameters(config))
     total = config.n_layer * per_layer + _norm_parameters(config)  # + final norm
     embedding = config.padded_vocab_size * config.n_embd
     if include_embeddings:
@@ -35,8 +54,10 @@ def flops_per_token(config: Config, seq_len: int, training: bool = True,
                     adapter_parameters: Optional[int] = None) -> float:
     """Model FLOPs per token for sequences of `seq_len` tokens.
 
-    Forward: 2 FLOPs per weight of every matmul (attention and MLP projections and the output
-    layer over the padded vocabulary; the embedding lookup is free), plus the two attention
+    Forward: 2 FLOPs per weight of every matmul that the token passes through (attention and MLP projections and
+    the output layer over the padded vocabulary; the embedding lookup is free; of a mixture of experts, the router,
+    the token's k routed experts and the shared experts: its active weights, so that MFU counts what a token
+    computes, not the experts it skips), plus the two attention
     matmuls QK^T and AV at 2 * seq_len * head_size FLOPs per head each. Like
     `torch.utils.flop_counter.FlopCounterMode`, attention is counted over the full T x T square,
     ignoring that causal kernels skip half of it.
@@ -62,10 +83,14 @@ def flops_per_token(config: Config, seq_len: int, training: bool = True,
 
 
 def _matmul_weights(config: Config) -> int:
-    """Weights that take part in a matmul for every token: all linear weights, biases excluded."""
+    """Weights that take part in a matmul for every token: all linear weights, biases excluded; of a mixture of
+    experts, the router's, k routed experts' and the shared experts'."""
     C, hs = config.n_embd, config.head_size
     attention = C * hs * (2 * config.n_head + 2 * config.n_query_groups)  # q, o + k, v
-    mlp = _mlp_matrices(config) * C * config.intermediate_size
+    if config.is_moe:
+        mlp = moe_mlp_parameters(config, config.n_expert_per_token)
+    else:
+        mlp = _mlp_matrices(config) * C * config.intermediate_size
     return config.n_layer * (attention + mlp) + config.padded_vocab_size * C  # + lm_head
 
 
@@ -82,12 +107,27 @@ def _attention_parameters(config: Config) -> int:
     return weights + qkv_bias + o_bias
 
 
-def _mlp_parameters(config: Config) -> int:
+def _mlp_parameters(config: Config, routed_experts: int) -> int:
+    if config.is_moe:
+        return moe_mlp_parameters(config, routed_experts)
     C, hidden = config.n_embd, config.intermediate_size
     weights = _mlp_matrices(config) * C * hidden
     if not config.bias:
         return weights
     return weights + (_mlp_matrices(config) - 1) * hidden + C
+
+
+def expert_parameters(config: Config) -> int:
+    """One routed expert's weights: a gated MLP of width ``moe_intermediate_size`` without biases (0 for a dense
+    model)."""
+    return 3 * config.n_embd * config.moe_intermediate_size if config.is_moe else 0
+
+
+def moe_mlp_parameters(config: Config, routed_experts: int) -> int:
+    """A mixture-of-experts MLP's weights with ``routed_experts`` of its routed experts: the router (D x E, no
+    bias), those experts, and the shared experts (one gated MLP ``n_shared_expert`` experts wide)."""
+    router = config.n_embd * config.n_expert
+    return router + (routed_experts + config.n_shared_expert) * expert_parameters(config)
 
 
 def _norm_parameters(config: Config) -> int:

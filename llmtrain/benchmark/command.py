@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 FULL_DEFAULTS = (8, 256, 20, 5)
 SHORT_DEFAULTS = (4, 128, 3, 2)
 RECORD_FIELDS = (
-    "recipe", "model", "parameters", "trainable_parameters", "lora", "precision", "micro_batch_size", "seq_len",
+    "recipe", "model", "parameters", "active_parameters", "trainable_parameters", "lora", "precision", "micro_batch_size", "seq_len",
     "devices", "strategy", "sharding_strategy",
     "compile", "activation_checkpointing",
     "tp_size", "pp_size", "pp_schedule", "global_batch_size", "steps", "warmup",
@@ -267,12 +267,13 @@ def _measure(plan: ParallelPlan, threads: int, out_dir: Path, warmup: int, save_
 def _record(setting: dict, plan: ParallelPlan, fsdp: FSDPArgs, config: Config, adapters: Optional[LoRAArgs],
             trainable: int, flops: float, threads: int, measured: dict) -> dict:
     """The run's JSON record, in RECORD_FIELDS' order: its ``setting`` (the flags), the layout and the numbers."""
-    from llmtrain.flops import num_parameters
+    from llmtrain.flops import active_parameters, num_parameters
 
     tokens_per_sec_per_device = (setting["global_batch_size"] * setting["seq_len"] / measured["step_time_median_s"]
                                  / setting["devices"])
     record = {
-        **setting, "parameters": num_parameters(config), "trainable_parameters": trainable,
+        **setting, "parameters": num_parameters(config), "active_parameters": active_parameters(config),
+        "trainable_parameters": trainable,
         "lora": dataclasses.asdict(adapters) if adapters is not None else None, "precision": plan.precision.name,
         "activation_checkpointing": fsdp.activation_checkpointing, "pp_schedule": plan.pp_schedule,
         "tokens_per_sec_per_device": tokens_per_sec_per_device,

@@ -11,7 +11,7 @@ def _print_table(record: dict) -> None:
     ms = {key: record[key] * 1000 for key in record if key.startswith("step_time_")}
     logged = record["data_wait_fraction_logged"]
     lines = [
-        ("setting", f"{_recipe_words(record)}{record['model']} ({record['parameters'] / 1e6:.1f}M) "
+        ("setting", f"{_recipe_words(record)}{record['model']} ({_parameter_words(record)}) "
                     f"{record['precision']}, micro batch "
                     f"{record['micro_batch_size']} × seq {record['seq_len']}, {record['devices']} process(es)"
                     f"{' ' + record['sharding_strategy'] if record['sharding_strategy'] else ''}"
@@ -39,6 +39,12 @@ def _print_table(record: dict) -> None:
     ]
     width = max(len(name) for name, _ in lines)
     print("\n".join(f"{name:<{width}}  {value}" for name, value in lines))
+
+
+def _parameter_words(record: dict) -> str:
+    """"4.9M", or for a mixture of experts "10.8M, 4.9M active" (a record without the field counts all)."""
+    total, active = record["parameters"], record.get("active_parameters", record["parameters"])
+    return f"{total / 1e6:.1f}M" + (f", {active / 1e6:.1f}M active" if active != total else "")
 
 
 def _recipe_words(record: dict) -> str:

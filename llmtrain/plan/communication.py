@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from llmtrain.config import Config
 from llmtrain.distributed.parallel_plan import ParallelPlan
-from llmtrain.plan.memory import dtype_bytes, final_norm_parameters, rank_parameters, stage_layers
+from llmtrain.plan.memory import (dtype_bytes, expert_parameters_per_rank, final_norm_parameters, rank_parameters,
+                                  stage_layers)
 
 
 def tensor_parallel_passes(plan: ParallelPlan, n_layer: int) -> float:
@@ -65,6 +66,50 @@ def tensor_parallel_bytes_per_step(config: Config, plan: ParallelPlan, seq_len: 
     return tensor_parallel_bytes_per_layer(config, plan, seq_len) * layers * plan.batch.grad_accum_steps
 
 
+def tokens_routed_per_rank(plan: ParallelPlan, seq_len: int) -> int:
+    """Tokens each rank routes per micro-batch: its micro-batch, or under sequence parallelism its ``1 / tp`` of it
+    (the ranks of a tensor-parallel group route the same tokens otherwise)."""
+    tokens = plan.batch.micro_batch_size * seq_len
+    return tokens // plan.tp if plan.sequence_parallel else tokens
+
+
+def all_to_all_passes(plan: ParallelPlan, n_layer: int) -> float:
+    """All-to-alls of an MoE block per micro-batch, averaged over the blocks: the forward's dispatch and combine, the
+    backward's two (their gradients, the other way), and the forward's two again in each block that checkpointing
+    recomputes (``full``, every Nth under ``selective:N``; ``op`` keeps the collectives' outputs)."""
+    from llmtrain.args import checkpointed_every
+
+    mode = plan.activation_checkpointing
+    if mode == "op":
+        return 4
+    every = checkpointed_every(mode)
+    count = -(-n_layer // every) if every else 0
+    return 4 + 2 * count / n_layer
+
+
+def all_to_all_bytes_per_layer(config: Config, plan: ParallelPlan, seq_len: int) -> float:
+    """Bytes of the all-to-alls' buffers on one expert-parallel rank for one MoE block and one micro-batch (0 without
+    expert parallelism).
+
+    Each rank sends its N·k rows (N tokens, :func:`tokens_routed_per_rank`; k experts each) of d elements to the ranks
+    of their experts and receives as many back (balanced routing): dispatch and combine in the forward, their
+    gradients in the backward, :func:`all_to_all_passes` buffers of N·k·d·a bytes. What leaves the rank is
+    (ep - 1)/ep of each (the rows of its own experts stay); a rank whose experts are chosen more receives more.
+    """
+    if not config.is_moe or plan.ep == 1:
+        return 0.0
+    rows = tokens_routed_per_rank(plan, seq_len) * config.n_expert_per_token
+    buffer = rows * config.n_embd * dtype_bytes(plan.precision.compute_dtype)
+    return all_to_all_passes(plan, config.n_layer) * buffer
+
+
+def all_to_all_bytes_per_step(config: Config, plan: ParallelPlan, seq_len: int) -> float:
+    """:func:`all_to_all_bytes_per_layer` for every block of the busiest pipeline rank and every micro-batch of a
+    step."""
+    layers = max(stage_layers(config, plan))
+    return all_to_all_bytes_per_layer(config, plan, seq_len) * layers * plan.batch.grad_accum_steps
+
+
 def communication_bytes_per_step(config: Config, plan: ParallelPlan, seq_len: int,
                                  pipeline_rank: int = 0) -> dict[str, float]:
     """Bytes one rank of pipeline rank ``pipeline_rank`` puts through collectives in one optimizer step, by mesh
@@ -80,6 +125,10 @@ def communication_bytes_per_step(config: Config, plan: ParallelPlan, seq_len: in
     - HYBRID_SHARD (``dp_replicate``): each reduce-scatter's shard all-reduced across the replicas.
     - DDP (``dp_replicate``): the gradients all-reduced once per step or per micro-batch, as above.
     - tensor parallelism (``tp``): :func:`tensor_parallel_bytes_per_step`.
+    - expert parallelism (``ep``): the all-to-alls, :func:`all_to_all_bytes_per_step`. FSDP gathers and reduces a
+      block's routed experts over ``dp_shard_mod_ep`` (the ``dp_shard / ep`` ranks that hold the same experts), each
+      rank's ``n_expert / ep`` of them, and the rest of the model over ``dp_shard``; nothing over
+      ``dp_shard_mod_ep`` when ``ep`` is the whole shard.
     - pipeline (``pp``): each micro-batch's activations sent forward and their gradients back, per stage boundary of
       this rank (one boundary for the first and the last rank, two between).
     - ``world``: the step's token count and host numbers, a few bytes.
@@ -95,20 +144,27 @@ def communication_bytes_per_step(config: Config, plan: ParallelPlan, seq_len: in
     if plan.wrapper == "fsdp":
         dims = plan.mesh_shape()
         shard_dim = "dp_shard" if "dp_shard" in dims else "dp_replicate"
-        resharded = local - (_head_unit_parameters(config, plan, pipeline_rank) if pipeline_rank == plan.pp - 1
-                             else 0)
-        if plan.sharding_strategy == "SHARD_GRAD_OP" or plan.pp > 1:  # held through the step's micro-batches
-            gathers = local
-        elif plan.reshard_after_forward:
-            gathers = m * (local + resharded)
-        else:
-            gathers = m * local
-        if _dim_size(plan, shard_dim) > 1:  # FSDP over one rank (HYBRID_SHARD's shard 1) moves nothing
-            bytes_by_dim[shard_dim] = gathers * gathered + reductions * local * reduced
+        head = _head_unit_parameters(config, plan, pipeline_rank) if pipeline_rank == plan.pp - 1 else 0
+
+        def gathers(parameters: float, resharded: float) -> float:
+            if plan.sharding_strategy == "SHARD_GRAD_OP" or plan.pp > 1:  # held through the step's micro-batches
+                return parameters
+            return m * (parameters + resharded) if plan.reshard_after_forward else m * parameters
+
+        # the routed experts (expert parallelism): each rank's n_expert / ep of them over dp_shard / ep ranks
+        experts = expert_parameters_per_rank(config, plan, pipeline_rank) if plan.ep > 1 else 0
+        volume = {shard_dim: (local - experts, _dim_size(plan, shard_dim)),
+                  "dp_shard_mod_ep": (experts / plan.ep, _dim_size(plan, shard_dim) // plan.ep)}
+        for dim, (parameters, size) in volume.items():
+            if size > 1 and parameters:  # FSDP over one rank (HYBRID_SHARD's shard 1, ep = dp_shard) moves nothing
+                resharded = parameters - (head if dim == shard_dim else 0)
+                bytes_by_dim[dim] = gathers(parameters, resharded) * gathered + reductions * parameters * reduced
         if plan.sharding_strategy == "HYBRID_SHARD" and plan.dp_replicate > 1:
             bytes_by_dim["dp_replicate"] = reductions * local * reduced / plan.dp_shard
     elif plan.wrapper == "ddp":
         bytes_by_dim["dp_replicate"] = reductions * local * reduced
+    if plan.ep > 1:
+        bytes_by_dim["ep"] = all_to_all_bytes_per_step(config, plan, seq_len)
     if plan.tp > 1:  # what crosses the link is (tp - 1)/tp of each buffer
         bytes_by_dim["tp"] = tensor_parallel_bytes_per_step(config, plan, seq_len) * plan.tp / (plan.tp - 1)
     if plan.pp > 1:

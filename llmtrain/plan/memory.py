@@ -14,6 +14,9 @@ tests/test_plan.py, which also checks the total against a measured peak):
   block attention (llmtrain.attention, CPU training on short sequences) keeps its probabilities, a block-causal
   part of it.
 - A gated MLP (SwiGLU, GeGLU) keeps 4 · f + d elements; a plain GELU MLP 2 · f + d.
+- A mixture of experts keeps, per token, its input (d) and for each of its k routed rows the row (d), the
+  expert's gated MLP (4 · I) and the row's output (d, for the weighted sum), plus the router's fp32 scores and
+  logits (8 · E bytes), three int64 indices per row and the k weights (:func:`moe_bytes_per_token`).
 - With activation checkpointing a block keeps only its input (d elements); one block's full set comes
   back at a time during backward, after the head's are freed.
 - The loss (llmtrain.model.LinearCrossEntropy) computes its gradients in the forward, one chunk of
@@ -37,7 +40,7 @@ import torch
 
 from llmtrain.config import Config
 from llmtrain.distributed.parallel_plan import ParallelPlan
-from llmtrain.flops import num_parameters
+from llmtrain.flops import expert_parameters, moe_mlp_parameters, num_parameters
 from llmtrain.quantize import quantized_bytes_per_weight
 
 GiB = 2**30
@@ -77,7 +80,7 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, checkpointing: Union[bool, str], *,
                                tp: int = 1, sequence_parallel: bool = False,
                                attention_dtype: Optional[torch.dtype] = None,
-                               attention_scores: float = 0.0) -> dict[str, float]:
+                               attention_scores: float = 0.0, ep: int = 1) -> dict[str, float]:
     """Bytes autograd keeps per token on one tensor-parallel rank: per block, for the whole stack, for the loss.
 
     ``layer``: one block's full set; ``kept``: what a block keeps until its backward, on average over the blocks
@@ -98,6 +101,11 @@ def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, check
     the backward, where Megatron-LM gathers it again. NOTE: this estimate divided those by ``tp`` too until
     ``--dry_run.simulate`` measured them whole (TinyLlama at tp 4: 1.0 GiB more than estimated at 32 ranks).
     The vocabulary-sharded head holds ``V / tp`` of each token's logits.
+
+    A mixture of experts' MLP (:func:`moe_bytes_per_token`) is not split over ``tp`` (the ranks of a tensor-parallel
+    group route the same tokens; under sequence parallelism each routes its part of the sequence). ``dispatch``: the
+    all-to-all's send and receive buffers of one block under expert parallelism (``ep`` > 1), which exist while the
+    rows travel, a block at a time.
 
     ``attention_dtype`` (``llmtrain.model.attention_dtype``; default ``compute_dtype``): where attention computes
     in float32 although the model computes in bfloat16, the q, k, v and output it saves take 4 bytes an element
@@ -124,18 +132,21 @@ def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, check
     # block attention's (above)
     scores = dtype_bytes(attention_dtype or compute_dtype) * config.n_head * attention_scores
     upcast_saved = (q + 2 * kv if attention_scores else 2 * q + 2 * kv) * upcast  # q, k, v (and SDPA's output)
-    split = (2 * q + 4 * kv) * a + upcast_saved + scores + (4 if gated else 2) * f * a  # heads, MLP
+    mlp = 0 if config.is_moe else (4 if gated else 2) * f * a
+    split = (2 * q + 4 * kv) * a + upcast_saved + scores + mlp  # heads, MLP
+    experts = moe_bytes_per_token(config, a) / sequence_split  # a mixture of experts: not split over tp (above)
     # the attention's and the MLP's gathered inputs, whole on every rank under sequence parallelism (above)
     gathered_inputs = (2 if sequence_parallel and tp > 1 else 0) * d * a * (1 - 1 / tp)
-    layer = replicated / sequence_split + split / tp + gathered_inputs
+    layer = replicated / sequence_split + split / tp + gathered_inputs + experts
     block_input = d * a / sequence_split
     mode = canonical_checkpointing(checkpointing)
     if mode == "op":
         # NOTE: attention's o and the MLP's down projection write a d-wide partial sum on every rank; under tensor
         # parallelism each then goes through a collective whose output is kept as well.
         attention_saved = 4 * config.n_head * (attention_scores or 1)  # the float32 scores, or SDPA's log-sum-exp
-        matmuls = (((q + 2 * kv) * a + q * (a + upcast) + attention_saved + (2 if gated else 1) * f * a) / tp
-                   + 2 * d * a)
+        mlp_matmuls = 0 if config.is_moe else (2 if gated else 1) * f * a
+        matmuls = (((q + 2 * kv) * a + q * (a + upcast) + attention_saved + mlp_matmuls) / tp
+                   + 2 * d * a + moe_matmul_bytes_per_token(config, a) / sequence_split)
         collectives = 2 * d * a / sequence_split if tp > 1 else 0
         checkpointed = block_input + matmuls + collectives
     else:
@@ -144,9 +155,44 @@ def activation_bytes_per_token(config: Config, compute_dtype: torch.dtype, check
     count = -(-config.n_layer // every) if every else 0  # blocks 0, N, 2N, ... below n_layer
     kept = (count * checkpointed + (config.n_layer - count) * layer) / config.n_layer
     logits = (4 + (a if a < 4 else 0)) * config.padded_vocab_size / tp  # fp32, and their compute-dtype copy
+    dispatch = 2 * config.n_expert_per_token * d * a / sequence_split if config.is_moe and ep > 1 else 0.0
     return {"layer": layer, "kept": kept, "stack": config.n_layer * kept,
             "recomputed": max(layer - checkpointed, 0.0) if count else 0.0,
-            "head_hidden": norm / sequence_split + d * a, "logits": logits}
+            "head_hidden": norm / sequence_split + d * a, "logits": logits, "dispatch": dispatch}
+
+
+def moe_bytes_per_token(config: Config, a: int) -> float:
+    """What a mixture-of-experts MLP (``llmtrain.moe.MoE``) keeps for its backward per token, besides its input (the
+    norm's output, counted with the block), in a compute dtype of ``a`` bytes; 0 for a dense MLP.
+
+    Each of the token's k rows: the row gathered for its expert (d), the expert's gate and up outputs, the
+    activation's and the product (4 · I), and the expert's output in token order for the weighted sum (d). The
+    router: its float32 scores (softmax's output) and logits (the z-loss's log-sum-exp input), 8 · E bytes, and
+    the log-sum-exp (4). Per row, three int64 indices (top-k's choice, the row's token, the inverse permutation)
+    and its weight (float32 for the renormalisation, in the compute dtype for the sum). The shared experts: one
+    gated MLP (4 · I · n_shared_expert). NOTE: measured with saved-tensor hooks on moe-debug's block, within
+    0.1% in float32 and bfloat16. Expert parallelism moves the rows, not their count: under balanced routing a
+    rank receives as many rows as it sends; a rank whose experts are chosen more keeps more.
+    """
+    if not config.is_moe:
+        return 0.0
+    k, d, hidden = config.n_expert_per_token, config.n_embd, config.moe_intermediate_size
+    rows = k * (2 * d + 4 * hidden) * a
+    router = 8 * config.n_expert + 4
+    per_row = k * (3 * 8 + 4 + a) + 4  # indices, the weights (and their sum)
+    shared = 4 * config.n_shared_expert * hidden * a
+    return float(rows + router + per_row + shared)
+
+
+def moe_matmul_bytes_per_token(config: Config, a: int) -> float:
+    """What ``op`` checkpointing keeps of a mixture-of-experts MLP per token: the outputs of its matmuls (the
+    router's logits, each row's gate, up and down products, the shared experts' gate and up) and the indices that
+    put the rows back in place; 0 for a dense MLP."""
+    if not config.is_moe:
+        return 0.0
+    k, hidden = config.n_expert_per_token, config.moe_intermediate_size
+    return float((config.n_expert + k * (2 * hidden + config.n_embd) + 2 * config.n_shared_expert * hidden) * a
+                 + 3 * 8 * k)
 
 
 def head_chunk_tokens(config: Config) -> int:
@@ -167,11 +213,34 @@ def final_norm_parameters(config: Config) -> int:
     return 2 * config.n_embd if config.norm_class_name == "LayerNorm" else config.n_embd
 
 
-def block_parameters_per_rank(config: Config, tp: int) -> int:
+def block_parameters_per_rank(config: Config, tp: int, ep: int = 1) -> int:
     """One block's parameters on a tensor-parallel rank: all but its norms are split over ``tp`` (the row-parallel
-    biases, replicated in fact, are counted as split: d parameters)."""
+    biases, replicated in fact, are counted as split: d parameters).
+
+    A mixture of experts' MLP is not split over ``tp`` (tensor parallelism splits its attention); ``ep`` leaves the
+    block ``n_expert / ep`` of its routed experts, the router and the shared experts whole: what an expert-parallel
+    rank gathers of a block under FSDP (FSDP itself shards the experts over the rest of ``dp_shard``, so that a rank
+    *stores* ``1 / dp_shard`` of them at any ep: :func:`rank_parameters` counts every expert, for that division).
+    """
     norms = (1 if config.shared_attention_norm else 2) * final_norm_parameters(config)
-    return (_block_parameters(config) - norms) // tp + norms
+    if not config.is_moe:
+        return (_block_parameters(config) - norms) // tp + norms
+    mlp = moe_mlp_parameters(config, config.n_expert)
+    local_mlp = mlp - (config.n_expert - config.n_expert // ep) * expert_parameters(config)
+    return (_block_parameters(config) - norms - mlp) // tp + norms + local_mlp
+
+
+def expert_parameters_per_rank(config: Config, plan: ParallelPlan, pipeline_rank: int = 0) -> int:
+    """The routed experts' weights among :func:`rank_parameters` (all ``n_expert`` of each block the rank holds;
+    0 for a dense model)."""
+    return stage_layers(config, plan)[pipeline_rank] * config.n_expert * expert_parameters(config)
+
+
+def gathered_rank_parameters(config: Config, plan: ParallelPlan, pipeline_rank: int = 0) -> int:
+    """:func:`rank_parameters` as the rank gathers them whole: with expert parallelism, ``n_expert / ep`` routed
+    experts of each block instead of all of them (the same without it)."""
+    experts = expert_parameters_per_rank(config, plan, pipeline_rank)
+    return rank_parameters(config, plan, pipeline_rank) - experts + experts // plan.ep
 
 
 def host_collective_bytes(config: Config, plan: ParallelPlan) -> int:
@@ -192,7 +261,7 @@ def host_collective_bytes(config: Config, plan: ParallelPlan) -> int:
     embedding = config.padded_vocab_size * config.n_embd // plan.tp  # tensor parallelism splits the vocabulary
     head_bias = config.padded_vocab_size // plan.tp if config.lm_head_bias else 0
     head = embedding + head_bias + final_norm_parameters(config)
-    units = [block_parameters_per_rank(config, plan.tp), head] + ([] if config.tie_embeddings else [embedding])
+    units = [block_parameters_per_rank(config, plan.tp, plan.ep), head] + ([] if config.tie_embeddings else [embedding])
     largest = max(units)
     precision = plan.precision
     gather = dtype_bytes(precision.compute_dtype if precision.is_mixed else precision.param_dtype)
@@ -259,6 +328,11 @@ def state_bytes(config: Config, plan: ParallelPlan, pipeline_rank: int = 0, *,
     ``trainable_parameters`` below the total means LoRA: only the adapters have gradients and optimizer state.
     ``quantize`` stores the frozen linear weights in 4 bits (bnb.nf4, bnb.fp4) or 8 (bnb.int8). LoRA and
     quantization never run with tensor or pipeline parallelism (the recipes refuse it).
+
+    Expert parallelism (``plan.ep``) stores as much per rank as FSDP alone (the experts over ``ep × dp_shard / ep``
+    ranks, the rest over ``dp_shard``), but what a rank gathers of a block, and the gradients it holds unsharded,
+    are its ``n_expert / ep`` experts, not all of them (:func:`block_parameters_per_rank`,
+    :func:`gathered_rank_parameters`).
     """
     precision = plan.precision
     sharding = plan.sharding_strategy if plan.wrapper != "none" else None
@@ -268,7 +342,8 @@ def state_bytes(config: Config, plan: ParallelPlan, pipeline_rank: int = 0, *,
         return zero_state_bytes(config, plan, local, trainable)
     stored, compute = dtype_bytes(precision.param_dtype), dtype_bytes(precision.compute_dtype)
     shard = plan.shard_size if sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD") else 1
-    block = block_parameters_per_rank(config, plan.tp)
+    block = block_parameters_per_rank(config, plan.tp, plan.ep)
+    gathered = gathered_rank_parameters(config, plan, pipeline_rank)
 
     frozen = local - trainable
     if quantize is not None:
@@ -286,22 +361,22 @@ def state_bytes(config: Config, plan: ParallelPlan, pipeline_rank: int = 0, *,
     if sharding in ("FULL_SHARD", "HYBRID_SHARD") and not pipelined:
         params += 2 * block * compute  # the gathered block, and the next one prefetched
     elif sharding == "SHARD_GRAD_OP" or pipelined:
-        params += local * compute  # gathered weights stay until backward (a pipeline's: until the step ends)
+        params += gathered * compute  # gathered weights stay until backward (a pipeline's: until the step ends)
     elif sharding in (None, "NO_SHARD") and precision.is_mixed:
         params += local * compute  # autocast keeps low-precision weight copies for backward (one process, DDP)
     grad_bytes = 4 if sharding is not None and precision.is_mixed else stored  # FSDP reduces in fp32
     # --fsdp.skip_gradient_sync under accumulation, or a pipeline: FSDP adds up the micro-batches' gradients
     # unsharded (in the reduction dtype, on the device even under CPU offload) and reduce-scatters them after the last.
     unsharded = fsdp and (plan.grad_sync_only_last or pipelined)
-    gradients = trainable * grad_bytes / (1 if unsharded else shard)
+    gradients = (gathered if unsharded and trainable == local else trainable) * grad_bytes / (1 if unsharded else shard)
     if sharding == "NO_SHARD":
         gradients *= 2  # DDP copies the gradients into its reduction buckets, which stay allocated between steps
     if fsdp and trainable == local:
         gradients += block * compute  # one block's unsharded gradients before the reduce-scatter
     optimizer = 2 * trainable * stored / shard  # AdamW's two moments, in the weights' dtype
     if plan.cpu_offload:
-        params, optimizer = (local if pipelined else 2 * block) * compute, 0
-        gradients = block * compute + (trainable * grad_bytes if unsharded else 0)
+        params, optimizer = (gathered if pipelined else 2 * block) * compute, 0
+        gradients = block * compute + ((gathered if trainable == local else trainable) * grad_bytes if unsharded else 0)
     return int(params), int(gradients), int(optimizer)
 
 
@@ -355,11 +430,12 @@ def activation_bytes(config: Config, plan: ParallelPlan, pipeline_rank: int = 0,
     scores = saved_scores_per_query(seq_len, attention_block(seq_len)) if kernel == "blocks" else 0.0
     per_token = activation_bytes_per_token(config, compute_dtype, plan.activation_checkpointing, tp=plan.tp,
                                            sequence_parallel=plan.sequence_parallel, attention_dtype=dtype,
-                                           attention_scores=scores)
+                                           attention_scores=scores, ep=plan.ep)
     tokens = plan.batch.micro_batch_size * seq_len
     layers = stage_layers(config, plan)[pipeline_rank]
     kept = tokens * layers * per_token["kept"] * microbatches_in_flight(plan, pipeline_rank)
-    recomputed = tokens * per_token["recomputed"]
+    # a checkpointed block's recomputed set, and the all-to-all's buffers of one block (expert parallelism)
+    recomputed = tokens * (per_token["recomputed"] + per_token["dispatch"])
     if pipeline_rank < plan.pp - 1:
         return int(kept + recomputed)
     heads_in_flight = plan.pp_microbatches if plan.pp_schedule == "gpipe" else 1

@@ -18,9 +18,11 @@ from llmtrain.args import DryRunArgs
 from llmtrain.checkpoint.size import checkpoint_bytes, final_is_separate
 from llmtrain.config import Config
 from llmtrain.distributed.parallel_plan import ParallelPlan
-from llmtrain.flops import flops_per_token, gpu_has_bf16, link_bytes_per_s, lookup_peak_flops, num_parameters
-from llmtrain.plan.communication import (pipeline_bubble, tensor_parallel_bytes_per_layer,
-                                         tensor_parallel_bytes_per_step, tensor_parallel_passes)
+from llmtrain.flops import (active_parameters, flops_per_token, gpu_has_bf16, link_bytes_per_s, lookup_peak_flops,
+                            num_parameters)
+from llmtrain.plan.communication import (all_to_all_bytes_per_step, communication_bytes_per_step, pipeline_bubble,
+                                         tensor_parallel_bytes_per_layer, tensor_parallel_bytes_per_step,
+                                         tensor_parallel_passes)
 from llmtrain.plan.memory import (MemoryEstimate, estimate_memory, format_size, host_collective_bytes,
                                   microbatches_in_flight, stage_layers)
 from llmtrain.plan.search import USABLE_MEMORY_FRACTION, device_memory_bytes, fits, gpu_name, suggest_layout
@@ -65,7 +67,9 @@ def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_
     precision = plan.precision
     lines = [
         f"dry run of `llmtrain {recipe}` (nothing is built or trained)",
-        f"model        {config.name or 'custom'}: {total / 1e6:,.1f}M parameters, {trainable / 1e6:,.1f}M trainable"
+        f"model        {config.name or 'custom'}: {total / 1e6:,.1f}M parameters"
+        f"{f' ({active_parameters(config) / 1e6:,.1f}M active per token)' if config.is_moe else ''}, "
+        f"{trainable / 1e6:,.1f}M trainable"
         f"{f', base quantized {quantize}' if quantize else ''}",
         f"layout       {plan.devices} devices × {plan.num_nodes} nodes = {plan.world_size} ranks on "
         f"{plan.device_type}; {_describe_layout(plan)}"
@@ -83,6 +87,7 @@ def dry_run(*, recipe: str, config: Config, plan: ParallelPlan, train: Any, seq_
     ]
     lines += _describe_shared_memory(config, plan)
     lines += _describe_split_costs(config, plan, seq_len, dry)
+    lines += _describe_experts(config, plan, seq_len, dry)
     if plan.zero is not None:
         lines += _describe_zero_stages(config, plan, seq_len=seq_len, trainable_parameters=trainable_parameters)
     capacity = device_memory_bytes(dry, plan)
@@ -253,6 +258,47 @@ def _describe_split_costs(config: Config, plan: ParallelPlan, seq_len: int, dry:
     return lines
 
 
+def _describe_experts(config: Config, plan: ParallelPlan, seq_len: int, dry: DryRunArgs) -> list[str]:
+    """A mixture of experts: the experts a rank holds and gathers, the all-to-all's bytes per step and rank under
+    expert parallelism, beside FSDP's gathers and reductions by mesh dimension (no lines for a dense model)."""
+    if not config.is_moe:
+        return []
+    lines = [f"experts      {config.n_expert} routed per block, {config.n_expert_per_token} per token"
+             f"{f', {config.n_shared_expert} shared' if config.n_shared_expert else ''}; {_describe_ep(config, plan)}"]
+    traffic = _describe_traffic(config, plan, seq_len, dry)
+    return lines + ([f"{'':13}{traffic}"] if traffic else [])
+
+
+def _describe_ep(config: Config, plan: ParallelPlan) -> str:
+    if plan.wrapper != "fsdp":
+        return "every rank holds every expert (--ep_size splits them, under FSDP)"
+    if plan.ep == 1:
+        return ("no expert parallelism: FSDP gathers all of a block's experts on every rank (--ep_size N gathers "
+                "n_expert / N, and sends each token's rows to its experts' ranks)")
+    return f"expert parallel {plan.ep}: {config.n_expert // plan.ep} experts of each block per rank"
+
+
+def _describe_traffic(config: Config, plan: ParallelPlan, seq_len: int, dry: DryRunArgs) -> str:
+    """ "per step and rank: all-to-all 1.2 GiB, (ep - 1)/ep of it leaves the rank: ... ; FSDP dp_shard 3.4 GiB, ..." """
+    volume = communication_bytes_per_step(config, plan, seq_len)
+    parts = []
+    if plan.ep > 1:
+        sent = all_to_all_bytes_per_step(config, plan, seq_len)
+        leaves = sent * (plan.ep - 1) / plan.ep
+        link, known = link_bytes_per_s(gpu_name(dry, plan))
+        where = "NVLink, one way" if known else "assumed PCIe 4.0 x16"
+        across = " (across nodes: slower)" if plan.ep * plan.tp > plan.devices else ""
+        parts.append(f"all-to-all {format_size(sent)} (dispatch and combine, forward and backward: "
+                     f"4·B·T·k·C·bytes per block and micro-batch), (ep - 1)/ep of it leaves the rank: "
+                     f"{format_size(leaves)}, {_seconds(leaves / link)} at {link / 1e9:.0f} GB/s ({where}){across}")
+    fsdp = [f"{dim} {format_size(volume[dim])}" for dim in ("dp_shard", "dp_shard_mod_ep", "dp_replicate")
+            if dim in volume]
+    if fsdp:
+        what = "FSDP's gathers and reductions" if plan.wrapper == "fsdp" else "DDP's all-reduce"
+        parts.append(f"{what} {', '.join(fsdp)}")
+    return f"per step and rank: {'; '.join(parts)}" if parts else ""
+
+
 def _describe_zero_stages(config: Config, plan: ParallelPlan, *, seq_len: int,
                           trainable_parameters: Optional[int]) -> list[str]:
     """Memory per device under each DeepSpeed strategy, for the same run: what another stage would save (on a CPU
@@ -297,11 +343,26 @@ def _describe_fit(config: Config, plan: ParallelPlan, memory: MemoryEstimate, *,
     costs = [f"mesh {chosen.describe_mesh()}"] if chosen.describe_mesh() else []
     if chosen.pp > 1:
         costs.append(f"{chosen.pp_schedule} bubble {pipeline_bubble(chosen):.1%}")
-    before = "" if not added else f"no --tp_size × --pp_size fits with these flags; with "
+    if chosen.ep > 1:
+        costs.append(_why_expert_parallel(config, chosen, seq_len))
+    splits = "--ep_size × --tp_size × --pp_size" if config.is_moe else "--tp_size × --pp_size"
+    before = "" if not added else f"no {splits} fits with these flags; with "
     lines.append(f"suggest      {before}{flags}: {format_size(suggestion.memory.total)} per device "
                  f"({'; '.join(costs)})")
     lines.append(f"             {suggestion.memory.describe()}")
     return lines
+
+
+def _why_expert_parallel(config: Config, plan: ParallelPlan, seq_len: int) -> str:
+    """What ``plan``'s expert parallelism saves and costs against the same plan without it: the experts FSDP gathers
+    per block, the bytes it moves per step and rank, and the all-to-all's."""
+    without = communication_bytes_per_step(config, replace(plan, ep=1), seq_len)
+    with_ep = communication_bytes_per_step(config, plan, seq_len)
+    fsdp_dims = ("dp_shard", "dp_shard_mod_ep", "dp_replicate")
+    before, after = (sum(volume.get(dim, 0.0) for dim in fsdp_dims) for volume in (without, with_ep))
+    return (f"ep {plan.ep}: each rank gathers {config.n_expert // plan.ep} of each block's {config.n_expert} experts, "
+            f"so FSDP moves {format_size(after)} per step and rank instead of {format_size(before)}, for an "
+            f"all-to-all of {format_size(with_ep.get('ep', 0.0))}")
 
 
 def _planned_steps(train: Any, tokens_per_step: int) -> Optional[int]:

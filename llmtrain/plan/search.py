@@ -79,6 +79,21 @@ def model_splits(devices: int, world: int) -> list[tuple[int, int]]:
     return sorted(pairs, key=lambda pair: (pair[0] * pair[1], pair[1]))
 
 
+def expert_splits(config: Config, plan: ParallelPlan) -> list[int]:
+    """Expert-parallel degrees to try with ``plan``, smallest first: 1, and for a mixture of experts under FSDP each
+    ep above 1 that divides both ``n_expert`` and the plan's ``dp_shard`` (the ranks ep is taken from)."""
+    if not config.is_moe or plan.wrapper != "fsdp":
+        return [1]
+    return [ep for ep in range(1, plan.dp_shard + 1) if plan.dp_shard % ep == 0 and config.n_expert % ep == 0]
+
+
+def with_expert_parallel(plan: ParallelPlan, ep: int) -> ParallelPlan:
+    """``plan`` with its routed experts split over ``ep`` ranks of its data-parallel shard."""
+    # TODO(merge): ParallelPlan.resolve(ep=...) once --ep_size is wired (the ep part of issue 45), so that its checks
+    # apply here too; expert_splits keeps to what they allow (ep divides n_expert and dp_shard, FSDP).
+    return replace(plan, ep=ep)
+
+
 SYNC_EVERY_MICRO_BATCH = "--fsdp.skip_gradient_sync false"
 """The remedy for gradients kept whole through accumulation: reduce-scatter them after every micro-batch."""
 
@@ -87,10 +102,13 @@ def suggest_layout(config: Config, plan: ParallelPlan, *, seq_len: int, train: A
                    capacity: int) -> tuple[str, Optional[Suggestion]]:
     """A layout that fits ``capacity`` bytes (a DDP run's with FSDP in DDP's place, named in the flags): first,
     where the run keeps its gradients whole through accumulation, the same layout with them reduce-scattered
-    after every micro-batch; then the first layout of :func:`model_splits` that fits with the run's other flags.
+    after every micro-batch; then the first layout of :func:`model_splits` that fits with the run's other flags,
+    each split of a mixture of experts tried with each expert-parallel degree of :func:`expert_splits` (ep before
+    tensor or pipeline parallelism: ep splits no block's work, and gathers ``1 / ep`` of each block's experts).
 
     If none does, the flags that lower memory are added one after another (those gradients, activation
-    checkpointing, micro batch 1, FULL_SHARD instead of HYBRID_SHARD, twice the nodes, CPU offload) until one does.
+    checkpointing, micro batch 1 and then its accumulated gradients reduce-scattered after each micro-batch,
+    FULL_SHARD instead of HYBRID_SHARD, twice the nodes, CPU offload) until one does.
     Returns (the flags added before the split, empty if none were needed; the suggestion, None if nothing fits
     even then).
     """
@@ -119,6 +137,10 @@ def suggest_layout(config: Config, plan: ParallelPlan, *, seq_len: int, train: A
     if plan.batch.micro_batch_size > 1:
         train = replace(train, micro_batch_size=1)
         remedies.append(("--train.micro_batch_size 1", train, fsdp, plan.num_nodes))
+        if fsdp.skip_gradient_sync and plan.wrapper in ("fsdp", "ddp"):
+            # A smaller micro batch accumulates: the sync skipped, FSDP would keep the gradients whole through it.
+            fsdp = replace(fsdp, skip_gradient_sync=False)
+            remedies.append((SYNC_EVERY_MICRO_BATCH, train, fsdp, plan.num_nodes))
     if plan.sharding_strategy == "HYBRID_SHARD":
         fsdp = replace(fsdp, sharding_strategy="FULL_SHARD")
         remedies.append(("--fsdp.sharding_strategy FULL_SHARD", train, fsdp, plan.num_nodes))
@@ -142,11 +164,28 @@ def _first_fitting_split(config: Config, plan: ParallelPlan, remedies: list[tupl
                                        fsdp=replace(fsdp, skip_gradient_sync=own_skip_sync) if pp > 1 else fsdp)
             if candidate is None:
                 continue
-            memory = estimate_memory(config, candidate, seq_len=seq_len)
-            if fits(memory, capacity):
-                split = " ".join(f"--{name} {size}" for name, size in (("tp_size", tp), ("pp_size", pp)) if size > 1)
-                return " ".join(flags), Suggestion(split, candidate, memory)
+            fitting = []
+            for ep in expert_splits(config, candidate):
+                chosen = with_expert_parallel(candidate, ep) if ep > 1 else candidate
+                memory = estimate_memory(config, chosen, seq_len=seq_len)
+                if fits(memory, capacity):
+                    fitting.append((ep, chosen, memory))
+            if fitting:
+                ep, chosen, memory = _preferred_expert_split(fitting, plan.devices)
+                sizes = (("ep_size", ep), ("tp_size", tp), ("pp_size", pp))
+                split = " ".join(f"--{name} {size}" for name, size in sizes if size > 1)
+                return " ".join(flags), Suggestion(split, chosen, memory)
     return " ".join(added), None
+
+
+def _preferred_expert_split(fitting: list[tuple[int, ParallelPlan, MemoryEstimate]],
+                            devices: int) -> tuple[int, ParallelPlan, MemoryEstimate]:
+    """Of the expert-parallel degrees that fit one split (ep ascending), the largest whose all-to-all stays within a
+    node (ep × tp ranks of a node's ``devices``): each doubling of ep halves the experts FSDP gathers and
+    reduce-scatters per step, while the all-to-all's volume grows only from (ep - 1)/ep to (2·ep - 1)/(2·ep) of the
+    same rows. A split that fits only with ep across nodes takes the smallest such ep."""
+    within = [entry for entry in fitting if entry[0] * entry[1].tp <= devices]
+    return within[-1] if within else fitting[0]
 
 
 def _resolve_split(config: Config, plan: ParallelPlan, *, seq_len: int, train: Any, fsdp: Any, num_nodes: int,

@@ -26,7 +26,7 @@ from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.distributed.parallelize import unwrap
 from llmtrain.distributed.pipeline import build_pipeline
 from llmtrain.distributed.runtime import Runtime, configure_process
-from llmtrain.flops import device_peak_flops, flops_per_token
+from llmtrain.flops import active_parameters, device_peak_flops, flops_per_token
 from llmtrain.lora import LoRAArgs
 from llmtrain.optim import OptimizerArg, build_optimizer
 from llmtrain.plan.memory import estimate_memory
@@ -234,8 +234,9 @@ def _restore(spec: RunSpec, runtime: Runtime, checkpointer: Checkpointer, state:
 def _describe(spec: RunSpec, runtime: Runtime, built: _Built, horizon: Horizon, say: Callable[[str], None]) -> None:
     """The run's opening lines: the model, its build time and length, the compile choice, layout and memory."""
     plan = spec.plan
+    active = f", {active_parameters(spec.config) / 1e6:.2f}M active per token" if spec.config.is_moe else ""
     say(f"{spec.recipe}: model {spec.config.name or 'custom'}, {built.parameters / 1e6:.2f}M parameters "
-        f"({built.trainable / 1e6:.2f}M trainable), built in {time.perf_counter() - built.started:.1f}s, "
+        f"({built.trainable / 1e6:.2f}M trainable{active}), built in {time.perf_counter() - built.started:.1f}s, "
         f"{horizon.total_steps} steps of seq {spec.seq_len}{', compiled blocks' if built.compiled.enabled else ''}")
     if (moe := experts.describe(spec.config)) is not None:
         say(moe)

@@ -468,8 +468,14 @@ def simulate(config: Config, plan: ParallelPlan, *, seq_len: int, optimizer_spec
     return [finish(child) for child, finish in children]
 
 
-def check_simulable(plan: ParallelPlan, quantize: Optional[str]) -> None:
+def check_simulable(plan: ParallelPlan, quantize: Optional[str], config: Optional[Config] = None) -> None:
     """What the simulation cannot run, refused before it starts."""
+    if config is not None and config.is_moe:
+        # NOTE: routing sizes each expert's rows by the router's choices (bincount, split), values that fake tensors
+        # do not have; torch's fake mode stops at the first such operator.
+        raise ValueError(f"--dry_run.simulate cannot run a mixture of experts ({config.name or 'this model'}): how "
+                         "many tokens each expert gets depends on the values, which its fake tensors do not have; "
+                         "drop --dry_run.simulate (the dry run's estimate counts the experts)")
     if plan.wrapper == "deepspeed":
         raise ValueError("--dry_run.simulate runs torch's own data parallelism (FSDP, DDP) with tensor and pipeline "
                          "parallelism; DeepSpeed keeps its buffers and collectives outside torch's trackers: simulate "
@@ -482,7 +488,7 @@ def check_simulable(plan: ParallelPlan, quantize: Optional[str]) -> None:
 def run_simulation(config: Config, plan: ParallelPlan, *, seq_len: int, train: Any, optimizer: Any, lora: Any = None,
                    quantize: Optional[str] = None, seed: int = 42) -> list[RankReport]:
     """``--dry_run.simulate``: simulate the ranks whose work differs and print what they measured."""
-    check_simulable(plan, quantize)
+    check_simulable(plan, quantize, config)
     started = time.perf_counter()
     try:
         reports = simulate(config, plan, seq_len=seq_len, optimizer_spec=optimizer, train=train, lora=lora, seed=seed)

@@ -4,7 +4,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from llmtrain.config import Config
-from llmtrain.flops import device_peak_flops, flops_per_token, lookup_peak_flops, num_parameters
+from llmtrain.flops import (active_parameters, describe_parameters, device_peak_flops, flops_per_token,
+                            lookup_peak_flops, num_parameters)
 from llmtrain.lora import LoRAArgs, apply_lora, mark_only_lora_trainable
 from llmtrain.model import GPT
 
@@ -83,6 +84,61 @@ def test_num_parameters_matches_the_model(name):
     model = GPT(config)
     assert num_parameters(config) == sum(p.numel() for p in model.parameters())
     assert num_parameters(config, include_embeddings=False) == num_parameters(config) - model.wte.weight.numel()
+
+
+def mixtral_tiny(**overrides) -> Config:
+    """Mixtral's shape in small: SwiGLU experts, 4 of them, 2 per token, grouped-query attention, untied head."""
+    return Config(name="mixtral-tiny", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, block_size=64, vocab_size=256,
+                  padding_multiple=64, intermediate_size=160, n_expert=4, n_expert_per_token=2,
+                  moe_intermediate_size=96, mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm", bias=False,
+                  **overrides)
+
+
+MOE_CONFIGS = {
+    "moe-debug": lambda: Config.from_name("moe-debug"),
+    "mixtral-tiny": mixtral_tiny,
+    "shared-sigmoid": lambda: mixtral_tiny(n_shared_expert=1, router_score="sigmoid", norm_topk_prob=False,
+                                           tie_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("name", MOE_CONFIGS)
+def test_moe_parameters_total_matches_the_model_and_active_counts_k_experts(name):
+    config = MOE_CONFIGS[name]()
+    with torch.device("meta"):
+        model = GPT(config)
+    assert num_parameters(config) == sum(p.numel() for p in model.parameters())  # every expert, the buffer not
+    # by hand: per block attention (q, k, v, o), two norms, the router, k routed and the shared experts' gated MLPs
+    C, hs, k, width = config.n_embd, config.head_size, config.n_expert_per_token, config.moe_intermediate_size
+    attention = C * hs * (2 * config.n_head + 2 * config.n_query_groups)
+    block = attention + 2 * C + C * config.n_expert + (k + config.n_shared_expert) * 3 * C * width
+    embeddings = config.padded_vocab_size * C * (1 if config.tie_embeddings else 2)
+    assert active_parameters(config) == config.n_layer * block + C + embeddings
+    assert active_parameters(config) < num_parameters(config)
+    assert describe_parameters(config).endswith(f"({active_parameters(config) / 1e6:,.2f}M active)")
+
+
+def test_moe_debug_has_llama_debugs_active_parameters_and_flops_but_the_router():
+    moe, dense = Config.from_name("moe-debug"), Config.from_name("llama-debug")
+    router = moe.n_layer * moe.n_embd * moe.n_expert
+    assert active_parameters(moe) == num_parameters(dense) + router
+    assert active_parameters(dense) == num_parameters(dense) and describe_parameters(dense) == "4.85M parameters"
+    # MFU counts the active weights: 6 FLOPs per active matmul weight and token in training, the attention the same
+    assert flops_per_token(moe, 256) - flops_per_token(dense, 256) == 6 * router
+
+
+@pytest.mark.parametrize("name", ["mixtral-tiny", "shared-sigmoid"])
+def test_moe_flops_per_token_matches_flop_counter(name):
+    """FlopCounterMode counts each routed row through its own expert: the active FLOPs. Besides them it counts the
+    weighted sum of each token's k outputs (a batched product, 2·k·C per token and pass), which MFU leaves out."""
+    config = MOE_CONFIGS[name]()
+    model = GPT(config)
+    model.init_weights()
+    batch_size, seq_len = 2, 32
+    idx = torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
+    expected = counted_flops(model, idx, training=True)
+    weighted_sum = 3 * config.n_layer * 2 * config.n_expert_per_token * config.n_embd * batch_size * seq_len
+    assert flops_per_token(config, seq_len) * batch_size * seq_len + weighted_sum == pytest.approx(expected, rel=0.01)
 
 
 def test_peak_flops_lookup():

@@ -180,8 +180,10 @@ def test_a_full_checkpoint_under_pipeline_parallelism_sends_rank_0_one_tensor_at
 
 REFUSED = [
     (["--strategy", "deepspeed_stage_3"], "--dry_run.simulate runs torch's own data parallelism"),
+    (["--model_name", "moe-debug"], "--dry_run.simulate cannot run a mixture of experts (moe-debug)"),
 ]
-"""Flags the simulation cannot run, and what the one line refusing them says."""
+"""Flags the simulation cannot run (after the model, llama-debug unless they name one), and what the one line
+refusing them says."""
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +194,9 @@ def command_lines(tmp_path_factory):
     argvs = [["pretrain", "llama-debug", "--devices", "4", "--num_nodes", "2", "--dry_run.simulate", "true",
               "--dry_run.gpu", "H100", "--train.micro_batch_size", "2", "--train.global_batch_size", "16",
               "--train.max_seq_length", "256", "--out_dir", str(root / "out" / "0")]]
-    argvs += [["pretrain", "llama-debug", "--devices", "2", "--dry_run.simulate", "true", "--out_dir",
-               str(root / "out" / str(index)), *flags] for index, (flags, _) in enumerate(REFUSED, start=1)]
+    argvs += [["pretrain", *([] if "--model_name" in flags else ["llama-debug"]), "--devices", "2",
+               "--dry_run.simulate", "true", "--out_dir", str(root / "out" / str(index)), *flags]
+              for index, (flags, _) in enumerate(REFUSED, start=1)]
     done = run_forked(argvs, root / "logs", dict(os.environ), timeout_s=900)  # a hang guard
     return [(result, root / "out" / str(index)) for index, result in enumerate(done)]
 
