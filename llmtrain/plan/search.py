@@ -89,8 +89,8 @@ def expert_splits(config: Config, plan: ParallelPlan) -> list[int]:
 
 def with_expert_parallel(plan: ParallelPlan, ep: int) -> ParallelPlan:
     """``plan`` with its routed experts split over ``ep`` ranks of its data-parallel shard."""
-    # TODO(merge): ParallelPlan.resolve(ep=...) once --ep_size is wired (the ep part of issue 45), so that its checks
-    # apply here too; expert_splits keeps to what they allow (ep divides n_expert and dp_shard, FSDP).
+    # NOTE: the plan is already resolved; expert_splits keeps to what ParallelPlan.resolve(ep=...) and check_model
+    # allow (FSDP, ep dividing n_expert and dp_shard).
     return replace(plan, ep=ep)
 
 

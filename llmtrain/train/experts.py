@@ -59,7 +59,6 @@ def describe(config: "Config") -> Optional[str]:
         balancing.append(f"z-loss coef {config.router_z_loss_coef:g}")
     if config.router_bias_update_rate:
         balancing.append(f"aux-loss-free bias rate {config.router_bias_update_rate:g}")
-    # TODO(lead): active and total parameters from flops.py once the plan engineer's counts are merged.
     return (f"mixture of experts: {config.n_expert} experts{shared} of width {config.moe_intermediate_size}, top-"
             f"{config.n_expert_per_token} ({config.router_score} scores), dropless; {', '.join(balancing)}")
 

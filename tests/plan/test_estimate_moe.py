@@ -14,23 +14,15 @@ from llmtrain.distributed.parallel_plan import ParallelPlan
 from llmtrain.flops import expert_parameters, gpu_memory_bytes, num_parameters
 from llmtrain.plan.communication import all_to_all_bytes_per_step, communication_bytes_per_step
 from llmtrain.plan.memory import estimate_memory, moe_bytes_per_token, state_bytes
-from llmtrain.plan.search import USABLE_MEMORY_FRACTION, expert_splits, suggest_layout, with_expert_parallel
+from llmtrain.plan.search import USABLE_MEMORY_FRACTION, expert_splits, suggest_layout
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_estimate_vs_measured import layout, measured_peak  # noqa: E402
 
 H100 = gpu_memory_bytes("H100")
 
-QWEN3_235B = dict(name="Qwen3-235B-A22B", n_layer=94, n_embd=4096, n_head=64, n_query_groups=4, head_size=128,
-                  n_expert=128, n_expert_per_token=8, moe_intermediate_size=1536, intermediate_size=12288,
-                  vocab_size=151936, padding_multiple=64, block_size=40960, mlp_class_name="LLaMAMLP",
-                  norm_class_name="RMSNorm", bias=False)
-"""Qwen3-235B-A22B's config.json in llmtrain's fields (until the zoo has it). NOTE: its per-head QK-norm weights
-(94 · 2 · 128 parameters) are left out: 24k of 235B."""
-
-
 def qwen3_235b() -> Config:
-    return Config(**QWEN3_235B)
+    return Config.from_name("Qwen3-235B-A22B")
 
 
 def fsdp_plan(devices: int, nodes: int, *, micro: int = 1, accumulation: int = 1, seq_len: int = 4096,
@@ -40,9 +32,8 @@ def fsdp_plan(devices: int, nodes: int, *, micro: int = 1, accumulation: int = 1
     plan = ParallelPlan.resolve(devices=devices, num_nodes=nodes, train=train, precision="bf16-mixed",
                                 fsdp=FSDPArgs(sharding_strategy=sharding, activation_checkpointing=checkpointing,
                                               skip_gradient_sync=False),
-                                device_type="cuda", accelerator="cuda", gpu="H100")
-    # TODO(merge): ParallelPlan.resolve(ep=...) once --ep_size is wired
-    return with_expert_parallel(plan, ep) if ep > 1 else plan
+                                device_type="cuda", accelerator="cuda", gpu="H100", ep=ep)
+    return plan
 
 
 def test_moe_state_counts_every_expert_and_ep_shrinks_only_what_a_rank_gathers():
@@ -205,14 +196,10 @@ def test_qwen3_235b_on_8x8_h100_gets_an_expert_parallel_layout():
 
 def test_dry_run_of_qwen3_235b_on_8x8_h100_suggests_ep_and_says_why(capsys, tmp_path):
     """`llmtrain pretrain --model_config qwen3-235b.yaml --devices 8 --num_nodes 8 --dry_run`: total and active
-    parameters, the experts' line, and a layout with --ep_size and the traffic it saves. TODO(merge): by its zoo name
-    once the zoo has Qwen3-235B-A22B."""
+    parameters, the experts' line, and a layout with --ep_size and the traffic it saves."""
     from llmtrain.cli import main
 
-    model_config = tmp_path / "qwen3-235b.yaml"
-    model_config.write_text("".join(f"{key}: {str(value).lower() if isinstance(value, bool) else value}\n"
-                                    for key, value in QWEN3_235B.items()))
-    main(["pretrain", "--model_config", str(model_config), "--devices", "8", "--num_nodes", "8", "--dry_run",
+    main(["pretrain", "Qwen3-235B-A22B", "--devices", "8", "--num_nodes", "8", "--dry_run",
           "--dry_run.gpu", "H100", "--train.max_seq_length", "4096", "--out_dir", str(tmp_path / "out")])
     out = capsys.readouterr().out
     assert "model        Qwen3-235B-A22B: 235,093.6M parameters (22,190.7M active per token)" in out
