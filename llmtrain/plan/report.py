@@ -124,6 +124,8 @@ def _describe_layout(plan: ParallelPlan) -> str:
         layout = f"NO_SHARD (DDP): replicate {plan.world_size}"
     else:
         layout = f"{plan.sharding_strategy}: shard {plan.dp_shard}"
+    if plan.ep > 1:  # taken from the shard: dp_shard_mod_ep × ep for the experts
+        layout += f" (experts: shard {plan.dp_shard // plan.ep} × expert {plan.ep})"
     if plan.splits_model:
         layout = f"{layout if plan.wrapper != 'none' else 'no data-parallel wrapper'}; {_describe_split(plan)}"
     return layout
