@@ -25,6 +25,8 @@ def setting(record: dict) -> tuple:
         targets = ",".join(name.removeprefix("lora_") for name, on in lora.items()
                            if on is True)  # the target switches; rank, alpha and dropout are numbers
         recipe += f" (r {lora['lora_r']}, alpha {lora['lora_alpha']}, dropout {lora['lora_dropout']:g}, {targets})"
+    if record.get("quantize"):  # QLoRA: its own setting, apart from LoRA over the same adapters
+        recipe += f" over a {record['quantize']} base"
     model = record.get("model") or record.get("config", "").rstrip("/").rsplit("/", 1)[-1]
     return recipe, model, record["precision"], bool(record.get("compile"))
 

@@ -40,6 +40,8 @@ def baseline_key(record: dict) -> str:
         split.append(record["recipe"])
     if record.get("lora"):
         split.append(_lora_words(record["lora"]))
+    if record.get("quantize"):
+        split.append(record["quantize"])
     return "|".join([key, *split])
 
 

@@ -37,6 +37,7 @@ from llmtrain.distributed.parallel_plan import ParallelPlan, StrategyName
 from llmtrain.flops import MATMUL_SIZES
 from llmtrain.lora import LoRAArgs
 from llmtrain.precision import PrecisionName
+from llmtrain.quantize import QuantizeMode
 
 if TYPE_CHECKING:
     from llmtrain.config import Config
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 FULL_DEFAULTS = (8, 256, 20, 5)
 SHORT_DEFAULTS = (4, 128, 3, 2)
 RECORD_FIELDS = (
-    "recipe", "model", "parameters", "active_parameters", "trainable_parameters", "lora", "precision", "micro_batch_size", "seq_len",
+    "recipe", "model", "parameters", "active_parameters", "trainable_parameters", "lora", "quantize", "precision", "micro_batch_size", "seq_len",
     "devices", "strategy", "sharding_strategy",
     "compile", "activation_checkpointing",
     "tp_size", "pp_size", "pp_schedule", "global_batch_size", "steps", "warmup",
@@ -61,6 +62,7 @@ def benchmark(
     model: str = "llama-debug",
     recipe: RecipeName = "pretrain",
     lora: LoRAArgs = LoRAArgs(),
+    quantize: Optional[QuantizeMode] = None,
     precision: PrecisionName = "32-true",
     micro_batch_size: Optional[int] = None,
     seq_len: Optional[int] = None,
@@ -94,6 +96,9 @@ def benchmark(
         lora: With --recipe finetune_lora: the adapters, as finetune_lora's flags, e.g. `--lora.lora_r 16
             --lora.lora_dropout 0 --lora.lora_mlp true`. Default: finetune_lora's (rank 8, alpha 16, dropout
             0.05, on the query and value projections).
+        quantize: With --recipe finetune_lora: QLoRA, the frozen base in bitsandbytes layers, as `finetune_lora
+            --quantize` (bnb.nf4, bnb.nf4-dq, bnb.fp4, bnb.fp4-dq, bnb.int8-training); one device, a `-true`
+            precision.
         precision: auto (bf16-mixed on a GPU with bf16, 16-mixed on an older one, 32-true on a CPU), 32-true,
             bf16-true, bf16-mixed, 16-true or 16-mixed.
         micro_batch_size: Sequences per data-parallel rank and micro-batch. Default 8, or 4 with --short.
@@ -138,6 +143,9 @@ def benchmark(
     if recipe != "finetune_lora" and lora != LoRAArgs():
         raise ValueError(f"--lora.* flags set the adapters of --recipe finetune_lora, not of --recipe {recipe}: "
                          "drop them or add --recipe finetune_lora")
+    if quantize is not None and recipe != "finetune_lora":
+        raise ValueError(f"--quantize {quantize} quantizes the frozen base of --recipe finetune_lora (QLoRA), not "
+                         f"of --recipe {recipe}: drop it or use --recipe finetune_lora")
     adapters = lora if recipe == "finetune_lora" else None
     fsdp, train, plan, global_batch_size = _layout(
         micro_batch_size=micro_batch_size, seq_len=seq_len, steps=warmup + steps, devices=devices, strategy=strategy,
@@ -151,8 +159,9 @@ def benchmark(
     threads = threads_per_process(devices)
     print(f"layout: {plan.describe()}", flush=True)
     measured = _measure(plan, threads, Path(out_dir), warmup, save_interval, model=model, fsdp=fsdp, train=train,
-                        compile=compile, strategy=strategy, recipe=recipe, lora=adapters)
-    setting = dict(recipe=recipe, model=model, micro_batch_size=micro_batch_size, seq_len=seq_len, devices=devices,
+                        compile=compile, strategy=strategy, recipe=recipe, lora=adapters,
+                        **({"quantize": quantize} if quantize is not None else {}))
+    setting = dict(recipe=recipe, quantize=quantize, model=model, micro_batch_size=micro_batch_size, seq_len=seq_len, devices=devices,
                    strategy=strategy, sharding_strategy=sharding_strategy, compile=compile, tp_size=tp_size,
                    pp_size=pp_size, global_batch_size=global_batch_size, save_interval=save_interval,
                    async_save=async_save, steps=steps, warmup=warmup)

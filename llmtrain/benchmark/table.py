@@ -52,6 +52,7 @@ def _recipe_words(record: dict) -> str:
     if record["recipe"] == "pretrain":
         return ""
     adapters = f"{_lora_words(record['lora'])}; " if record["lora"] else ""
+    adapters += f"base {record['quantize']}; " if record.get("quantize") else ""
     return f"{record['recipe']} ({adapters}{record['trainable_parameters'] / 1e6:.2f}M trainable) of "
 
 

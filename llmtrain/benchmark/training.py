@@ -27,9 +27,9 @@ def _train_args(micro_batch_size: int, global_batch_size: int, seq_len: int, tot
 
 def _train(run_dir: Path, *, model: str, plan: ParallelPlan, fsdp: FSDPArgs, train: TrainArgs,
            compile: bool, strategy: str = "auto", recipe: RecipeName = "pretrain",
-           lora: Optional[LoRAArgs] = None, **extra: Any) -> None:
+           lora: Optional[LoRAArgs] = None, quantize: Optional[str] = None, **extra: Any) -> None:
     """The recipe on the built-in corpus with the plan's layout, no validation; fine-tuning from random weights.
-    ``extra`` goes to the recipe's setup as it is (``profile=ProfileArgs(...)`` for bench/ab/profile_step.py)."""
+    ``quantize`` (finetune_lora only) makes it QLoRA. ``extra`` goes to the recipe's setup as it is (``profile=ProfileArgs(...)`` for bench/ab/profile_step.py)."""
     from llmtrain.data import BuiltinStories
     from llmtrain.recipes import finetune, pretrain
 
@@ -45,7 +45,7 @@ def _train(run_dir: Path, *, model: str, plan: ParallelPlan, fsdp: FSDPArgs, tra
     if recipe == "finetune_full":
         finetune.setup_full(base, **flags)
     else:
-        finetune.setup_lora(base, **dataclasses.asdict(lora), **flags)
+        finetune.setup_lora(base, **dataclasses.asdict(lora), quantize=quantize, **flags)
 
 
 def write_random_model_dir(directory: Path, model: str, tokenizer: Any, seed: int = 0) -> Path:

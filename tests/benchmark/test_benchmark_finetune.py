@@ -90,3 +90,19 @@ def test_lora_flags_without_the_lora_recipe_are_refused_before_any_work(tmp_path
                                          r"--recipe finetune_full"):
         main(["benchmark", "--recipe", "finetune_full", "--lora.lora_r", "4", "--out_dir", str(tmp_path)])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_quantize_without_the_lora_recipe_is_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match=r"--quantize bnb\.nf4 quantizes the frozen base of --recipe finetune_lora"):
+        main(["benchmark", "--quantize", "bnb.nf4", "--out_dir", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_qlora_times_the_adapters_over_a_quantized_base_and_keys_apart_from_lora(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    lora = LoRAArgs(lora_dropout=0.0)
+    record = run(tmp_path, recipe="finetune_lora", lora=lora, quantize="bnb.nf4", precision="bf16-true")
+    assert record["quantize"] == "bnb.nf4" and record["precision"] == "bf16-true"
+    config = Config.from_name("llama-debug")
+    assert record["trainable_parameters"] == lora_trainable_parameters(config, lora)
+    assert baseline_key(record) == baseline_key({**record, "quantize": None}) + "|bnb.nf4"
