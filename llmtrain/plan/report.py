@@ -125,7 +125,7 @@ def _describe_layout(plan: ParallelPlan) -> str:
     else:
         layout = f"{plan.sharding_strategy}: shard {plan.dp_shard}"
     if plan.ep > 1:  # taken from the shard: dp_shard_mod_ep × ep for the experts
-        layout += f" (experts: shard {plan.dp_shard // plan.ep} × expert {plan.ep})"
+        layout += f" (experts: shard {plan.expert_shard_size} × expert {plan.ep})"
     if plan.splits_model:
         layout = f"{layout if plan.wrapper != 'none' else 'no data-parallel wrapper'}; {_describe_split(plan)}"
     return layout
