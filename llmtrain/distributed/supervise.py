@@ -441,10 +441,16 @@ def write_error_file(exc: BaseException, callstack: str) -> bool:
     report = {"message": {"message": str(exc) if told is not None else f"{type(exc).__name__}: {exc}",
                           "extraInfo": {"py_callstack": callstack, "timestamp": str(int(now))}},
               "llmtrain_time": now, _TOLD_KEY: told}
+    # Written whole and renamed into place: the launcher reads the file as soon as it sees this process end, and a
+    # SIGTERM it sent may end us mid-write; a half-written file would crash torchrun's own agent (JSONDecodeError).
+    partial = f"{error_file}.{os.getpid()}.partial"
     try:
-        with open(error_file, "w") as f:
+        with open(partial, "w") as f:
             json.dump(report, f)
+        os.replace(partial, error_file)
     except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
         return False
     return True
 

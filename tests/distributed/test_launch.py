@@ -356,3 +356,19 @@ def test_spawn_refuses_entrypoints_from_main(clean_launch_env, monkeypatch):
     monkeypatch.setattr(entrypoint, "__module__", "__main__")
     with pytest.raises(ValueError, match="defined in the __main__ script"):
         supervise.spawn_workers(plan_launch(2, 1), entrypoint, (), {}, 5.0)
+
+
+def test_the_error_file_is_whole_whenever_the_launcher_reads_it(tmp_path, monkeypatch):
+    """The error record is written aside and renamed into place: torchrun reads it the moment the process ends (its
+    SIGTERM may end it mid-write), and an empty or half-written file crashes torchrun's agent itself."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    error_file.write_text("")  # what a process killed mid-write by an in-place writer left behind
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    assert supervise.write_error_file(RuntimeError("disk full"), "Traceback: ...")
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]  # nothing partial left beside it
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
+    assert failure.message["message"] == "RuntimeError: disk full"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "missing" / "error.json"))
+    assert not supervise.write_error_file(RuntimeError("x"), "")
