@@ -100,10 +100,9 @@ def expert_products(x: torch.Tensor, tokens_per_expert: torch.Tensor, gate: torc
         hidden = gating_activation(torch._grouped_mm(x, gate.transpose(-2, -1), offs=offsets), approximate)
         hidden = hidden * torch._grouped_mm(x, up.transpose(-2, -1), offs=offsets)
         return torch._grouped_mm(hidden, down.transpose(-2, -1), offs=offsets)
-    return _one_product_per_expert(x, tokens_per_expert, gate, up, down, approximate)
+    return _products_per_expert(x, tokens_per_expert, gate, up, down, approximate)
 
 
-@torch.compiler.disable
 def _one_product_per_expert(x: torch.Tensor, tokens_per_expert: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
                             down: torch.Tensor, approximate: Optional[str]) -> torch.Tensor:
     """The experts one after another, eagerly under ``--compile``: the rows per expert are data (``.tolist()``), and a
@@ -112,6 +111,19 @@ def _one_product_per_expert(x: torch.Tensor, tokens_per_expert: torch.Tensor, ga
     for rows, g, u, d in zip(x.split(tokens_per_expert.tolist()), gate, up, down):
         outputs.append(F.linear(gating_activation(F.linear(rows, g), approximate) * F.linear(rows, u), d))
     return torch.cat(outputs) if outputs else x.new_zeros(0, down.size(1))
+
+
+_products_per_expert = _one_product_per_expert
+
+
+def keep_expert_products_eager() -> None:
+    """Have torch.compile run the experts' products one after another eagerly (a graph break around the loop), as
+    :func:`_one_product_per_expert` needs. Called where blocks are compiled
+    (:func:`llmtrain.distributed.parallelize.apply_compile`), not at import: ``torch.compiler.disable`` imports
+    torch._dynamo, 3 to 6 s of start-up on a 2-core CPU for every process that never compiles."""
+    global _products_per_expert
+    if _products_per_expert is _one_product_per_expert:
+        _products_per_expert = torch.compiler.disable(_one_product_per_expert)
 
 
 def expert_loop(x: torch.Tensor, tokens_per_expert: torch.Tensor,

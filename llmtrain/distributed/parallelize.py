@@ -47,7 +47,7 @@ from llmtrain.distributed.tensor_parallel import apply_tensor_parallel
 from llmtrain.float8 import convert_to_float8
 from llmtrain.kernel_device import kernel_device_type
 from llmtrain.model import transformer_blocks
-from llmtrain.moe import moe_layers
+from llmtrain.moe import keep_expert_products_eager, moe_layers
 from llmtrain.precision import Precision
 
 
@@ -166,6 +166,7 @@ def _keep_matmuls_and_attention():
 
 def apply_compile(model: nn.Module) -> None:
     """Compile each Block on its own: every block has the same code, so one graph serves all."""
+    keep_expert_products_eager()
     for block in transformer_blocks(model):
         block.compile()
 

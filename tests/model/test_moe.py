@@ -155,3 +155,37 @@ def test_config_refuses_inconsistent_experts():
         small_config(n_expert=0, n_expert_per_token=0, moe_intermediate_size=None, n_shared_expert=1)
     with pytest.raises(ValueError, match="gated MLPs"):
         small_config(mlp_class_name="GptNeoxMLP")
+
+
+def test_compiled_moe_runs_its_experts_eagerly_for_every_routing():
+    """What apply_compile arranges (the experts' loop kept out of the graph: rows per expert are data) makes a
+    compiled MoE equal the eager one, output and gradients, for routings of other sizes, without a recompile. Importing
+    llmtrain.moe alone must not import torch._dynamo (seconds of every process's start)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, llmtrain.moe; print('torch._dynamo' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
+
+    import torch._dynamo
+
+    from llmtrain import moe as moe_module
+
+    torch.manual_seed(0)
+    block = MoE(small_config())
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    moe_module.keep_expert_products_eager()
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="eager")
+    torch._dynamo.utils.counters.clear()
+    for tokens in (5, 9, 17):
+        x = torch.randn(1, tokens, 32, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_(True)
+        out = compiled(x)
+        expected = block(x_eager)
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0], torch.autograd.grad(expected.sum(), x_eager)[0])
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    assert any("_one_product_per_expert" in reason for reason in breaks), dict(breaks)  # not traced, run eagerly
+    assert not torch._dynamo.utils.counters["recompiles"], dict(torch._dynamo.utils.counters["recompiles"])
