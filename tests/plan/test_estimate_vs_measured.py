@@ -1,8 +1,9 @@
 """The memory estimate against measured peaks, and ``--dry_run`` for devices this machine does not have."""
 
+import os
 import subprocess
-import sys
 
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -22,6 +23,12 @@ def layout(precision: str, micro_batch: int, checkpointing: bool | str = False, 
                                 fsdp=FSDPArgs(sharding_strategy=sharding, activation_checkpointing=checkpointing))
 
 
+_MEASURED: dict[tuple, int] = {}
+"""measured_peak's measurements in this process, by (the model config's repr, precision, micro batch, seq len,
+checkpointing mode, ddp): the tests below measure some settings twice (llama-debug in fp32 at 8 x 256 without and
+with full checkpointing), and a setting's peak is the same each time it is measured."""
+
+
 def measured_peak(config: Config, precision: str, micro_batch: int, seq_len: int, checkpointing: bool | str,
                   ddp: bool = False) -> int:
     """Peak bytes of live tensors over two training steps of the model the recipes build, as torch's
@@ -29,6 +36,16 @@ def measured_peak(config: Config, precision: str, micro_batch: int, seq_len: int
 
     ``ddp``: wrapped in DistributedDataParallel, as ``--strategy ddp`` wraps it, in a one-rank gloo group (a DDP
     rank's memory does not depend on how many there are)."""
+    from llmtrain.args import canonical_checkpointing
+
+    key = (repr(config), precision, micro_batch, seq_len, canonical_checkpointing(checkpointing), ddp)
+    if key not in _MEASURED:
+        _MEASURED[key] = _measure_peak(config, precision, micro_batch, seq_len, checkpointing, ddp)
+    return _MEASURED[key]
+
+
+def _measure_peak(config: Config, precision: str, micro_batch: int, seq_len: int, checkpointing: bool | str,
+                  ddp: bool) -> int:
     from llmtrain.distributed.runtime import Runtime
     from llmtrain.recipes.build import build_model
 
@@ -167,16 +184,44 @@ def test_estimate_follows_the_layout():
     assert per_token["stack"] == config.n_layer * per_token["layer"]
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
+DRY_RUNS = {
+    "32 gpus": ["pretrain", "tiny-llama-1.1b", "--devices", "8", "--num_nodes", "4", "--dry_run",
+                "--train.global_batch_size", "512", "--train.micro_batch_size", "4",
+                "--train.max_seq_length", "2048", "--train.max_tokens", "3000000000000",
+                "--precision", "bf16-mixed", "--dry_run.gpu", "H100", "--out_dir", "{root}/out"],
+    "full": ["pretrain", "llama-debug", "--dry_run", "--fsdp.state_dict_type", "full", "--out_dir", "{root}/ckpt"],
+    "sharded": ["pretrain", "llama-debug", "--dry_run", "--fsdp.state_dict_type", "sharded", "--out_dir",
+                "{root}/ckpt"],
+    "lora": ["finetune_lora", "{root}/model", "--dry_run", "--lora_r", "8", "--out_dir", "{root}/o"],
+    "bad input": ["pretrain", "tiny-llama-1.1b", "--devices", "8", "--num_nodes", "4", "--dry_run",
+                  "--train.global_batch_size", "100", "--out_dir", "{root}/bad"],
+}
+"""The dry runs below, as command lines ({root}: the fixture's folder)."""
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory) -> tuple[dict[str, subprocess.CompletedProcess], Path]:
+    """Each of DRY_RUNS as `python -m llmtrain ...`, a process of its own, forked from one interpreter
+    (tests/helpers/forked_cli): their results by name, and the folder their paths are in."""
+    from llmtrain.checkpoint.layout import CONFIG_FILE
+
+    from forked_cli import run_forked
+
+    root = tmp_path_factory.mktemp("dry-runs")
+    model_dir = root / "model"  # for finetune_lora: a dry run reads only the architecture
+    model_dir.mkdir()
+    Config.from_name("llama-debug").save(model_dir / CONFIG_FILE)
+    for name in ("model.safetensors", "tokenizer.json"):
+        (model_dir / name).write_bytes(b"")
+    argvs = [[arg.replace("{root}", str(root)) for arg in argv] for argv in DRY_RUNS.values()]
     # NOTE: the timeout is a hang guard: a dry run takes a few seconds, far longer only on a busy machine.
-    return subprocess.run([sys.executable, "-m", "llmtrain", *args], capture_output=True, text=True, timeout=300)
+    done = run_forked(argvs, root / "logs", dict(os.environ), timeout_s=600)
+    return dict(zip(DRY_RUNS, done)), root
 
 
-def test_dry_run_plans_32_gpus_on_this_machine(tmp_path):
-    done = run_cli("pretrain", "tiny-llama-1.1b", "--devices", "8", "--num_nodes", "4", "--dry_run",
-                   "--train.global_batch_size", "512", "--train.micro_batch_size", "4",
-                   "--train.max_seq_length", "2048", "--train.max_tokens", "3000000000000",
-                   "--precision", "bf16-mixed", "--dry_run.gpu", "H100", "--out_dir", str(tmp_path / "out"))
+def test_dry_run_plans_32_gpus_on_this_machine(dry_runs):
+    results, root = dry_runs
+    done = results["32 gpus"]
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "HYBRID_SHARD: replicate 4 × shard 8" in out
@@ -187,7 +232,7 @@ def test_dry_run_plans_32_gpus_on_this_machine(tmp_path):
     assert "step checkpoint 12.29 GiB (one file gathered on rank 0; --fsdp.state_dict_type sharded: 8 shards of " \
            "1.54 GiB)" in out  # weights + two AdamW moments, fp32; HYBRID_SHARD's replicas write no extra copy
     assert "H100 at 40% MFU" in out
-    assert not (tmp_path / "out").exists()  # nothing was written
+    assert not (root / "out").exists()  # nothing was written
 
 
 def test_dry_run_mfu_needs_the_gpu_it_is_assumed_on():
@@ -209,32 +254,23 @@ def test_a_dry_run_for_a_gpu_without_bfloat16_says_so_and_names_the_precisions_i
               "--out_dir", str(tmp_path / "out")])
 
 
-def test_dry_run_says_what_one_process_writes_for_each_checkpoint_format(tmp_path):
+def test_dry_run_says_what_one_process_writes_for_each_checkpoint_format(dry_runs):
     for state_dict_type, says in (("full", "(one file, rank 0)"), ("sharded", "(sharded: one DCP shard)")):
-        done = run_cli("pretrain", "llama-debug", "--dry_run", "--fsdp.state_dict_type", state_dict_type,
-                       "--out_dir", str(tmp_path / "out"))
+        done = dry_runs[0][state_dict_type]
         assert done.returncode == 0, done.stderr
         assert says in done.stdout, done.stdout
 
 
-def test_dry_run_for_lora_counts_only_the_adapters(tmp_path):
-    from llmtrain.checkpoint.layout import CONFIG_FILE
-
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    Config.from_name("llama-debug").save(model_dir / CONFIG_FILE)
-    for name in ("model.safetensors", "tokenizer.json"):
-        (model_dir / name).write_bytes(b"")  # a dry run reads only the architecture
-    done = run_cli("finetune_lora", str(model_dir), "--dry_run", "--lora_r", "8", "--out_dir", str(tmp_path / "o"))
+def test_dry_run_for_lora_counts_only_the_adapters(dry_runs):
+    done = dry_runs[0]["lora"]
     assert done.returncode == 0, done.stderr
     # q and v adapters of 4 layers: r · (in + out) each = 8 · (256 + 256) + 8 · (256 + 128)
     assert "4.9M parameters, 0.0M trainable" in done.stdout
     assert "each resumable step checkpoint" in done.stdout
 
 
-def test_dry_run_still_rejects_bad_input(tmp_path):
-    done = run_cli("pretrain", "tiny-llama-1.1b", "--devices", "8", "--num_nodes", "4", "--dry_run",
-                   "--train.global_batch_size", "100", "--out_dir", str(tmp_path / "o"))
+def test_dry_run_still_rejects_bad_input(dry_runs):
+    done = dry_runs[0]["bad input"]
     assert done.returncode == 2 and "--train.global_batch_size 100" in done.stderr
     assert "batch        PROBLEM: global 100 is no multiple of micro 4 × 32 ranks" in done.stdout  # the plan still shows
     assert "memory       per device (estimate)" in done.stdout
