@@ -14,6 +14,7 @@ model take 8 to 14 s each and are marked slow.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -66,6 +67,18 @@ def assert_estimates_hold(reports) -> None:
             assert abs(expected - sent) <= AGREEMENT * sent, (
                 f"rank {report.rank}, {dim}: estimate {expected / 2**30:.3f} GiB, measured {sent / 2**30:.3f} GiB {ops}")
         assert not report.growing, report.growing
+
+
+@pytest.fixture(scope="module", autouse=True)
+def imports_the_ranks_share():
+    """Every simulated rank runs in a fork of this process (simulate.start_child_process), which shares what this
+    process has imported: torch._dynamo, which each rank's optimizer constructor imports (1.5 s of CPU each, measured), and what
+    simulate_rank imports on its way, imported here once instead of in each of the file's 13 forks. The command line
+    forks its ranks with them imported already (its check of --optimizer builds one)."""
+    for name in ("torch._dynamo", "torch._subclasses.fake_tensor", "llmtrain.checkpoint.checkpointer",
+                 "llmtrain.distributed.pipeline", "llmtrain.plan.communication", "llmtrain.plan.memory",
+                 "llmtrain.recipes.build", "llmtrain.train.loop", "llmtrain.train.step", "llmtrain.train.strategy"):
+        importlib.import_module(name)
 
 
 def test_the_ranks_whose_work_differs():
