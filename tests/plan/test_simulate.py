@@ -72,9 +72,9 @@ def assert_estimates_hold(reports) -> None:
 @pytest.fixture(scope="module", autouse=True)
 def imports_the_ranks_share():
     """Every simulated rank runs in a fork of this process (simulate.start_child_process), which shares what this
-    process has imported: torch._dynamo, which each rank's optimizer constructor imports (1.5 s of CPU each, measured), and what
-    simulate_rank imports on its way, imported here once instead of in each of the file's 13 forks. The command line
-    forks its ranks with them imported already (its check of --optimizer builds one)."""
+    process has imported: torch._dynamo, which each rank's optimizer constructor imports (1.5 s of CPU each,
+    measured), and what simulate_rank imports on its way, imported here once instead of in each of the file's 13
+    forks. The command line forks its ranks with them imported already (its check of --optimizer builds one)."""
     for name in ("torch._dynamo", "torch._subclasses.fake_tensor", "llmtrain.checkpoint.checkpointer",
                  "llmtrain.distributed.pipeline", "llmtrain.plan.communication", "llmtrain.plan.memory",
                  "llmtrain.recipes.build", "llmtrain.train.loop", "llmtrain.train.step", "llmtrain.train.strategy"):
