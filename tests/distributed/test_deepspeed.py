@@ -47,7 +47,8 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
 
 @pytest.fixture(autouse=True)
 def time_limit(request):
-    with hard_limit(600, request.node.name):
+    # The first test that asks for the `from_reference` batch runs its five command lines (about 2 minutes).
+    with hard_limit(1800 if "from_reference" in request.fixturenames else 600, request.node.name):
         yield
 
 
@@ -274,6 +275,55 @@ def reference(launcher, tmp_path_factory) -> Path:
     return _REFERENCE["out_dir"]
 
 
+FINETUNES = [("finetune_full", "deepspeed_stage_2", "32-true"), ("finetune_lora", "deepspeed_stage_3", "32-true"),
+             ("finetune_lora", "deepspeed_stage_2", "bf16-mixed")]
+"""The fine-tuning runs from the DeepSpeed pretraining run's final/: (recipe, strategy, precision)."""
+
+
+def finetune_extra(recipe: str, strategy: str, precision: str, directory: Path) -> list[str]:
+    """The flags of one of FINETUNES (LoRA under stage 3 with a --deepspeed.config, written to ``directory``, that
+    partitions every parameter)."""
+    extra = ["--strategy", strategy, "--devices", "2", "--train.max_steps", "2", "--precision", precision,
+             "--lora_dropout", "0"][:None if recipe == "finetune_lora" else -2]
+    if strategy == "deepspeed_stage_3":
+        directory.mkdir(parents=True, exist_ok=True)
+        config = directory / "ds.json"
+        config.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
+        extra += ["--deepspeed.config", str(config)]
+    return extra
+
+
+_FROM_REFERENCE: dict = {}
+
+
+@pytest.fixture
+def from_reference(reference, dist_env, model_file, tmp_path_factory) -> dict:
+    """The command lines that start from the reference run, each `python -m llmtrain ...` as a process of its own,
+    forked one after the other from one interpreter (tests/helpers/forked_cli: one start-up of torch, jsonargparse
+    and torch._dynamo for the launching processes of all; the workers they spawn are new interpreters): each of
+    FINETUNES from its final/, and its step-4 checkpoint resumed by one process. Made once, by the first test that
+    asks; by name: (result, out_dir, flags)."""
+    if not _FROM_REFERENCE:
+        from forked_cli import run_forked
+
+        root = tmp_path_factory.mktemp("ds-from-reference")
+        runs = {}
+        for recipe, strategy, precision in FINETUNES:
+            name = f"{recipe}-{strategy}-{precision}"
+            extra = finetune_extra(recipe, strategy, precision, root / "configs" / name)
+            runs[name] = (finetune_args(recipe, reference / "final", root / name / recipe, *extra), root / name / recipe,
+                          extra)
+        out_dir = root / "one"
+        runs["one process"] = (resumable_args(model_file, out_dir, *STRATEGY, "--devices", "1", "--resume",
+                                              str(reference / "step-00000004")), out_dir, [])
+        # NOTE: a hang guard: the five take about two minutes alone, several times that beside other work.
+        done = run_forked([argv for argv, _, _ in runs.values()], root / "logs", {**dist_env, **DS_ENV},
+                          timeout_s=1500, at_once=1)
+        _FROM_REFERENCE.update({name: (result, out_dir, extra)
+                                for (name, (_, out_dir, extra)), result in zip(runs.items(), done)})
+    return _FROM_REFERENCE
+
+
 @needs_deepspeed
 @pytest.mark.multiproc
 def test_kill_9_and_sigterm_then_resume_auto_match_an_uninterrupted_run(launcher, reference, tmp_path):
@@ -312,7 +362,7 @@ def test_kill_9_and_sigterm_then_resume_auto_match_an_uninterrupted_run(launcher
 @pytest.mark.parametrize("recipe, strategy, precision", [("finetune_full", "deepspeed_stage_2", "32-true"),
                                                          ("finetune_lora", "deepspeed_stage_3", "32-true"),
                                                          ("finetune_lora", "deepspeed_stage_2", "bf16-mixed")])
-def test_fine_tuning_under_deepspeed_writes_a_final_model_that_loads(reference, dist_env, tmp_path, recipe,
+def test_fine_tuning_under_deepspeed_writes_a_final_model_that_loads(reference, from_reference, dist_env, recipe,
                                                                      strategy, precision):
     """Two steps on 2 processes from the DeepSpeed pretraining run's final/; LoRA under stage 3 with every
     parameter partitioned (a --deepspeed.config lowers the persistence threshold). final/ loads and answers;
@@ -321,15 +371,7 @@ def test_fine_tuning_under_deepspeed_writes_a_final_model_that_loads(reference, 
     from llmtrain.generate import load_model_dir
 
     base = reference / "final"
-    out_dir = tmp_path / recipe
-    extra = ["--strategy", strategy, "--devices", "2", "--train.max_steps", "2", "--precision", precision,
-             "--lora_dropout", "0"][:None if recipe == "finetune_lora" else -2]
-    if strategy == "deepspeed_stage_3":
-        config = tmp_path / "ds.json"
-        config.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
-        extra += ["--deepspeed.config", str(config)]
-    result = subprocess.run([sys.executable, "-m", "llmtrain", *finetune_args(recipe, base, out_dir, *extra)],
-                            env={**dist_env, **DS_ENV}, capture_output=True, text=True, timeout=500, cwd=ROOT)
+    result, out_dir, extra = from_reference[f"{recipe}-{strategy}-{precision}"]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"ZeRO stage {strategy[-1]}" in result.stdout
     assert sorted(losses(out_dir)) == [1, 2]
@@ -344,6 +386,7 @@ def test_fine_tuning_under_deepspeed_writes_a_final_model_that_loads(reference, 
     adapters = load_file(str(out_dir / "final" / "lora.safetensors"))
     assert adapters and all(name.endswith(("lora_A", "lora_B")) for name in adapters)
     if strategy == "deepspeed_stage_2":  # its step checkpoint, DeepSpeed's files and lora.yaml, resumes
+        extra = list(extra)
         extra[extra.index("--train.max_steps") + 1] = "3"
         resumed = subprocess.run([sys.executable, "-m", "llmtrain", *finetune_args(recipe, base, out_dir, *extra),
                                   "--resume", "auto"], env={**dist_env, **DS_ENV}, capture_output=True, text=True,
@@ -466,8 +509,8 @@ def test_a_deepspeed_checkpoint_resumes_only_where_it_can(reference, tmp_path, m
 
 @needs_deepspeed
 @pytest.mark.multiproc
-def test_a_deepspeed_checkpoint_of_2_processes_resumes_on_1_through_the_universal_checkpoint(reference, dist_env,
-                                                                                            model_file, tmp_path):
+def test_a_deepspeed_checkpoint_of_2_processes_resumes_on_1_through_the_universal_checkpoint(reference,
+                                                                                            from_reference):
     """The 2-process run's step-4 checkpoint resumed by one process (4 accumulation steps instead of 2): DeepSpeed's
     universal checkpoint gives the one rank the whole fp32 weights and Adam moments, and the losses of steps 5 to 8
     and the final weights are the uninterrupted 2-process run's, to float precision (the sums are taken in
@@ -476,10 +519,7 @@ def test_a_deepspeed_checkpoint_of_2_processes_resumes_on_1_through_the_universa
 
     step = reference / "step-00000004"
     assert files.read_marker(step)["world_size"] == 2
-    out_dir = tmp_path / "one"
-    result = subprocess.run([sys.executable, "-m", "llmtrain", *resumable_args(model_file, out_dir, *STRATEGY, "--devices",
-                                                                           "1", "--resume", str(step))],
-                            env={**dist_env, **DS_ENV}, capture_output=True, text=True, timeout=500, cwd=ROOT)
+    result, out_dir, _ = from_reference["one process"]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"resumed from {step} at step 4" in result.stdout
     ours, theirs = losses(out_dir), losses(reference)
