@@ -47,7 +47,7 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
 
 @pytest.fixture(autouse=True)
 def time_limit(request):
-    # The first test that asks for the `from_reference` batch runs its five command lines (about 2 minutes).
+    # The first test that asks for the `from_reference` batch runs its four command lines (about 2 minutes).
     with hard_limit(1800 if "from_reference" in request.fixturenames else 600, request.node.name):
         yield
 
@@ -316,7 +316,7 @@ def from_reference(reference, dist_env, model_file, tmp_path_factory) -> dict:
         out_dir = root / "one"
         runs["one process"] = (resumable_args(model_file, out_dir, *STRATEGY, "--devices", "1", "--resume",
                                               str(reference / "step-00000004")), out_dir, [])
-        # NOTE: a hang guard: the five take about two minutes alone, several times that beside other work.
+        # NOTE: a hang guard: the four take about two minutes alone, several times that beside other work.
         done = run_forked([argv for argv, _, _ in runs.values()], root / "logs", {**dist_env, **DS_ENV},
                           timeout_s=1500, at_once=1)
         _FROM_REFERENCE.update({name: (result, out_dir, extra)
