@@ -38,17 +38,18 @@ def val_losses(out_dir):
 
 @pytest.mark.slow
 def test_debug_recipe_trains_and_writes_final(tmp_path):
-    """The README's main job, shortened to 30 steps: val loss falls well below the start."""
+    """The README's main job, shortened to 30 steps on a 2 MB sample of its corpus (tests/convert's sample: it
+    tokenizes in about a second of CPU, the whole library in about 11): val loss falls well below the start."""
     out_dir = tmp_path / "debug"
     main(["pretrain", "--config", str(ROOT / "config_hub/pretrain/debug.yaml"), "--train.max_steps", "30",
-          "--out_dir", str(out_dir)])
+          "--data.max_bytes", "2000000", "--out_dir", str(out_dir)])
     final = out_dir / "final"
     for name in ("model.safetensors", "model_config.yaml", "hyperparameters.yaml", "tokenizer.json",
                  "tokenizer_config.json", "checkpoint.json"):
         assert (final / name).is_file(), name
     assert (out_dir / "step-00000030" / "training_state.pt").is_file()
     val = val_losses(out_dir)
-    assert val[30] < val[0] - 1.5, val  # Python source: from 8.4 (random) to about 6.4 in 30 steps
+    assert val[30] < val[0] - 1.5, val  # Python source: from 8.4 (random) to about 4.2 in 30 steps
     # final/ is a model directory other commands accept: it loads into the architecture it names.
     from llmtrain.checkpoint.weights import load_weights
     from llmtrain.config import Config
