@@ -116,7 +116,8 @@ def refused(model_dir, tmp_path_factory) -> dict[str, subprocess.CompletedProces
     argvs = {says: ["chat", str(model_dir), *flags] for flags, says in BAD_FLAGS}
     argvs["path"] = ["chat", str(root / "no-such-model")]
     driver = subprocess.run(forked_driver(list(argvs.values()), root / "logs"), stdin=subprocess.DEVNULL,
-                            capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT, env=child_env())
+                            capture_output=True, text=True, timeout=HANG_GUARD_S * len(argvs), cwd=ROOT,
+                            env=child_env())  # the guard each process had, for the four
     assert driver.returncode == 0, driver.stdout + driver.stderr
     return dict(zip(argvs, forked_results(root / "logs")))
 
