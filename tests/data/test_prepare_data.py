@@ -237,13 +237,20 @@ def test_documents_without_tokens_are_refused(tmp_path: Path, tokenizer, hf_offl
     assert not layout.is_prepared(tmp_path / "out")
 
 
-def test_bad_input_exits_2_with_one_message_before_any_work(tmp_path: Path, corpus: Path, tokenizer) -> None:
+def test_bad_input_exits_2_with_one_message_before_any_work(tmp_path: Path, corpus: Path, tokenizer,
+                                                             clean_launch_env: None, monkeypatch, capsys) -> None:
+    """As the console script, in this process (a fresh interpreter would add only its start-up)."""
+    from llmtrain.cli import main
+
     empty = tmp_path / "empty"
     empty.mkdir()
-    done = run_cli(*text_flags(empty, tokenizer, tmp_path / "out"))
-    assert done.returncode == 2 and done.stderr.startswith("error: --data.train_data_path"), done.stderr
-    assert "contains no .txt files" in done.stderr and not (tmp_path / "out").exists()
-    assert "Traceback" not in done.stderr
+    monkeypatch.setattr(sys, "argv", ["llmtrain", "prepare_data", *text_flags(empty, tokenizer, tmp_path / "out")])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2 and stderr.startswith("error: --data.train_data_path"), stderr
+    assert "contains no .txt files" in stderr and not (tmp_path / "out").exists()
+    assert "Traceback" not in stderr
 
 
 def test_an_out_dir_that_cannot_be_written_is_refused(tmp_path: Path, corpus: Path, tokenizer,

@@ -26,6 +26,7 @@ from llmtrain.model import GPT
 from llmtrain.prompts import PromptStyle
 
 from conftest import write_random_model_dir
+from forked_cli import forked_driver, forked_results
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG_GUARD_S = 120  # a hung chat fails the test instead of the suite; no run comes near it
@@ -102,20 +103,35 @@ def test_oldest_turns_go_when_the_conversation_outgrows_the_block(model_dir, ans
     assert done.stderr.count("dropped the oldest turn") == 1, done.stderr
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--temperature", "-1"], "--temperature"),
-    (["--max_new_tokens", "0"], "--max_new_tokens"),
-    (["--precision", "8-true"], "--precision"),
-])
-def test_bad_flag_exits_2_before_loading(model_dir, flags, says):
-    done = chat_process(model_dir, "hi\n", *flags)
+BAD_FLAGS = [(["--temperature", "-1"], "--temperature"), (["--max_new_tokens", "0"], "--max_new_tokens"),
+             (["--precision", "8-true"], "--precision")]
+
+
+@pytest.fixture(scope="module")
+def refused(model_dir, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Each bad command line as its own `python -m llmtrain chat` process, forked from one interpreter that has
+    imported llmtrain (forked_cli: a fresh interpreter each would spend its start-up on the import alone); stdin
+    at its end, so that a chat that read it would end at once. Keyed by the flag, and "path" for a missing model."""
+    root = tmp_path_factory.mktemp("chat-refused")
+    argvs = {says: ["chat", str(model_dir), *flags] for flags, says in BAD_FLAGS}
+    argvs["path"] = ["chat", str(root / "no-such-model")]
+    driver = subprocess.run(forked_driver(list(argvs.values()), root / "logs"), stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=HANG_GUARD_S * len(argvs), cwd=ROOT,
+                            env=child_env())  # the guard each process had, for the four
+    assert driver.returncode == 0, driver.stdout + driver.stderr
+    return dict(zip(argvs, forked_results(root / "logs")))
+
+
+@pytest.mark.parametrize("flags, says", BAD_FLAGS)
+def test_bad_flag_exits_2_before_loading(refused, flags, says):
+    done = refused[says]
     assert done.returncode == 2
     assert says in done.stderr and "Traceback" not in done.stderr
     assert "Loaded" not in done.stderr and done.stdout == ""
 
 
-def test_bad_path_exits_2_with_one_error_line(tmp_path):
-    done = chat_process(tmp_path / "no-such-model", "hi\n")
+def test_bad_path_exits_2_with_one_error_line(refused):
+    done = refused["path"]
     assert done.returncode == 2
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "no-such-model" in errors[0], done.stderr

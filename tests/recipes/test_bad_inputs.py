@@ -20,6 +20,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -40,6 +41,7 @@ class Case:
     argv: list[str]
     says: list[str]
     out_dir_stays_absent: bool = True
+    exit_code: Optional[int] = None  # None: any non-zero code
 
 
 def _pretrain(*extra: str) -> list[str]:
@@ -65,7 +67,8 @@ def _pretrain_on(*data: str) -> list[str]:
 
 CASES = [
     # which model
-    Case("unknown model name", ["pretrain", "pythia-70", "--out_dir", "{out}"], ["'pythia-70'", "pythia-70m"]),
+    Case("unknown model name", ["pretrain", "pythia-70", "--out_dir", "{out}"],
+         ["error: Unknown model name 'pythia-70'", "pythia-70m"], exit_code=2),
     Case("unknown model for finetune", ["finetune_lora", "Llama-3-8", "--out_dir", "{out}"], ["Llama-3-8"]),
     Case("missing model_config file", ["pretrain", "--model_config", "{in}/nope.yaml", "--out_dir", "{out}"],
          ["nope.yaml"]),
@@ -427,6 +430,7 @@ def test_bad_input_is_one_paragraph_and_changes_nothing(case, results):
     done, out = outcome[case.name]
     message = done.stderr.strip()
     assert done.returncode != 0, f"exit code 0 for {case.name}; stderr:\n{message}"
+    assert case.exit_code in (None, done.returncode), f"exit code {done.returncode}; stderr:\n{message}"
     assert "Traceback" not in message, message
     paragraphs = [p for p in message.split("\n\n") if p.strip() and not p.startswith("usage:")]
     assert len(paragraphs) == 1, message

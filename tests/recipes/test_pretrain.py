@@ -38,17 +38,18 @@ def val_losses(out_dir):
 
 @pytest.mark.slow
 def test_debug_recipe_trains_and_writes_final(tmp_path):
-    """The README's main job, shortened to 30 steps: val loss falls well below the start."""
+    """The README's main job, shortened to 30 steps on a 2 MB sample of its corpus (tests/convert's sample: it
+    tokenizes in about a second of CPU, the whole library in about 11): val loss falls well below the start."""
     out_dir = tmp_path / "debug"
     main(["pretrain", "--config", str(ROOT / "config_hub/pretrain/debug.yaml"), "--train.max_steps", "30",
-          "--out_dir", str(out_dir)])
+          "--data.max_bytes", "2000000", "--out_dir", str(out_dir)])
     final = out_dir / "final"
     for name in ("model.safetensors", "model_config.yaml", "hyperparameters.yaml", "tokenizer.json",
                  "tokenizer_config.json", "checkpoint.json"):
         assert (final / name).is_file(), name
     assert (out_dir / "step-00000030" / "training_state.pt").is_file()
     val = val_losses(out_dir)
-    assert val[30] < val[0] - 1.5, val  # Python source: from 8.4 (random) to about 6.4 in 30 steps
+    assert val[30] < val[0] - 1.5, val  # Python source: from 8.4 (random) to about 4.2 in 30 steps
     # final/ is a model directory other commands accept: it loads into the architecture it names.
     from llmtrain.checkpoint.weights import load_weights
     from llmtrain.config import Config
@@ -226,20 +227,6 @@ def test_stops_on_max_time_with_a_checkpoint(tmp_path, tiny_model_file):
     assert 1 <= steps < 100000
     assert (out_dir / f"step-{steps:08d}" / "training_state.pt").is_file()
     assert (out_dir / "final" / "model.safetensors").is_file()
-
-
-def test_command_line_errors_are_one_message_without_traceback(tmp_path):
-    import subprocess
-    import sys
-
-    command = [sys.executable, "-m", "llmtrain", "pretrain", "pythia-70", "--out_dir", str(tmp_path / "o")]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2
-    assert "error: Unknown model name 'pythia-70'" in result.stderr and "pythia-70m" in result.stderr
-    assert "Traceback" not in result.stderr
-    debug = subprocess.run([*command, "--debug"], capture_output=True, text=True, timeout=300)
-    assert debug.returncode != 0 and "Traceback" in debug.stderr
-    assert not (tmp_path / "o").exists()  # nothing was written
 
 
 def test_too_little_disk_for_one_checkpoint(tmp_path, monkeypatch):
