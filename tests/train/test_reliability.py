@@ -76,9 +76,13 @@ def leftovers(out_dir: Path) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------- kill -9
-def test_kill_9_at_any_moment_then_resume_auto_matches_an_uninterrupted_run(launcher, reference, tmp_path):
+def test_kill_9_at_any_moment_then_resume_auto_matches_an_uninterrupted_run(launcher, reference, tmp_path, free_port):
     """Killed during the first step, between steps and in the middle of a save: each resume picks up the
-    newest complete checkpoint, and the finished run's weights equal the uninterrupted run's."""
+    newest complete checkpoint, and the finished run's weights equal the uninterrupted run's.
+
+    The run is finished under torchrun --max-restarts 1, where rank 1 dies before the step after its next
+    checkpoint but one on the first attempt: the restarted workers find that checkpoint through --resume auto
+    and finish as if nothing had happened. (One launch for both claims: the elastic restart and the last resume.)"""
     out_dir = tmp_path / "run"
     first = launcher.start(out_dir, "--resume", "auto")
     first.wait_for(r"^step 0 \| val_loss")  # the first optimizer step is under way
@@ -100,9 +104,17 @@ def test_kill_9_at_any_moment_then_resume_auto_matches_an_uninterrupted_run(laun
     assert layout.latest_checkpoint(out_dir) == resumed_from  # the half-written one does not count
     assert resolve_resume("auto", out_dir, None) == resumed_from
 
-    last = launcher.start(out_dir, "--resume", "auto")
+    # The first attempt resumes from resumed_from, saves 4 steps later and crashes 2 steps after that.
+    restart_from = step_of(resumed_from) + 4
+    crash = restart_from + 2
+    assert crash < MAX_STEPS
+    last = launcher.start(out_dir, "--resume", "auto", env=faults.environment(crash_before_step=crash),
+                          torchrun=["--nproc_per_node", "2", "--max-restarts", "1", "--master_addr", "127.0.0.1",
+                                    "--master_port", str(free_port())])
     assert last.finish() == 0, last.output
     assert f"resumed from {resumed_from}" in last.output
+    assert f"crashing before step {crash}" in last.output
+    assert f"resumed from {out_dir / layout.step_dir_name(restart_from)} at step {restart_from}" in last.output
     assert leftovers(out_dir) == []  # the next save removed the half-written directory
     assert_same_weights(out_dir, reference)
 
@@ -159,19 +171,6 @@ def test_sigterm_and_sigusr1_checkpoint_exit_75_and_resume_exactly(launcher, ref
         reached = step
     last = launcher.start(out_dir, "--resume", "auto")
     assert last.finish() == 0, last.output
-    assert_same_weights(out_dir, reference)
-
-
-def test_torchrun_restarts_a_crashed_group_which_resumes_by_itself(launcher, reference, tmp_path, free_port):
-    """torchrun --max-restarts 1: rank 1 dies before step 7 on the first attempt; the restarted workers
-    find the step-4 checkpoint through --resume auto and finish as if nothing had happened."""
-    out_dir = tmp_path / "elastic"
-    run = launcher.start(out_dir, "--resume", "auto", env=faults.environment(crash_before_step=7),
-                         torchrun=["--nproc_per_node", "2", "--max-restarts", "1", "--master_addr", "127.0.0.1",
-                                   "--master_port", str(free_port())])
-    assert run.finish() == 0, run.output
-    assert "crashing before step 7" in run.output
-    assert f"resumed from {out_dir / 'step-00000004'} at step 4" in run.output
     assert_same_weights(out_dir, reference)
 
 
