@@ -41,7 +41,7 @@ from llmtrain import callbacks
 from llmtrain.signals import PREEMPTED_EXIT_CODE, Preempted
 
 from conftest import write_tiny_model
-from runs import (MAX_STEPS, STOPPED, assert_same_weights, launcher, model_file,  # noqa: F401 (fixtures)
+from runs import (MAX_STEPS, STOPPED, assert_same_weights, launcher, losses, model_file,  # noqa: F401 (fixtures)
                   resumable_args, shared_cache, step_of)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,13 +61,18 @@ def time_limit(request):
 _REFERENCE: dict = {}
 
 
+_REFERENCE_LOSSES: dict[int, float] = {}
+
+
 @pytest.fixture
 def reference(launcher, tmp_path_factory) -> dict[str, torch.Tensor]:
-    """The final weights of one uninterrupted 2-process run (made once for the module)."""
+    """The final weights of one uninterrupted 2-process run (made once for the module; its losses in
+    _REFERENCE_LOSSES)."""
     if not _REFERENCE:
         out_dir = tmp_path_factory.mktemp("reference")
         launcher.complete(out_dir)
         _REFERENCE.update(load_file(str(out_dir / "final" / "model.safetensors")))
+        _REFERENCE_LOSSES.update(losses(out_dir))
     return _REFERENCE
 
 
@@ -120,7 +125,8 @@ def test_kill_9_at_any_moment_then_resume_auto_matches_an_uninterrupted_run(laun
 
 
 def test_kill_9_during_a_sharded_save_then_resume(launcher, reference, tmp_path):
-    """The same with sharded (DCP) checkpoints, resumed at the same world size."""
+    """The same with sharded (DCP) checkpoints, resumed at the same world size; then a flipped shard of the
+    finished run's newest checkpoint, caught by its rank."""
     out_dir = tmp_path / "sharded"
     sharded = ("--fsdp.state_dict_type", "sharded", "--resume", "auto")
     first = launcher.start(out_dir, *sharded)
@@ -138,6 +144,23 @@ def test_kill_9_during_a_sharded_save_then_resume(launcher, reference, tmp_path)
     last = launcher.start(out_dir, *sharded)
     assert last.finish() == 0, last.output
     assert leftovers(out_dir) == []
+    assert_same_weights(out_dir, reference)
+
+    # Rank 1's shard of the newest checkpoint gets flipped bytes (same size). Rank 1 finds it (rank 0 hashes only
+    # its own shard), both ranks fall back to the previous checkpoint together, and the run ends with the losses and
+    # weights of the run that never saw the damage. (tests/checkpoint/test_checksums.py: one process.)
+    shutil.rmtree(out_dir / layout.FINAL_DIR)
+    (_, previous), (_, newest) = layout.list_checkpoints(out_dir)[-2:]
+    assert step_of(newest) == MAX_STEPS
+    shard = newest / layout.DCP_DIR / "__1_0.distcp"
+    faults.flip(shard, faults.tensor_data_offset(shard))
+    run = launcher.complete(out_dir, *sharded)
+    warned = [line for line in run.output.splitlines() if "does not match the checksum" in line]
+    assert len(warned) == 1 and str(shard) in warned[0], run.output
+    assert f"resumed from {previous}" in run.output
+    trained = {step: loss for step, loss in losses(out_dir).items() if step > step_of(previous)}
+    assert sorted(trained) == list(range(step_of(previous) + 1, MAX_STEPS + 1))
+    assert trained == {step: _REFERENCE_LOSSES[step] for step in trained}
     assert_same_weights(out_dir, reference)
 
 
