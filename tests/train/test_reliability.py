@@ -41,8 +41,8 @@ from llmtrain import callbacks
 from llmtrain.signals import PREEMPTED_EXIT_CODE, Preempted
 
 from conftest import write_tiny_model
-from runs import (MAX_STEPS, STOPPED, assert_same_weights, launcher, losses, model_file,  # noqa: F401 (fixtures)
-                  resumable_args, shared_cache, step_of)
+from runs import (MAX_STEPS, SAVE_INTERVAL, STOPPED, assert_same_weights, launcher, losses,  # noqa: F401
+                  model_file, resumable_args, shared_cache, step_of)
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_LIMIT_S = 900
@@ -85,9 +85,9 @@ def test_kill_9_at_any_moment_then_resume_auto_matches_an_uninterrupted_run(laun
     """Killed during the first step, between steps and in the middle of a save: each resume picks up the
     newest complete checkpoint, and the finished run's weights equal the uninterrupted run's.
 
-    The run is finished under torchrun --max-restarts 1, where rank 1 dies before the step after its next
-    checkpoint but one on the first attempt: the restarted workers find that checkpoint through --resume auto
-    and finish as if nothing had happened. (One launch for both claims: the elastic restart and the last resume.)"""
+    The run is finished under torchrun --max-restarts 1, where rank 1 dies on the first attempt two steps after
+    that attempt's next checkpoint: the restarted workers find that checkpoint through --resume auto and finish as
+    if nothing had happened. (One launch for both claims: the elastic restart and the last resume.)"""
     out_dir = tmp_path / "run"
     first = launcher.start(out_dir, "--resume", "auto")
     first.wait_for(r"^step 0 \| val_loss")  # the first optimizer step is under way
@@ -109,10 +109,12 @@ def test_kill_9_at_any_moment_then_resume_auto_matches_an_uninterrupted_run(laun
     assert layout.latest_checkpoint(out_dir) == resumed_from  # the half-written one does not count
     assert resolve_resume("auto", out_dir, None) == resumed_from
 
-    # The first attempt resumes from resumed_from, saves 4 steps later and crashes 2 steps after that.
-    restart_from = step_of(resumed_from) + 4
+    # The first attempt resumes from resumed_from, saves SAVE_INTERVAL steps later and crashes 2 steps after that
+    # (after a kill that landed late, with no room for another save before the end: crashes 2 steps in).
+    restart_from = step_of(resumed_from) + SAVE_INTERVAL
+    if restart_from + 2 >= MAX_STEPS:
+        restart_from = step_of(resumed_from)
     crash = restart_from + 2
-    assert crash < MAX_STEPS
     last = launcher.start(out_dir, "--resume", "auto", env=faults.environment(crash_before_step=crash),
                           torchrun=["--nproc_per_node", "2", "--max-restarts", "1", "--master_addr", "127.0.0.1",
                                     "--master_port", str(free_port())])
