@@ -49,33 +49,35 @@ def test_async_flag_needs_the_sharded_format():
         build_checkpointer("full", async_save=True)
 
 
-def test_two_workers_async_checkpoints_equal_sync_ones_and_resume(tmp_path, dist_env):
-    """FSDP on 2 gloo workers: every async checkpoint holds exactly the sync one's state, and resumes."""
-    import subprocess
-    import sys
-    from pathlib import Path
+def test_two_workers_async_checkpoints_equal_sync_ones_and_resume(tmp_path, dist_env, monkeypatch):
+    """FSDP on 2 gloo workers: every async checkpoint holds exactly the sync one's state, and resumes. The two runs are
+    real ``python -m llmtrain`` processes forked one after the other from one interpreter (tests/helpers/forked_cli.py;
+    each spawns its two workers); the resume on one process runs in this one."""
+    import shutil
 
     import yaml
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    from forked_cli import run_forked
+    from llmtrain.cli import main
+
     model_file = tmp_path / "tiny.yaml"
     model_file.write_text(yaml.safe_dump({**CONFIG, "vocab_size": 1100, "padding_multiple": 64}))
-    root = Path(__file__).resolve().parents[2]
+    cache = str(tmp_path / "cache")
 
     def run(out_dir, *extra):
-        command = [sys.executable, "-m", "llmtrain", "pretrain", "--model_config", str(model_file), "--out_dir",
-                   str(out_dir), "--data", "BuiltinStories", "--data.num_documents", "200",
-                   "--data.num_val_documents", "20", "--train.global_batch_size", "4", "--train.micro_batch_size",
-                   "2", "--train.max_seq_length", "32", "--eval.interval", "100", "--eval.initial_validation",
-                   "false", "--eval.final_validation", "false", "--train.max_steps", "4", "--train.save_interval",
-                   "2", "--fsdp.state_dict_type", "sharded", *extra]
-        done = subprocess.run(command, env=dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path / "cache")), cwd=root,
-                              capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return ["pretrain", "--model_config", str(model_file), "--out_dir", str(out_dir), "--data", "BuiltinStories",
+                "--data.num_documents", "200", "--data.num_val_documents", "20", "--train.global_batch_size", "4",
+                "--train.micro_batch_size", "2", "--train.max_seq_length", "32", "--eval.interval", "100",
+                "--eval.initial_validation", "false", "--eval.final_validation", "false", "--train.max_steps", "4",
+                "--train.save_interval", "2", "--fsdp.state_dict_type", "sharded", *extra]
 
-    run(tmp_path / "sync", "--devices", "2")
-    run(tmp_path / "async", "--devices", "2", "--fsdp.async_save", "true")
+    runs = run_forked([run(tmp_path / "sync", "--devices", "2"),
+                       run(tmp_path / "async", "--devices", "2", "--fsdp.async_save", "true")],
+                      tmp_path / "logs", dict(dist_env, LLMTRAIN_CACHE_DIR=cache), timeout_s=1200, at_once=1)
+    for done in runs:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for step in ("step-00000002", "step-00000004"):
         states = []
         for kind in ("sync", "async"):
@@ -89,10 +91,9 @@ def test_two_workers_async_checkpoints_equal_sync_ones_and_resume(tmp_path, dist
 
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    import shutil
-
     shutil.copytree(tmp_path / "async" / "step-00000002", resumed / "step-00000002")
-    run(resumed, "--devices", "1", "--resume", "auto")
+    monkeypatch.setenv("LLMTRAIN_CACHE_DIR", cache)
+    main(run(resumed, "--devices", "1", "--resume", "auto"))
     final = load_file(str(resumed / "final" / "model.safetensors"))
     for name, tensor in load_file(str(tmp_path / "sync" / "final" / "model.safetensors")).items():
         assert torch.allclose(final[name], tensor, atol=1e-5), name

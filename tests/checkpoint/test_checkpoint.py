@@ -1,7 +1,7 @@
 """The checkpoint package: sizes in the marker, damaged checkpoints on resume, the LoRA merge.
 
-The resume tests run the real CLI (``python -m llmtrain pretrain``, one process) on a tiny model; the
-others drive the checkpointer and the merge in this process.
+The resume tests run the real CLI (``python -m llmtrain pretrain``, one process each, forked from one interpreter:
+tests/helpers/forked_cli.py) on a tiny model; the others drive the checkpointer and the merge in this process.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -202,36 +201,50 @@ def _pretrain_argv(model_file: Path, out_dir: Path, *extra: str) -> list[str]:
             "--train.save_interval", "2", *extra]
 
 
-def _pretrain(model_file: Path, out_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "llmtrain", *_pretrain_argv(model_file, out_dir, *extra)],
-                          capture_output=True, text=True, timeout=300, env=env)
+DAMAGES = {"truncated": layout.MODEL_FILE, "evil": layout.STATE_FILE}
 
 
 @pytest.fixture(scope="module")
 def damaged_runs(tmp_path_factory):
-    """A run with step checkpoints 2 and 4, copied twice: model.safetensors of step 4 truncated in one,
-    training_state.pt of step 4 replaced by a pickle that would run code in the other."""
+    """A run with step checkpoints 2 and 4, copied four times: model.safetensors of step 4 truncated in two,
+    training_state.pt of step 4 replaced by a pickle that would run code in the other two. Then, as real
+    ``python -m llmtrain`` processes forked from one interpreter (tests/helpers/forked_cli.py), two at a time: on one
+    copy of each damage ``--resume auto``, on the other ``--resume`` naming the damaged step-4. The run itself trains
+    in this process (what the tests check is the resumes'). {damage: (auto, its out_dir, named, its step-4)}."""
+    from llmtrain.cli import main
+
     root = tmp_path_factory.mktemp("damaged")
     os.environ.setdefault("LLMTRAIN_CACHE_DIR", str(root / "cache"))
     model_file = root / "tiny.yaml"
     model_file.write_text(yaml.safe_dump(TINY))
-    done = _pretrain(model_file, root / "run", "--train.max_steps", "4")
-    assert done.returncode == 0, done.stderr
-    truncated, evil = root / "truncated", root / "evil"
-    for copy in (truncated, evil):
-        subprocess.run(["cp", "-a", str(root / "run"), str(copy)], check=True)
-    _truncate(truncated / "step-00000004" / layout.MODEL_FILE)
-    torch.save({"train_state": _RunsCode(root / "code-ran")}, evil / "step-00000004" / layout.STATE_FILE)
-    return model_file, truncated, evil, root / "code-ran"
+    main(_pretrain_argv(model_file, root / "run", "--train.max_steps", "4"))
+    sentinel = root / "code-ran"
+    argvs, dirs = [], {}
+    for damage, bad_name in DAMAGES.items():
+        for how in ("auto", "named"):
+            copy = root / f"{damage}-{how}"
+            subprocess.run(["cp", "-a", str(root / "run"), str(copy)], check=True)
+            step = copy / "step-00000004"
+            if damage == "truncated":
+                _truncate(step / bad_name)
+            else:
+                torch.save({"train_state": _RunsCode(sentinel)}, step / bad_name)
+            argvs.append(_pretrain_argv(model_file, copy, "--train.max_steps", "6", "--resume",
+                                        "auto" if how == "auto" else str(step)))
+            dirs[damage, how] = copy
+    results = iter(run_forked(argvs, root / "logs", {**os.environ, "OMP_NUM_THREADS": "1"}, timeout_s=900))
+    runs = {}
+    for damage in DAMAGES:
+        auto, named = next(results), next(results)
+        runs[damage] = (auto, dirs[damage, "auto"], named, dirs[damage, "named"] / "step-00000004")
+    return runs, sentinel
 
 
 @pytest.mark.parametrize("damage", ["truncated", "evil"])
 def test_resume_auto_skips_a_damaged_newest_checkpoint_and_finishes(damaged_runs, damage):
-    model_file, truncated, evil, sentinel = damaged_runs
-    out_dir = truncated if damage == "truncated" else evil
-    bad_file = out_dir / "step-00000004" / (layout.MODEL_FILE if damage == "truncated" else layout.STATE_FILE)
-    done = _pretrain(model_file, out_dir, "--train.max_steps", "6", "--resume", "auto")
+    runs, sentinel = damaged_runs
+    done, out_dir, _, _ = runs[damage]
+    bad_file = out_dir / "step-00000004" / DAMAGES[damage]
     assert done.returncode == 0, done.stderr
     output = done.stdout + done.stderr
     assert f"skipping step-00000004: {bad_file}" in output
@@ -245,14 +258,9 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint_and_finishes(damaged_runs
 
 
 def test_resume_of_a_named_damaged_checkpoint_exits_2_with_one_message(damaged_runs):
-    model_file, truncated, evil, sentinel = damaged_runs
-    for out_dir, bad_name in ((truncated, layout.MODEL_FILE), (evil, layout.STATE_FILE)):
-        step = out_dir / "step-00000004"  # damaged again: resume auto may have written it anew
-        if bad_name == layout.MODEL_FILE:
-            _truncate(step / bad_name)
-        else:
-            torch.save({"train_state": _RunsCode(sentinel)}, step / bad_name)
-        done = _pretrain(model_file, out_dir, "--train.max_steps", "6", "--resume", str(step))
+    runs, sentinel = damaged_runs
+    for damage, bad_name in DAMAGES.items():
+        _, _, done, step = runs[damage]
         assert done.returncode == 2, done.stderr
         message = done.stderr.strip()
         assert "Traceback" not in message and message.startswith(f"error: --resume {step}: {step / bad_name}")
@@ -263,29 +271,37 @@ def test_resume_of_a_named_damaged_checkpoint_exits_2_with_one_message(damaged_r
 @pytest.mark.slow
 def test_resume_refuses_a_checkpoint_of_another_architecture_or_optimizer_before_any_worker(tmp_path):
     """A sharded checkpoint of another width or optimizer failed in DCP with a traceback; another rope_base resumed
-    silently."""
+    silently. The command lines run as real ``python -m llmtrain`` processes forked one after the other from one
+    interpreter (tests/helpers/forked_cli.py): the run, then its three refused resumes (each refused before it
+    writes, so each resumes the same checkpoint)."""
     os.environ.setdefault("LLMTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     model_file = tmp_path / "tiny.yaml"
     model_file.write_text(yaml.safe_dump(TINY))
     out_dir = tmp_path / "run"
-    done = _pretrain(model_file, out_dir, "--train.max_steps", "2", "--fsdp.state_dict_type", "sharded")
-    assert done.returncode == 0, done.stderr
+    sharded = ("--fsdp.state_dict_type", "sharded")
     step = out_dir / "step-00000002"
-    for change, difference in (({"n_embd": 32}, "n_embd 64 vs 32"), ({"rope_base": 500000.0}, "rope_base 10000.0 vs")):
-        other = tmp_path / "other.yaml"
+    changes = (({"n_embd": 32}, "n_embd 64 vs 32"), ({"rope_base": 500000.0}, "rope_base 10000.0 vs"))
+    others = []
+    for index, (change, _) in enumerate(changes):
+        other = tmp_path / f"other-{index}.yaml"
         other.write_text(yaml.safe_dump({**TINY, **change}))
-        resumed = _pretrain(other, out_dir, "--train.max_steps", "4", "--fsdp.state_dict_type", "sharded",
-                            "--resume", "auto")
+        others.append(other)
+    done, *resumes, optimizer = run_forked(
+        [_pretrain_argv(model_file, out_dir, "--train.max_steps", "2", *sharded),
+         *[_pretrain_argv(other, out_dir, "--train.max_steps", "4", *sharded, "--resume", "auto") for other in others],
+         _pretrain_argv(model_file, out_dir, "--train.max_steps", "4", *sharded, "--resume", "auto",
+                        "--optimizer", "Adagrad")],
+        tmp_path / "logs", {**os.environ, "OMP_NUM_THREADS": "1"}, timeout_s=900, at_once=1)
+    assert done.returncode == 0, done.stderr
+    for (_, difference), resumed in zip(changes, resumes):
         assert resumed.returncode == 2, resumed.stdout + resumed.stderr
         message = resumed.stderr.strip()
         assert "Traceback" not in message and message.startswith(f"error: --resume {step} holds another model")
         assert difference in message and f"--model_config {step / layout.CONFIG_FILE}" in message
-    resumed = _pretrain(model_file, out_dir, "--train.max_steps", "4", "--fsdp.state_dict_type", "sharded",
-                        "--resume", "auto", "--optimizer", "Adagrad")
-    assert resumed.returncode == 2, resumed.stdout + resumed.stderr
-    assert resumed.stderr.strip().startswith(f"error: --resume {step} holds the state of optimizer "
-                                             "torch.optim.adamw.AdamW (see its hyperparameters.yaml), this run's is "
-                                             "torch.optim.adagrad.Adagrad: resume with --optimizer AdamW")
+    assert optimizer.returncode == 2, optimizer.stdout + optimizer.stderr
+    assert optimizer.stderr.strip().startswith(f"error: --resume {step} holds the state of optimizer "
+                                               "torch.optim.adamw.AdamW (see its hyperparameters.yaml), this run's is "
+                                               "torch.optim.adagrad.Adagrad: resume with --optimizer AdamW")
     assert layout.latest_checkpoint(out_dir) == step
 
 

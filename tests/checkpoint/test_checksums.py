@@ -3,7 +3,8 @@
 The marker records every file's checksum; resume checks them, each rank the files it reads, and falls back
 to the previous checkpoint when one was changed after the save, so the run goes on exactly as if the damaged
 checkpoint had never been written. Step directories that are no checkpoint (no marker, or unreadable) are
-named and passed over.
+named and passed over. (Two ranks, a flipped DCP shard found by its rank: tests/train/test_reliability.py's sharded
+kill -9 test, which ends in the run it damages.)
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -21,35 +21,10 @@ from llmtrain.checkpoint import layout
 from llmtrain.checkpoint.resume import resolve_resume, verify_checksums
 from llmtrain.checkpoint.state import DamagedCheckpointError
 
-from runs import assert_same_weights, launcher, losses, model_file, pretrain_args, shared_cache  # noqa: F401 (fixtures)
+from faults import flip, tensor_data_offset
+from runs import assert_same_weights, losses, pretrain_args, shared_cache  # noqa: F401 (fixtures)
 
 STEPS, INTERVAL = 8, 4
-FLIPPED = 64
-
-
-def flip(path: Path, offset: int) -> None:
-    """Invert ``FLIPPED`` bytes of ``path`` from ``offset``: its size stays what the marker recorded."""
-    with open(path, "r+b") as handle:
-        handle.seek(offset)
-        data = bytes(byte ^ 0xFF for byte in handle.read(FLIPPED))
-        handle.seek(offset)
-        handle.write(data)
-
-
-def tensor_data_offset(path: Path) -> int:
-    """Where the bytes of the largest tensor in ``path`` start, a little way in: not its header, nor its index."""
-    if path.suffix == ".safetensors":
-        header_size = int.from_bytes(path.read_bytes()[:8], "little")
-        return 8 + header_size + (path.stat().st_size - 8 - header_size) // 2
-    if path.suffix == ".pt":  # a zip of stored (uncompressed) entries, one per tensor storage
-        with zipfile.ZipFile(path) as archive:
-            entry = max((info for info in archive.infolist() if "/data/" in info.filename), key=lambda i: i.file_size)
-        local_header = path.read_bytes()[entry.header_offset:entry.header_offset + 30]
-        name_length, extra_length = (int.from_bytes(local_header[at:at + 2], "little") for at in (26, 28))
-        return entry.header_offset + 30 + name_length + extra_length + entry.file_size // 2
-    return path.stat().st_size // 2  # a DCP shard: nothing but tensor bytes
-
-
 _TRAINED: dict[str, Path] = {}
 
 
@@ -161,26 +136,3 @@ def test_an_unreadable_newest_step_directory_is_skipped(trained, tmp_path, monke
             assert resolve_resume("auto", out_dir, None) == out_dir / layout.step_dir_name(INTERVAL)
     finally:
         unreadable.chmod(0o755)
-
-
-@pytest.mark.multiproc
-def test_a_flipped_dcp_shard_is_caught_by_its_rank_and_every_rank_falls_back(launcher, tmp_path):  # noqa: F811
-    """Two ranks, sharded checkpoints: rank 1's shard of the newest checkpoint has flipped bytes. Rank 1 finds it
-    (rank 0 hashes only its own shard), both ranks fall back to the previous checkpoint together, and the run ends
-    with the losses and weights of a run that never saw the damage."""
-    sharded = ("--fsdp.state_dict_type", "sharded", "--train.max_steps", str(STEPS), "--train.save_interval",
-               str(INTERVAL), "--resume", "auto")
-    reference = tmp_path / "reference"
-    launcher.complete(reference, *sharded)
-    out_dir = tmp_path / "run"
-    shutil.copytree(reference, out_dir)
-    shutil.rmtree(out_dir / layout.FINAL_DIR)
-    shard = out_dir / layout.step_dir_name(STEPS) / layout.DCP_DIR / "__1_0.distcp"
-    flip(shard, tensor_data_offset(shard))
-
-    run = launcher.complete(out_dir, *sharded)
-    warned = [line for line in run.output.splitlines() if "does not match the checksum" in line]
-    assert len(warned) == 1 and str(shard) in warned[0], run.output
-    assert f"resumed from {out_dir / layout.step_dir_name(INTERVAL)}" in run.output
-    assert losses(out_dir) == losses(reference)
-    assert_same_weights(out_dir, load_file(str(reference / layout.FINAL_DIR / layout.MODEL_FILE)))

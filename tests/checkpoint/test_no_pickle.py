@@ -16,6 +16,7 @@ import io
 import os
 import pickle
 import shutil
+import subprocess
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from llmtrain.checkpoint.state import DamagedCheckpointError
 from llmtrain.cli import main
 
 from conftest import write_tiny_model
-from forked_cli import run_forked
+from forked_cli import forked_driver, forked_results
 from pickles import RunsCode
 from runs import finetune_args
 
@@ -101,6 +102,17 @@ def remark(step_dir: Path, world_size: Optional[int] = None) -> None:
     if world_size is not None:
         fields["world_size"] = world_size
     files.write_marker(step_dir, fields)
+
+
+def run_forked(argvs: list[list[str]], workdir: Path, env: dict) -> list:
+    """forked_cli.run_forked, its driver importing DeepSpeed first where it is installed: each DeepSpeed command
+    imported it anew, and the module of it that compiles at import (deepspeed.runtime.zero.muon), 1.5 s each."""
+    executable, flag, code, *rest = forked_driver(argvs, workdir)
+    if importlib.util.find_spec("deepspeed") is not None:
+        code = "import deepspeed.runtime.zero.muon.muon_optimizer\n" + code
+    driver = subprocess.run([executable, flag, code, *rest], capture_output=True, text=True, timeout=1200, env=env)
+    assert driver.returncode == 0, f"the driver failed:\n{driver.stdout}{driver.stderr}"
+    return forked_results(workdir)
 
 
 # -------------------------------------------------------------------------------------------- cases

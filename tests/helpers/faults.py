@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
@@ -104,6 +105,32 @@ class DiskFull(callbacks.Callback):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
         files.save_safetensors = files.save_weights_checksummed = fill_the_disk  # final/'s writer, a step's
+
+
+FLIPPED = 64
+
+
+def flip(path: Path, offset: int) -> None:
+    """Invert ``FLIPPED`` bytes of ``path`` from ``offset``: its size stays what the marker recorded."""
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        data = bytes(byte ^ 0xFF for byte in handle.read(FLIPPED))
+        handle.seek(offset)
+        handle.write(data)
+
+
+def tensor_data_offset(path: Path) -> int:
+    """Where the bytes of the largest tensor in ``path`` start, a little way in: not its header, nor its index."""
+    if path.suffix == ".safetensors":
+        header_size = int.from_bytes(path.read_bytes()[:8], "little")
+        return 8 + header_size + (path.stat().st_size - 8 - header_size) // 2
+    if path.suffix == ".pt":  # a zip of stored (uncompressed) entries, one per tensor storage
+        with zipfile.ZipFile(path) as archive:
+            entry = max((info for info in archive.infolist() if "/data/" in info.filename), key=lambda i: i.file_size)
+        local_header = path.read_bytes()[entry.header_offset:entry.header_offset + 30]
+        name_length, extra_length = (int.from_bytes(local_header[at:at + 2], "little") for at in (26, 28))
+        return entry.header_offset + 30 + name_length + extra_length + entry.file_size // 2
+    return path.stat().st_size // 2  # a DCP shard: nothing but tensor bytes
 
 
 def from_env() -> callbacks.Callbacks:

@@ -8,7 +8,6 @@ import os
 import pty
 import signal
 import struct
-import subprocess
 import sys
 import termios
 import threading
@@ -155,40 +154,47 @@ def test_tensorboard_scalars_have_the_csv_names_and_values(tmp_path):
         assert logged[key] == pytest.approx(values, rel=1e-5), key
 
 
-def test_batch_logs_get_one_line_per_log_interval(tmp_path):
+def test_batch_logs_get_one_line_per_log_interval(tmp_path, capfd):
+    """In this process: its stdout and stderr are pytest's capture, files as in a batch job's log."""
     out_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "llmtrain", *tiny_run(tmp_path, out_dir, "--train.max_steps", "6",
-                                                          "--train.log_interval", "2", "--eval.interval", "100")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr
-    lines = [line for line in done.stdout.splitlines() if line.startswith("step ") and "| loss " in line]
+    main(tiny_run(tmp_path, out_dir, "--train.max_steps", "6", "--train.log_interval", "2", "--eval.interval", "100"))
+    out, err = capfd.readouterr()
+    lines = [line for line in out.splitlines() if line.startswith("step ") and "| loss " in line]
     assert [line.split()[1] for line in lines] == ["2", "4", "6"]
     assert all("tokens/s" in line and "eta" in line for line in lines)
-    assert "\r" not in done.stdout + done.stderr  # no bar redraws in a log file
+    assert "\r" not in out + err  # no bar redraws in a log file
 
 
 def test_a_terminal_gets_a_progress_bar_with_loss_speed_and_eta(tmp_path):
+    """In this process, its stdout and stderr a pseudo-terminal's (what llmtrain asks of a terminal: isatty, and
+    its size for the bar), read as it comes."""
     out_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "llmtrain", *tiny_run(tmp_path, out_dir, "--train.max_steps", "6",
-                                                          "--train.log_interval", "2", "--eval.interval", "100")]
     controller, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # 40 rows, 160 columns
-    process = subprocess.Popen(command, stdin=terminal, stdout=terminal, stderr=terminal, close_fds=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    chunks: list[bytes] = []
+
+    def read() -> None:
+        while True:
+            try:
+                chunk = os.read(controller, 4096)
+            except OSError:  # the terminal closed
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    with open(terminal, "w", buffering=1, closefd=False) as screen, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "stdout", screen)
+        patch.setattr(sys, "stderr", screen)
+        main(tiny_run(tmp_path, out_dir, "--train.max_steps", "6", "--train.log_interval", "2",
+                      "--eval.interval", "100"))
+        screen.flush()
     os.close(terminal)
-    output = b""
-    while True:
-        try:
-            chunk = os.read(controller, 4096)
-        except OSError:  # the terminal closed: the process is gone
-            break
-        if not chunk:
-            break
-        output += chunk
-    assert process.wait(timeout=600) == 0
+    reader.join(timeout=60)
     os.close(controller)
-    text = output.decode(errors="replace")
+    text = b"".join(chunks).decode(errors="replace")
     assert "\r" in text  # the bar redraws in place
     final = text.split("\r")[-1] if "6/6" not in text else text[text.rindex("6/6"):]
     assert "6/6" in text and "loss=" in final and "tok/s=" in final

@@ -41,8 +41,8 @@ from llmtrain import callbacks
 from llmtrain.signals import PREEMPTED_EXIT_CODE, Preempted
 
 from conftest import write_tiny_model
-from runs import (MAX_STEPS, STOPPED, assert_same_weights, launcher, model_file,  # noqa: F401 (fixtures)
-                  resumable_args, shared_cache, step_of)
+from runs import (MAX_STEPS, SAVE_INTERVAL, STOPPED, assert_same_weights, launcher, losses,  # noqa: F401
+                  model_file, resumable_args, shared_cache, step_of)
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_LIMIT_S = 900
@@ -61,13 +61,18 @@ def time_limit(request):
 _REFERENCE: dict = {}
 
 
+_REFERENCE_LOSSES: dict[int, float] = {}
+
+
 @pytest.fixture
 def reference(launcher, tmp_path_factory) -> dict[str, torch.Tensor]:
-    """The final weights of one uninterrupted 2-process run (made once for the module)."""
+    """The final weights of one uninterrupted 2-process run (made once for the module; its losses in
+    _REFERENCE_LOSSES)."""
     if not _REFERENCE:
         out_dir = tmp_path_factory.mktemp("reference")
         launcher.complete(out_dir)
         _REFERENCE.update(load_file(str(out_dir / "final" / "model.safetensors")))
+        _REFERENCE_LOSSES.update(losses(out_dir))
     return _REFERENCE
 
 
@@ -76,9 +81,13 @@ def leftovers(out_dir: Path) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------- kill -9
-def test_kill_9_at_any_moment_then_resume_auto_matches_an_uninterrupted_run(launcher, reference, tmp_path):
+def test_kill_9_at_any_moment_then_resume_auto_matches_an_uninterrupted_run(launcher, reference, tmp_path, free_port):
     """Killed during the first step, between steps and in the middle of a save: each resume picks up the
-    newest complete checkpoint, and the finished run's weights equal the uninterrupted run's."""
+    newest complete checkpoint, and the finished run's weights equal the uninterrupted run's.
+
+    The run is finished under torchrun --max-restarts 1, where rank 1 dies on the first attempt two steps after
+    that attempt's next checkpoint: the restarted workers find that checkpoint through --resume auto and finish as
+    if nothing had happened. (One launch for both claims: the elastic restart and the last resume.)"""
     out_dir = tmp_path / "run"
     first = launcher.start(out_dir, "--resume", "auto")
     first.wait_for(r"^step 0 \| val_loss")  # the first optimizer step is under way
@@ -100,15 +109,26 @@ def test_kill_9_at_any_moment_then_resume_auto_matches_an_uninterrupted_run(laun
     assert layout.latest_checkpoint(out_dir) == resumed_from  # the half-written one does not count
     assert resolve_resume("auto", out_dir, None) == resumed_from
 
-    last = launcher.start(out_dir, "--resume", "auto")
+    # The first attempt resumes from resumed_from, saves SAVE_INTERVAL steps later and crashes 2 steps after that
+    # (after a kill that landed late, with no room for another save before the end: crashes 2 steps in).
+    restart_from = step_of(resumed_from) + SAVE_INTERVAL
+    if restart_from + 2 >= MAX_STEPS:
+        restart_from = step_of(resumed_from)
+    crash = restart_from + 2
+    last = launcher.start(out_dir, "--resume", "auto", env=faults.environment(crash_before_step=crash),
+                          torchrun=["--nproc_per_node", "2", "--max-restarts", "1", "--master_addr", "127.0.0.1",
+                                    "--master_port", str(free_port())])
     assert last.finish() == 0, last.output
     assert f"resumed from {resumed_from}" in last.output
+    assert f"crashing before step {crash}" in last.output
+    assert f"resumed from {out_dir / layout.step_dir_name(restart_from)} at step {restart_from}" in last.output
     assert leftovers(out_dir) == []  # the next save removed the half-written directory
     assert_same_weights(out_dir, reference)
 
 
 def test_kill_9_during_a_sharded_save_then_resume(launcher, reference, tmp_path):
-    """The same with sharded (DCP) checkpoints, resumed at the same world size."""
+    """The same with sharded (DCP) checkpoints, resumed at the same world size; then a flipped shard of the
+    finished run's newest checkpoint, caught by its rank."""
     out_dir = tmp_path / "sharded"
     sharded = ("--fsdp.state_dict_type", "sharded", "--resume", "auto")
     first = launcher.start(out_dir, *sharded)
@@ -126,6 +146,23 @@ def test_kill_9_during_a_sharded_save_then_resume(launcher, reference, tmp_path)
     last = launcher.start(out_dir, *sharded)
     assert last.finish() == 0, last.output
     assert leftovers(out_dir) == []
+    assert_same_weights(out_dir, reference)
+
+    # Rank 1's shard of the newest checkpoint gets flipped bytes (same size). Rank 1 finds it (rank 0 hashes only
+    # its own shard), both ranks fall back to the previous checkpoint together, and the run ends with the losses and
+    # weights of the run that never saw the damage. (tests/checkpoint/test_checksums.py: one process.)
+    shutil.rmtree(out_dir / layout.FINAL_DIR)
+    (_, previous), (_, newest) = layout.list_checkpoints(out_dir)[-2:]
+    assert step_of(newest) == MAX_STEPS
+    shard = newest / layout.DCP_DIR / "__1_0.distcp"
+    faults.flip(shard, faults.tensor_data_offset(shard))
+    run = launcher.complete(out_dir, *sharded)
+    warned = [line for line in run.output.splitlines() if "does not match the checksum" in line]
+    assert len(warned) == 1 and str(shard) in warned[0], run.output
+    assert f"resumed from {previous}" in run.output
+    trained = {step: loss for step, loss in losses(out_dir).items() if step > step_of(previous)}
+    assert sorted(trained) == list(range(step_of(previous) + 1, MAX_STEPS + 1))
+    assert trained == {step: _REFERENCE_LOSSES[step] for step in trained}
     assert_same_weights(out_dir, reference)
 
 
@@ -159,19 +196,6 @@ def test_sigterm_and_sigusr1_checkpoint_exit_75_and_resume_exactly(launcher, ref
         reached = step
     last = launcher.start(out_dir, "--resume", "auto")
     assert last.finish() == 0, last.output
-    assert_same_weights(out_dir, reference)
-
-
-def test_torchrun_restarts_a_crashed_group_which_resumes_by_itself(launcher, reference, tmp_path, free_port):
-    """torchrun --max-restarts 1: rank 1 dies before step 7 on the first attempt; the restarted workers
-    find the step-4 checkpoint through --resume auto and finish as if nothing had happened."""
-    out_dir = tmp_path / "elastic"
-    run = launcher.start(out_dir, "--resume", "auto", env=faults.environment(crash_before_step=7),
-                         torchrun=["--nproc_per_node", "2", "--max-restarts", "1", "--master_addr", "127.0.0.1",
-                                   "--master_port", str(free_port())])
-    assert run.finish() == 0, run.output
-    assert "crashing before step 7" in run.output
-    assert f"resumed from {out_dir / 'step-00000004'} at step 4" in run.output
     assert_same_weights(out_dir, reference)
 
 
