@@ -390,19 +390,44 @@ def suite_memory(runtime: Runtime, workdir: Path) -> dict:
 SUITES = {"two": suite_two, "four": suite_four, "memory": suite_memory}
 
 
-def worker_main(suite: str, workdir: Path, suites: Optional[dict] = None) -> None:
+def end_group_for_the_next(runtime: Runtime) -> None:
+    """End this process group once rank 0 has picked a port for the next one and handed it to every rank
+    (MASTER_PORT), for suites of one launch that each need a process group of their own."""
+    port = [free_port_number() if runtime.is_main else None]
+    torch.distributed.broadcast_object_list(port, src=0)
+    os.environ["MASTER_PORT"] = str(port[0])
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def worker_main(suite: str, workdir: Path, suites: Optional[dict] = None,
+                world_sizes: Optional[dict] = None) -> None:
     """One rank: run the suite (of ``suites``, default SUITES; "a+b": a then b, in one process group), save rank 0's
-    results of each, then leave without the interpreter's teardown."""
+    results of each, then leave without the interpreter's teardown.
+
+    ``world_sizes``: {suite: ranks} for suites on fewer ranks than the launch started (default: all of them). Such a
+    suite runs on the first ranks, in a process group of their own, started after the group before it ends (on a
+    port that rank 0 picked and handed to every rank through that group); a rank past its size leaves."""
     code = 0
     try:
         torch.set_num_threads(1)
-        runtime = Runtime.from_env("cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
-        for name in suite.split("+"):
+        rank, launched = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        names = suite.split("+")
+        sizes = [(world_sizes or {}).get(name, launched) for name in names]
+        for index, name in enumerate(names):
+            if rank >= sizes[index]:
+                break
+            if not torch.distributed.is_initialized():
+                os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(sizes[index])
+                runtime = Runtime.from_env("cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
             results = (suites or SUITES)[name](runtime, workdir)
             if runtime.is_main:
                 torch.save(results, workdir / f"{name}.pt")
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+            if index + 1 < len(names) and sizes[index + 1] != sizes[index]:
+                end_group_for_the_next(runtime)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
     except BaseException:
         traceback.print_exc()
         code = 1

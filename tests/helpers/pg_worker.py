@@ -92,8 +92,6 @@ def worker_main(suites: str, workdir: Path) -> None:
     group; then leave without the interpreter's teardown (dist_worker.worker_main's ending).
 
     A group after the first meets on a port that rank 0 picked and handed to every rank through the group before."""
-    from conftest import free_port_number
-
     code = 0
     try:
         torch.set_num_threads(1)
@@ -111,11 +109,10 @@ def worker_main(suites: str, workdir: Path) -> None:
             if runtime.is_main:
                 torch.save(results, workdir / f"{name}.pt")
             if index + 1 < len(names):
-                port = [free_port_number() if runtime.is_main else None]
-                dist.broadcast_object_list(port, src=0)
-                os.environ["MASTER_PORT"] = str(port[0])
-            runtime.barrier()
-            dist.destroy_process_group()
+                dist_worker.end_group_for_the_next(runtime)
+            else:
+                runtime.barrier()
+                dist.destroy_process_group()
     except BaseException:
         traceback.print_exc()
         code = 1
