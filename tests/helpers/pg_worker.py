@@ -88,10 +88,10 @@ SUITES = {"offload_mesh": (suite_offload_mesh, TWO_BACKENDS, dist_worker.COLLECT
 
 def worker_main(suites: str, workdir: Path) -> None:
     """One rank: for each suite of ``suites`` ("a+b": a, then b, in the same processes), start the suite's process
-    group over its first ranks (a rank past its world size leaves), run the suite, save rank 0's results, and end the
-    group; then leave without the interpreter's teardown (dist_worker.worker_main's ending).
+    group over its first ranks (the other ranks skip it), run the suite, save rank 0's results, and end the group;
+    then leave without the interpreter's teardown (dist_worker.worker_main's ending).
 
-    A group after the first meets on a port that rank 0 picked and handed to every rank through the group before."""
+    A group after the first meets on a port that rank 0 picked (dist_worker.end_group_for_the_next)."""
     code = 0
     try:
         torch.set_num_threads(1)
@@ -100,8 +100,11 @@ def worker_main(suites: str, workdir: Path) -> None:
         for index, name in enumerate(names):
             run, backend, timeout_s, world_size = SUITES[name]
             if rank >= world_size:
-                break
-            os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+                continue
+            if index:
+                dist_worker.meet_for(workdir, name, world_size)
+            else:
+                os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
             start_process_group(torch.device("cpu"), rank, world_size, timeout_s, rdzv_timeout_s=120.0,
                                 backend=backend)
             runtime = Runtime.from_env("cpu", timeout_s=timeout_s)  # the group above, already started
@@ -109,7 +112,7 @@ def worker_main(suites: str, workdir: Path) -> None:
             if runtime.is_main:
                 torch.save(results, workdir / f"{name}.pt")
             if index + 1 < len(names):
-                dist_worker.end_group_for_the_next(runtime)
+                dist_worker.end_group_for_the_next(runtime, workdir, names[index + 1])
             else:
                 runtime.barrier()
                 dist.destroy_process_group()
