@@ -1,15 +1,13 @@
 """Expert parallelism (``--ep_size``): the plan and its refusals, and training on real gloo ranks (CPU).
 
-One launch per world size runs every scenario of that size (ep_worker.py); each test checks one claim against a single
-process that runs the same code here with the same global batch (micro batch 1: the ranks accumulate 8 / world
-micro-batches each, the single process 8).
+One launch of 4 ranks runs every scenario (ep_worker.py), those of 2 ranks on the first 2; each test checks one claim
+against a single process that runs the same code here with the same global batch (micro batch 1: the ranks accumulate
+8 / world micro-batches each, the single process 8).
 """
 
 from __future__ import annotations
 
 import csv
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ import torch
 
 import dist_worker
 import ep_worker
+from forked_cli import run_forked
 from parity import assert_same_training
 from llmtrain.args import FSDPArgs, TrainArgs
 from llmtrain.distributed.parallel_plan import ParallelPlan
@@ -87,13 +86,19 @@ def single() -> dict:
 
 
 @pytest.fixture(scope="module")
-def two(workdir) -> dict:
-    return dist_worker.launch(2, "two", workdir, script=ep_worker.SCRIPT, timeout_s=300)
+def launched(workdir) -> dict:
+    """One launch of 4 ranks: suite "four" on all of them, then "two" on the first 2 in a process group of their own."""
+    return dist_worker.launch(4, "four+two", workdir, script=ep_worker.SCRIPT, timeout_s=900)
 
 
 @pytest.fixture(scope="module")
-def four(workdir) -> dict:
-    return dist_worker.launch(4, "four", workdir, script=ep_worker.SCRIPT, timeout_s=600)
+def two(launched) -> dict:
+    return launched["two"]
+
+
+@pytest.fixture(scope="module")
+def four(launched) -> dict:
+    return launched["four"]
 
 
 # (launch, scenario): the mesh it describes, and the shape of the experts' gate_proj one rank holds (None: not asked)
@@ -178,16 +183,16 @@ def test_final_weights_written_under_ep_are_the_gathered_experts(four, workdir):
 @pytest.mark.multiproc
 def test_pretrain_cli_at_ep2_has_the_losses_of_one_process(tmp_path, dist_env):
     """--ep_size from the command line to the ranks: 2 processes at ep 2 against one, the same global batch."""
-    root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "llmtrain", "pretrain", "moe-debug", "--model_config.n_layer", "2",
-               "--data", "BuiltinStories", "--data.num_documents", "200",
-               "--data.num_val_documents", "20", "--train.max_steps", "3", "--train.global_batch_size", "4",
-               "--train.micro_batch_size", "2", "--train.max_seq_length", "64", "--eval.initial_validation", "false",
-               "--eval.final_validation", "false"]
+    command = ["pretrain", "moe-debug", "--model_config.n_layer", "2", "--data", "BuiltinStories",
+               "--data.num_documents", "200", "--data.num_val_documents", "20", "--train.max_steps", "3",
+               "--train.global_batch_size", "4", "--train.micro_batch_size", "2", "--train.max_seq_length", "64",
+               "--eval.initial_validation", "false", "--eval.final_validation", "false"]
+    layouts = {"ep2": ["--devices", "2", "--ep_size", "2"], "one": ["--devices", "1"]}
+    # Each run its own `python -m llmtrain` process, forked from one interpreter that imported the CLI once.
+    runs = run_forked([[*command, *layout, "--out_dir", str(tmp_path / name)] for name, layout in layouts.items()],
+                      tmp_path / "logs", dist_env, timeout_s=1200, at_once=1)  # a hang guard
     losses, printed = {}, {}
-    for name, layout in (("ep2", ["--devices", "2", "--ep_size", "2"]), ("one", ["--devices", "1"])):
-        done = subprocess.run([*command, *layout, "--out_dir", str(tmp_path / name)], env=dist_env, cwd=root,
-                              capture_output=True, text=True, timeout=600)
+    for name, done in zip(layouts, runs):
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         printed[name] = done.stdout
         with open(tmp_path / name / "metrics.csv") as file:

@@ -1,7 +1,7 @@
 """parallelize(), materialize() and the checkpointers on real gloo process groups (CPU).
 
-Two launches do the multi-process work: 2 ranks run every 2-rank scenario, then 4 ranks run the
-2-D mesh and the resumes from the 2-rank checkpoints (see dist_worker.py). Each test checks one
+One launch of 4 ranks does the multi-process work: 2 of them run every 2-rank scenario in a process group of their
+own, then all 4 run the 2-D mesh and the resumes from the 2-rank checkpoints (see dist_worker.py). Each test checks one
 claim against a single-process reference that runs the same code in this process.
 """
 
@@ -41,13 +41,20 @@ def single() -> dict:
 
 
 @pytest.fixture(scope="module")
-def two(workdir) -> dict:
-    return worker.launch(2, "two", workdir)
+def launched(workdir) -> dict:
+    """One launch of 4 ranks: suite "two" on the first 2 in a process group of their own, then "four" (which resumes
+    the checkpoints of "two") on all of them."""
+    return worker.launch(4, "two+four", workdir)
 
 
 @pytest.fixture(scope="module")
-def four(workdir, two) -> dict:
-    return worker.launch(4, "four", workdir)
+def two(launched) -> dict:
+    return launched["two"]
+
+
+@pytest.fixture(scope="module")
+def four(launched) -> dict:
+    return launched["four"]
 
 
 def plain_init(config: Config, seed: int, dtype: torch.dtype = torch.float32) -> GPT:

@@ -1,7 +1,7 @@
 """Pipeline parallelism (llmtrain/distributed/pipeline.py) on real gloo process groups, and through the real CLI.
 
-Two launches do the multi-process work (pp_worker.py): 2 ranks run pp2 with each schedule (one of them writing
-sharded checkpoints), then 4 ranks run pp2 × dp2 (FSDP inside each stage, full checkpoints). Each test checks one
+One launch does the multi-process work (pp_worker.py): 4 ranks run pp2 × dp2 (FSDP inside each stage, full
+checkpoints), then 2 of them run pp2 with each schedule (one of them writing sharded checkpoints). Each test checks one
 claim against a single-process reference that runs the same code in this process.
 """
 
@@ -35,16 +35,15 @@ def single() -> dict:
 
 
 class Launches:
-    """The results of pp_worker's suites, each launched once, on first use; their files are in ``workdir``."""
-
-    WORLD_SIZES = {"two": 2, "four": 4}
+    """The results of pp_worker's suites, from one launch on first use: "four" on 4 ranks, then "two" on the first 2
+    in a process group of their own; their files are in ``workdir``."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir, self.results = workdir, {}
 
     def __getitem__(self, suite: str) -> dict:
-        if suite not in self.results:
-            self.results[suite] = pp_worker.launch(self.WORLD_SIZES[suite], suite, self.workdir)
+        if not self.results:
+            self.results.update(pp_worker.launch(4, "four+two", self.workdir, timeout_s=600))
         return self.results[suite]
 
 

@@ -29,13 +29,20 @@ def single(workdir) -> dict:
     return worker.train(Runtime(), out_dir=workdir / "single")
 
 
+@pytest.fixture(scope="module")
+def launched(workdir, single) -> dict:
+    """One launch of 4 ranks for both suites: offload_mesh on all 4, then slow_load on the first 2 (which resumes
+    ``single``'s checkpoint) in a process group of their own."""
+    return worker.launch(4, "offload_mesh+slow_load", workdir, script=Path(pg_worker.__file__))
+
+
 @pytest.mark.multiproc
-def test_a_default_group_of_two_backends_serves_a_2d_mesh_with_cpu_offload(workdir, single):
+def test_a_default_group_of_two_backends_serves_a_2d_mesh_with_cpu_offload(launched, single):
     """--fsdp.cpu_offload gives a GPU run the default group ``cuda:nccl,cpu:gloo``, unbound to a device so that
     init_device_mesh creates each dimension's groups with new_group rather than splitting it
     (runtime.bound_device). Here gloo serves both halves: HYBRID_SHARD's 2 × 2 mesh over such a group, with
     FSDP's CPU offload and gradient clipping's host all-reduce, trains as one process does."""
-    result = worker.launch(4, "offload_mesh", workdir, script=Path(pg_worker.__file__))
+    result = launched["offload_mesh"]
     assert result["default_backend"] == pg_worker.TWO_BACKENDS and result["bound_device"] is None
     assert result["mesh_dims"] == {"dp_replicate": 2, "dp_shard": 2}
     assert result["dim_backends"] == {"dp_replicate": pg_worker.TWO_BACKENDS, "dp_shard": pg_worker.TWO_BACKENDS}
@@ -47,11 +54,11 @@ def test_a_default_group_of_two_backends_serves_a_2d_mesh_with_cpu_offload(workd
 
 
 @pytest.mark.multiproc
-def test_a_sharded_load_waits_for_a_slow_reader_past_the_collective_timeout(workdir, single):
+def test_a_sharded_load_waits_for_a_slow_reader_past_the_collective_timeout(launched, single):
     """Two ranks with a 3 s --dist_timeout resume a sharded checkpoint while the last rank's reads take 8 s: the
     other rank waits for them in DCP's last collective, on the long-waiting host group, and the run trains on
     exactly as the uninterrupted one did."""
-    result = worker.launch(2, "slow_load", workdir, script=Path(pg_worker.__file__))
+    result = launched["slow_load"]
     assert result["load_s"] >= pg_worker.SLOW_READ_S > pg_worker.SHORT_TIMEOUT_S  # rank 0 did wait that long
     assert_same_training(result, single, steps=range(5, worker.MAX_STEPS + 1))
 

@@ -1,7 +1,7 @@
 """Tensor parallelism (with and without sequence parallelism), alone and under FSDP, on real gloo ranks (CPU).
 
-One launch per world size runs every scenario of that size (tp_worker.py); each test checks one claim against a
-single process that runs the same code here with the same global batch.
+One launch of 4 ranks runs every scenario (tp_worker.py), those of 2 ranks on the first 2; each test checks one claim
+against a single process that runs the same code here with the same global batch.
 """
 
 from __future__ import annotations
@@ -41,13 +41,19 @@ def single() -> dict:
 
 
 @pytest.fixture(scope="module")
-def two(workdir) -> dict:
-    return dist_worker.launch(2, "two", workdir, script=tp_worker.SCRIPT, timeout_s=300)
+def launched(workdir) -> dict:
+    """One launch of 4 ranks: suite "four" on all of them, then "two" on the first 2 in a process group of their own."""
+    return dist_worker.launch(4, "four+two", workdir, script=tp_worker.SCRIPT, timeout_s=600)
 
 
 @pytest.fixture(scope="module")
-def four(workdir) -> dict:
-    return dist_worker.launch(4, "four", workdir, script=tp_worker.SCRIPT, timeout_s=300)
+def two(launched) -> dict:
+    return launched["two"]
+
+
+@pytest.fixture(scope="module")
+def four(launched) -> dict:
+    return launched["four"]
 
 
 def assert_same_losses(result: dict, expected: dict, steps=range(1, tp_worker.MAX_STEPS + 1)) -> None:

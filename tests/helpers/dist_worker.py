@@ -388,21 +388,63 @@ def suite_memory(runtime: Runtime, workdir: Path) -> dict:
 
 
 SUITES = {"two": suite_two, "four": suite_four, "memory": suite_memory}
+WORLD_SIZES = {"two": 2, "four": 4}
 
 
-def worker_main(suite: str, workdir: Path, suites: Optional[dict] = None) -> None:
+def end_group_for_the_next(runtime: Runtime, workdir: Path, suite: str) -> None:
+    """End this process group once rank 0 has picked a port for the next one, that of ``suite``, and written it
+    where every rank of that suite finds it (:func:`meet_for`): for suites of one launch that each need a process
+    group of their own."""
+    if runtime.is_main:
+        (workdir / f"{suite}.port.part").write_text(str(free_port_number()))
+        os.replace(workdir / f"{suite}.port.part", workdir / f"{suite}.port")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def meet_for(workdir: Path, suite: str, world_size: int) -> None:
+    """Point this rank at the process group of ``suite`` (a suite after the launch's first): wait until rank 0 has
+    written its port, for as long as a collective may take (rank 0 may still be running a suite without this rank)."""
+    port_file, deadline = workdir / f"{suite}.port", time.monotonic() + COLLECTIVE_TIMEOUT_S
+    while not port_file.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no port for suite {suite!r} after {COLLECTIVE_TIMEOUT_S}s")
+        time.sleep(0.1)
+    os.environ["MASTER_PORT"] = port_file.read_text()
+    os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+
+
+def worker_main(suite: str, workdir: Path, suites: Optional[dict] = None,
+                world_sizes: Optional[dict] = None) -> None:
     """One rank: run the suite (of ``suites``, default SUITES; "a+b": a then b, in one process group), save rank 0's
-    results of each, then leave without the interpreter's teardown."""
+    results of each, then leave without the interpreter's teardown.
+
+    ``world_sizes``: {suite: ranks} for suites on fewer ranks than the launch started (default: all of them). Such a
+    suite runs on the first ranks, in a process group of their own, started after the group before it ends (on a
+    port that rank 0 picked: :func:`end_group_for_the_next`); the other ranks skip it."""
     code = 0
     try:
         torch.set_num_threads(1)
-        runtime = Runtime.from_env("cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
-        for name in suite.split("+"):
+        rank, launched = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        names = suite.split("+")
+        sizes = [(world_sizes or {}).get(name, launched) for name in names]
+        for index, name in enumerate(names):
+            if rank >= sizes[index]:
+                continue
+            if not torch.distributed.is_initialized():
+                if index:
+                    meet_for(workdir, name, sizes[index])
+                else:
+                    os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(sizes[0])
+                runtime = Runtime.from_env("cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
             results = (suites or SUITES)[name](runtime, workdir)
             if runtime.is_main:
                 torch.save(results, workdir / f"{name}.pt")
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+            if index + 1 < len(names) and sizes[index + 1] != sizes[index]:
+                end_group_for_the_next(runtime, workdir, names[index + 1])
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -455,4 +497,4 @@ def launch(world_size: int, suite: str, workdir: Path, timeout_s: float = 900.0,
 
 
 if __name__ == "__main__":
-    worker_main(sys.argv[1], Path(sys.argv[2]))
+    worker_main(sys.argv[1], Path(sys.argv[2]), world_sizes=WORLD_SIZES)

@@ -1,7 +1,8 @@
 """Multi-process harness for tests/distributed/test_expert_parallel.py: expert-parallel scenarios on real gloo ranks.
 
-``dist_worker.launch(world_size, suite, workdir, script=ep_worker.SCRIPT)`` starts the ranks; each runs the suite's
-scenarios one after another in the same process group, and rank 0 saves the results. The single-process references
+``dist_worker.launch(4, "four+two", workdir, script=ep_worker.SCRIPT)`` starts the ranks; each runs the suite's
+scenarios one after another in the same process group ("two" on the first 2 ranks, in a group of their own:
+WORLD_SIZES), and rank 0 saves the results. The single-process references
 call :func:`train` in the test process. The training itself is tp_worker's, on a mixture-of-experts model.
 """
 
@@ -94,6 +95,7 @@ def suite_four(runtime: Runtime, workdir: Path) -> dict:
 
 
 SUITES = {"two": suite_two, "four": suite_four}
+WORLD_SIZES = {"two": 2, "four": 4}
 
 if __name__ == "__main__":
-    dist_worker.worker_main(sys.argv[1], Path(sys.argv[2]), suites=SUITES)
+    dist_worker.worker_main(sys.argv[1], Path(sys.argv[2]), suites=SUITES, world_sizes=WORLD_SIZES)

@@ -1,9 +1,9 @@
 """Ranks for tests/distributed/test_process_groups.py: process groups set up as llmtrain sets them up, on gloo (CPU).
 
-``dist_worker.launch(world_size, suite, workdir, script=pg_worker.py)`` starts the ranks; each meets the others
-through ``llmtrain.distributed.runtime.start_process_group`` (the rendezvous every multi-rank run takes) with the
-backend and collective timeout its suite names, runs the suite, and rank 0 saves the results to
-``workdir/SUITE.pt``.
+``dist_worker.launch(world_size, suites, workdir, script=pg_worker.py)`` starts the ranks; for each suite of
+``suites`` ("a+b"), the suite's first ranks meet through ``llmtrain.distributed.runtime.start_process_group`` (the
+rendezvous every multi-rank run takes) with the backend, collective timeout and world size the suite names, run the
+suite, and rank 0 saves the results to ``workdir/SUITE.pt``.
 """
 
 from __future__ import annotations
@@ -81,25 +81,41 @@ def suite_slow_load(runtime: Runtime, workdir: Path) -> dict:
     return result
 
 
-SUITES = {"offload_mesh": (suite_offload_mesh, TWO_BACKENDS, dist_worker.COLLECTIVE_TIMEOUT_S),
-          "slow_load": (suite_slow_load, "gloo", SHORT_TIMEOUT_S)}
+SUITES = {"offload_mesh": (suite_offload_mesh, TWO_BACKENDS, dist_worker.COLLECTIVE_TIMEOUT_S, 4),
+          "slow_load": (suite_slow_load, "gloo", SHORT_TIMEOUT_S, 2)}
+"""Each suite: its function, the backend and collective timeout of its process group, and its world size."""
 
 
-def worker_main(suite: str, workdir: Path) -> None:
-    """One rank: start the suite's process group, run the suite, save rank 0's results, then leave without the
-    interpreter's teardown (dist_worker.worker_main's ending)."""
+def worker_main(suites: str, workdir: Path) -> None:
+    """One rank: for each suite of ``suites`` ("a+b": a, then b, in the same processes), start the suite's process
+    group over its first ranks (the other ranks skip it), run the suite, save rank 0's results, and end the group;
+    then leave without the interpreter's teardown (dist_worker.worker_main's ending).
+
+    A group after the first meets on a port that rank 0 picked (dist_worker.end_group_for_the_next)."""
     code = 0
     try:
         torch.set_num_threads(1)
-        run, backend, timeout_s = SUITES[suite]
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        start_process_group(torch.device("cpu"), rank, world_size, timeout_s, rdzv_timeout_s=120.0, backend=backend)
-        runtime = Runtime.from_env("cpu", timeout_s=timeout_s)  # the group above, already started
-        results = run(runtime, workdir)
-        if runtime.is_main:
-            torch.save(results, workdir / f"{suite}.pt")
-        runtime.barrier()
-        dist.destroy_process_group()
+        rank = int(os.environ["RANK"])
+        names = suites.split("+")
+        for index, name in enumerate(names):
+            run, backend, timeout_s, world_size = SUITES[name]
+            if rank >= world_size:
+                continue
+            if index:
+                dist_worker.meet_for(workdir, name, world_size)
+            else:
+                os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+            start_process_group(torch.device("cpu"), rank, world_size, timeout_s, rdzv_timeout_s=120.0,
+                                backend=backend)
+            runtime = Runtime.from_env("cpu", timeout_s=timeout_s)  # the group above, already started
+            results = run(runtime, workdir)
+            if runtime.is_main:
+                torch.save(results, workdir / f"{name}.pt")
+            if index + 1 < len(names):
+                dist_worker.end_group_for_the_next(runtime, workdir, names[index + 1])
+            else:
+                runtime.barrier()
+                dist.destroy_process_group()
     except BaseException:
         traceback.print_exc()
         code = 1

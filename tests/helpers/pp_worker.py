@@ -1,9 +1,10 @@
 """Multi-process harness for tests/distributed/test_pipeline_parallel.py: the tiny training job of dist_worker.py, on 4 layers,
 cut into pipeline stages.
 
-``launch(world_size, suite, workdir)`` starts ``world_size`` copies of this file (dist_worker's launcher);
-each rank runs the scenarios of ``suite`` with the real ``build_model``, ``Pipeline`` and ``fit()``, and rank 0
-saves their results to ``workdir/SUITE.pt``. The single-process reference runs the same ``train()`` in the test
+``launch(world_size, suites, workdir)`` starts ``world_size`` copies of this file (dist_worker's launcher);
+each rank runs the scenarios of each suite ("four+two": "two" on the first 2 ranks, in a process group of their own:
+WORLD_SIZES) with the real ``build_model``, ``Pipeline`` and ``fit()``, and rank 0 saves their results to
+``workdir/SUITE.pt``. The single-process reference runs the same ``train()`` in the test
 process.
 """
 
@@ -347,6 +348,7 @@ def suite_four(runtime: Runtime, workdir: Path) -> dict:
 
 
 SUITES = {"two": suite_two, "four": suite_four}
+WORLD_SIZES = {"two": 2, "four": 4}
 
 
 def launch(world_size: int, suite: str, workdir: Path, timeout_s: float = 300.0) -> dict:
@@ -354,4 +356,4 @@ def launch(world_size: int, suite: str, workdir: Path, timeout_s: float = 300.0)
 
 
 if __name__ == "__main__":
-    worker.worker_main(sys.argv[1], Path(sys.argv[2]), suites=SUITES)
+    worker.worker_main(sys.argv[1], Path(sys.argv[2]), suites=SUITES, world_sizes=WORLD_SIZES)

@@ -1,7 +1,8 @@
 """Multi-process harness for tests/distributed/test_tensor_parallel.py: tensor-parallel scenarios on real gloo ranks.
 
-``dist_worker.launch(world_size, suite, workdir, script=tp_worker.SCRIPT)`` starts the ranks; each runs the suite's
-scenarios one after another in the same process group (one start per world size), and rank 0 saves the results.
+``dist_worker.launch(4, "four+two", workdir, script=tp_worker.SCRIPT)`` starts the ranks; each runs the suite's
+scenarios one after another in the same process group, "four" on all 4 ranks, then "two" on the first 2 in a group of
+their own (WORLD_SIZES; one start for both), and rank 0 saves the results.
 The single-process references call the same functions in the test process.
 """
 
@@ -151,6 +152,7 @@ def suite_four(runtime: Runtime, workdir: Path) -> dict:
 
 
 SUITES = {"two": suite_two, "four": suite_four}
+WORLD_SIZES = {"two": 2, "four": 4}
 
 if __name__ == "__main__":
-    dist_worker.worker_main(sys.argv[1], Path(sys.argv[2]), suites=SUITES)
+    dist_worker.worker_main(sys.argv[1], Path(sys.argv[2]), suites=SUITES, world_sizes=WORLD_SIZES)

@@ -8,21 +8,30 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from forked_cli import run_forked
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def run_cli(tiny_model_file, dist_env, tmp_path_factory):
-    env = dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "shared-cache"))
+def pretrain_args(tiny_model_file: Path, out_dir: Path, *extra: str) -> list[str]:
+    """`llmtrain pretrain` of the tiny model on a few BuiltinStories documents, logging every step's loss."""
+    return ["pretrain", "--model_config", str(tiny_model_file), "--out_dir", str(out_dir), "--data", "BuiltinStories",
+            "--data.num_documents", "400", "--data.num_val_documents", "40", "--train.global_batch_size", "8",
+            "--train.micro_batch_size", "2", "--train.max_seq_length", "32", "--train.lr_warmup_steps", "2",
+            "--train.log_interval", "1", "--eval.interval", "100", "--eval.max_iters", "2", "--optimizer", "AdamW",
+            "--optimizer.lr", "0.003", *extra]
 
+
+@pytest.fixture
+def cli_env(dist_env, tmp_path_factory) -> dict:
+    return dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "shared-cache"))
+
+
+@pytest.fixture
+def run_cli(tiny_model_file, cli_env):
     def run(out_dir, *extra, timeout=600):
-        command = [sys.executable, "-m", "llmtrain", "pretrain", "--model_config", str(tiny_model_file),
-                   "--out_dir", str(out_dir), "--data", "BuiltinStories", "--data.num_documents", "400",
-                   "--data.num_val_documents", "40", "--train.global_batch_size", "8",
-                   "--train.micro_batch_size", "2", "--train.max_seq_length", "32", "--train.lr_warmup_steps", "2",
-                   "--train.log_interval", "1", "--eval.interval", "100", "--eval.max_iters", "2",
-                   "--optimizer", "AdamW", "--optimizer.lr", "0.003", *extra]
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        command = [sys.executable, "-m", "llmtrain", *pretrain_args(tiny_model_file, out_dir, *extra)]
+        result = subprocess.run(command, env=cli_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         return result
 
@@ -35,42 +44,59 @@ def losses(out_dir):
 
 
 REFERENCE_STEPS = 6
-_REFERENCE: dict = {}
+# The module's runs that build on no other run, each a `python -m llmtrain pretrain` process of its own, one after
+# another, forked from one interpreter that imported the CLI once (tests/helpers/forked_cli.py): {name: (out_dir,
+# the command's result)}. Made once for the module, on first use.
+_RUNS: dict = {}
+
+
+def independent_runs(tiny_model_file: Path, env: dict, root: Path) -> dict:
+    """- "reference": one process, REFERENCE_STEPS steps, that the multi-process runs compare with. A run of fewer
+      steps logs the same losses up to step 4: the loss of step k follows updates 0 .. k-2, and updates 0-1 (warmup,
+      --train.lr_warmup_steps 2) and 2 (the first of the decay, at the full rate) use rates that do not depend on the
+      run's length (schedule.lr_at).
+    - "two": 2 workers under FSDP (the default: gradients synced on the last micro-batch only), 6 steps with sharded
+      checkpoints every 3. Its losses up to step 4 are those of any shorter run of the same command (see above), and
+      the checkpoint format changes no loss.
+    - "ddp": 2 workers under --strategy ddp, 3 steps.
+    - "every": 2 workers under FSDP syncing gradients on every micro-batch, 3 steps."""
+    extras = {"reference": ["--train.max_steps", str(REFERENCE_STEPS)],
+              "two": ["--devices", "2", "--fsdp.state_dict_type", "sharded", "--train.max_steps", "6",
+                      "--train.save_interval", "3"],
+              "ddp": ["--devices", "2", "--strategy", "ddp", "--train.max_steps", "3"],
+              "every": ["--devices", "2", "--train.max_steps", "3", "--fsdp.skip_gradient_sync", "false"]}
+    out_dirs = {name: root / name for name in extras}
+    done = run_forked([pretrain_args(tiny_model_file, out_dirs[name], *extra) for name, extra in extras.items()],
+                      root / "logs", env, timeout_s=600 * len(extras), at_once=1)  # a hang guard
+    for result in done:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return {name: (out_dirs[name], result) for name, result in zip(extras, done)}
 
 
 @pytest.fixture
-def reference(run_cli, tmp_path_factory) -> Path:
-    """The out_dir of one single-process run of REFERENCE_STEPS steps, made once for the module, that the
-    multi-process runs compare with. A run of fewer steps logs the same losses up to step 4: the loss of step k
-    follows updates 0 .. k-2, and updates 0-1 (warmup, --train.lr_warmup_steps 2) and 2 (the first of the decay,
-    at the full rate) use rates that do not depend on the run's length (schedule.lr_at)."""
-    if not _REFERENCE:
-        out_dir = tmp_path_factory.mktemp("reference") / "reference"
-        run_cli(out_dir, "--train.max_steps", str(REFERENCE_STEPS))
-        _REFERENCE["out_dir"] = out_dir
-    return _REFERENCE["out_dir"]
+def runs(tiny_model_file, cli_env, tmp_path_factory) -> dict:
+    if not _RUNS:
+        _RUNS.update(independent_runs(tiny_model_file, cli_env, tmp_path_factory.mktemp("runs")))
+    return _RUNS
+
+
+@pytest.fixture
+def reference(runs) -> Path:
+    """The out_dir of the single-process run of REFERENCE_STEPS steps (see independent_runs)."""
+    return runs["reference"][0]
 
 
 def reference_losses(reference: Path, steps: int) -> dict[int, float]:
-    """The single-process run's losses of its first `steps` steps (at most 4, see `reference`)."""
+    """The single-process run's losses of its first `steps` steps (at most 4, see independent_runs)."""
     assert steps <= 4
     return {step: loss for step, loss in losses(reference).items() if step <= steps}
 
 
-_TWO_WORKERS: dict = {}
-
-
 @pytest.fixture
-def two_workers(run_cli, tmp_path_factory) -> tuple[Path, str]:
-    """The out_dir and output of one 2-worker FSDP run (the default: gradients synced on the last micro-batch only)
-    of 6 steps with sharded checkpoints every 3, made once for the module. Its losses up to step 4 are those of
-    any shorter run of the same command (see `reference`), and the checkpoint format changes no loss."""
-    if not _TWO_WORKERS:
-        out_dir = tmp_path_factory.mktemp("two") / "two"
-        result = run_cli(out_dir, "--devices", "2", "--fsdp.state_dict_type", "sharded", "--train.max_steps", "6",
-                         "--train.save_interval", "3")
-        _TWO_WORKERS.update(out_dir=out_dir, stdout=result.stdout)
-    return _TWO_WORKERS["out_dir"], _TWO_WORKERS["stdout"]
+def two_workers(runs) -> tuple[Path, str]:
+    """The out_dir and output of the 2-worker FSDP run of 6 steps (see independent_runs)."""
+    out_dir, result = runs["two"]
+    return out_dir, result.stdout
 
 
 def test_sharded_checkpoint_from_two_workers_resumes_on_one(tmp_path, run_cli, reference, two_workers):
@@ -97,9 +123,8 @@ def test_sharded_checkpoint_from_two_workers_resumes_on_one(tmp_path, run_cli, r
         assert (weights[name] - tensor).abs().max() < 1e-4, name
 
 
-def test_ddp_strategy_matches(tmp_path, run_cli, reference):
-    ddp = tmp_path / "ddp"
-    result = run_cli(ddp, "--devices", "2", "--strategy", "ddp", "--train.max_steps", "3")
+def test_ddp_strategy_matches(runs, reference):
+    ddp, result = runs["ddp"]
     assert "ddp" in result.stdout
     assert losses(ddp) == pytest.approx(reference_losses(reference, 3), rel=1e-4)
 
@@ -113,23 +138,17 @@ def test_mismatched_devices_under_torchrun_fail_fast(tmp_path, dist_env, free_po
     assert "--devices 4" in result.stdout + result.stderr
 
 
-def test_two_nodes_as_two_torchrun_commands_use_hybrid_shard(tmp_path, run_cli, dist_env, free_port, tmp_path_factory,
-                                                             tiny_model_file, reference):
+def test_two_nodes_as_two_torchrun_commands_use_hybrid_shard(tmp_path, cli_env, free_port, tiny_model_file, reference):
     """4 processes as 2 "nodes" × 2 devices, one launcher command per node: HSDP on a 2-D mesh."""
     out_dir = tmp_path / "hsdp"
-    env = dict(dist_env, LLMTRAIN_CACHE_DIR=str(tmp_path_factory.getbasetemp() / "shared-cache"))
     port = free_port()
     nodes = []
     for node_rank in (0, 1):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node_rank),
                    "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
-                   "-m", "llmtrain", "pretrain", "--model_config", str(tiny_model_file), "--out_dir", str(out_dir),
-                   "--devices", "2", "--num_nodes", "2", "--data", "BuiltinStories", "--data.num_documents", "400",
-                   "--data.num_val_documents", "40", "--train.global_batch_size", "8", "--train.micro_batch_size",
-                   "2", "--train.max_seq_length", "32", "--train.lr_warmup_steps", "2", "--train.log_interval", "1",
-                   "--eval.interval", "100", "--eval.max_iters", "2", "--optimizer", "AdamW", "--optimizer.lr",
-                   "0.003", "--train.max_steps", "4"]
-        nodes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                   "-m", "llmtrain", *pretrain_args(tiny_model_file, out_dir, "--devices", "2", "--num_nodes", "2",
+                                                    "--train.max_steps", "4")]
+        nodes.append(subprocess.Popen(command, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True, cwd=ROOT))
     outputs = []
     try:
@@ -146,11 +165,10 @@ def test_two_nodes_as_two_torchrun_commands_use_hybrid_shard(tmp_path, run_cli, 
     assert (out_dir / "final" / "model.safetensors").is_file()
 
 
-def test_gradient_sync_on_every_micro_batch_gives_the_same_losses(tmp_path, run_cli, two_workers):
+def test_gradient_sync_on_every_micro_batch_gives_the_same_losses(runs, two_workers):
     """Skipping the sync on all but the last micro-batch (the default: the shared 2-worker run's first 3 steps) and
     syncing every one agree."""
     skip, _ = two_workers
-    every = tmp_path / "every"
-    run_cli(every, "--devices", "2", "--train.max_steps", "3", "--fsdp.skip_gradient_sync", "false")
+    every, _ = runs["every"]
     assert sorted(losses(every)) == [1, 2, 3]
     assert losses(every) == pytest.approx({step: loss for step, loss in losses(skip).items() if step <= 3}, rel=1e-5)
